@@ -1,0 +1,1 @@
+"""Fixtures: tiny random-weight models and the default real model (filled in by the models work)."""

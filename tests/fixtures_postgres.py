@@ -1,0 +1,1 @@
+"""Fixtures: a throwaway PostgreSQL server (filled in by the storage work)."""
