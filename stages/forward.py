@@ -1,0 +1,122 @@
+"""One pipeline step on one stage: split the micro-batch into groups, run them through the shard.
+
+A micro-batch mixes decoding rows (one new token each) and prefill chunks (many tokens of one
+sequence). Decoding rows run together as one batch whose keys are padded to the longest row and
+masked; each prefill chunk runs alone, so no row is ever padded on the query side and a long
+prompt never multiplies the work of the short ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from stages.kv_cache import CacheGroup, KVArena
+from stages.shard import StageShard
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One sequence's part of a step, as the broker sent it."""
+
+    slot: int  # the sequence's slot (its KV cache place on every stage)
+    start: int  # position of the first new token
+    length: int  # new tokens in this step
+    emit: bool = False  # the last stage returns the next token after this row's last position
+    sampling: dict = field(default_factory=dict)  # temperature, top_k, top_p, seed (empty = greedy)
+    targets: list[int] | None = None  # score these next tokens (one per position) with log-probs
+
+
+@dataclass
+class GroupRun:
+    group: CacheGroup
+    row_indices: list[int]  # which StepRows (by index) the group's rows are
+
+
+def plan_groups(rows: list[StepRow]) -> list[GroupRun]:
+    """Decode rows form one group in slot order (adjacent slots share a cache slice); each prefill
+    chunk is a group of its own."""
+    decode = sorted((i for i, row in enumerate(rows) if row.length == 1), key=lambda i: rows[i].slot)
+    groups = []
+    if decode:
+        groups.append(GroupRun(CacheGroup([rows[i].slot for i in decode], [rows[i].start for i in decode], 1), decode))
+    for i, row in enumerate(rows):
+        if row.length > 1:
+            groups.append(GroupRun(CacheGroup([row.slot], [row.start], row.length), [i]))
+    return groups
+
+
+@torch.inference_mode()
+def run_step(shard: StageShard, arena: KVArena, rows: list[StepRow], inputs: torch.Tensor) -> torch.Tensor:
+    """Run a step; `inputs` is packed in row order: token ids [N] on the first stage, hidden states
+    [N, hidden] elsewhere. Returns hidden states [N, hidden] in row order (after the final norm on
+    the last stage)."""
+    offsets = [0]
+    for row in rows:
+        offsets.append(offsets[-1] + row.length)
+    if inputs.shape[0] != offsets[-1]:
+        raise ValueError(f"step carries {inputs.shape[0]} positions but its rows add up to {offsets[-1]}")
+    outputs: list[torch.Tensor | None] = [None] * len(rows)
+    for run in plan_groups(rows):
+        # [B, T] token ids or [B, T, hidden]: rows of a decode group have T = 1.
+        parts = [inputs[offsets[i]:offsets[i + 1]] for i in run.row_indices]
+        batch = torch.stack(parts).to(shard.device)
+        hidden = _run_group(shard, arena, run.group, batch)
+        for j, i in enumerate(run.row_indices):
+            outputs[i] = hidden[j]
+    return torch.cat(outputs) if outputs else inputs.new_empty((0,))
+
+
+def _run_group(shard: StageShard, arena: KVArena, group: CacheGroup, batch: torch.Tensor) -> torch.Tensor:
+    arena.prepare(group)
+    hidden = shard.embed_tokens(batch) if shard.embed_tokens is not None else batch.to(shard.dtype)
+    multiplier = getattr(shard.config, "embedding_multiplier", None)  # Granite scales embeddings
+    if shard.embed_tokens is not None and multiplier:
+        hidden = hidden * multiplier
+    positions = _positions(group, shard.device)  # [B, T]
+    position_embeddings = shard.rotary_emb(hidden, positions)
+    masks = {window: _attention_mask(group, window, shard.dtype, shard.device) for window in set(shard.layer_windows)}
+    cache = arena.view(group)
+    for layer, window in zip(shard.layers, shard.layer_windows):
+        out = layer(hidden, attention_mask=masks[window], position_ids=positions, cache=cache,
+                    use_cache=True, position_embeddings=position_embeddings)
+        hidden = out[0] if isinstance(out, tuple) else out
+    arena.commit(group)
+    if shard.norm is not None:
+        hidden = shard.norm(hidden)
+    return hidden
+
+
+def _positions(group: CacheGroup, device) -> torch.Tensor:
+    starts = torch.tensor(group.starts, device=device).unsqueeze(1)
+    return starts + torch.arange(group.length, device=device).unsqueeze(0)
+
+
+def _attention_mask(group: CacheGroup, window: int | None, dtype, device) -> torch.Tensor:
+    """Additive mask [B, 1, T, L]: 0 where a query may attend, the dtype's minimum elsewhere.
+
+    Query t of row b sits at position start_b + t and sees keys at positions <= that (and, with a
+    sliding window, > that - window). Keys past a row's own length are padding."""
+    key_length = max(group.ends)
+    query_pos = _positions(group, device).unsqueeze(-1)  # [B, T, 1]
+    key_pos = torch.arange(key_length, device=device).view(1, 1, -1)  # [1, 1, L]
+    allowed = key_pos <= query_pos
+    if window is not None:
+        allowed &= key_pos > query_pos - window
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask.unsqueeze(1)
+
+
+@torch.inference_mode()
+def head_logits(shard: StageShard, hidden: torch.Tensor) -> torch.Tensor:
+    """Logits in float32 for normed hidden states [N, hidden] (last stage only)."""
+    logits = shard.lm_head(hidden).float()
+    config = shard.config
+    if getattr(config, "logits_scaling", None):  # Granite
+        logits = logits / config.logits_scaling
+    softcap = getattr(config, "final_logit_softcapping", None)  # Gemma2
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits

@@ -1,0 +1,137 @@
+"""Per-slot KV cache of a stage's own layers, and the per-group view the layers write through.
+
+One arena per held layer, shaped [slots, kv_heads, capacity, head_dim]. A slot is one sequence's
+place; the broker keeps the slots of a micro-batch adjacent, so in steady decode a micro-batch's
+keys are a plain slice of the arena (no copy). Capacity grows by doubling and shrinks again when
+the long sequences are gone, so memory follows the longest live sequence, not the worst case.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """Rows that run through the layers together: several decoding slots, or one prefill chunk."""
+
+    slots: list[int]  # slot of each row
+    starts: list[int]  # position of each row's first new token (= its cached length before this step)
+    length: int  # new tokens per row (1 for decode; the chunk size for a prefill, which has one row)
+
+    @property
+    def ends(self) -> list[int]:
+        return [start + self.length for start in self.starts]
+
+
+class KVArena:
+    """Keys and values for every slot of every held layer."""
+
+    def __init__(self, layer_indices: list[int], num_slots: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, max_context: int, initial_capacity: int = 128):
+        self.layer_slot = {layer: i for i, layer in enumerate(layer_indices)}
+        self.num_slots = num_slots
+        self.shape_tail = (num_kv_heads, head_dim)
+        self.dtype, self.device = dtype, device
+        self.max_context = max_context
+        self.initial_capacity = min(initial_capacity, max_context)
+        self.capacity = 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.lengths = [0] * num_slots  # cached tokens per slot
+        self._resize(self.initial_capacity)
+
+    def bytes_used(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def prepare(self, group: CacheGroup) -> None:
+        """Make room for the group and forget anything cached past each row's start."""
+        for slot, start in zip(group.slots, group.starts):
+            if not 0 <= slot < self.num_slots:
+                raise ValueError(f"slot {slot} is outside this stage's {self.num_slots} slots")
+            if start > self.lengths[slot]:
+                raise ValueError(f"slot {slot}: step starts at position {start} but only "
+                                 f"{self.lengths[slot]} tokens are cached (a step was lost)")
+            # A start below the cached length rewinds the slot (a new sequence starts at 0, and a
+            # recovery re-prefills from an earlier point); stale keys past it are masked out.
+            self.lengths[slot] = start
+        needed = max(group.ends)
+        if needed > self.max_context:
+            raise ValueError(f"position {needed} exceeds the context budget of {self.max_context} tokens")
+        if needed > self.capacity:
+            capacity = self.capacity
+            while capacity < needed:
+                capacity *= 2
+            self._resize(min(capacity, self.max_context))
+
+    def commit(self, group: CacheGroup) -> None:
+        for slot, end in zip(group.slots, group.ends):
+            self.lengths[slot] = end
+
+    def release(self, slot: int) -> None:
+        """Forget a finished sequence; give memory back once the remaining ones are much shorter."""
+        self.lengths[slot] = 0
+        longest = max(self.lengths)
+        if self.capacity > self.initial_capacity and longest * 4 <= self.capacity:
+            self._resize(max(self.initial_capacity, _next_power_of_two(max(longest, 1)) * 2))
+
+    def view(self, group: CacheGroup) -> "StepCache":
+        return StepCache(self, group)
+
+    def _resize(self, capacity: int) -> None:
+        keep = min(capacity, self.capacity)
+        new_keys, new_values = [], []
+        for i in range(len(self.layer_slot)):
+            # Zeros, not empty(): masked positions still enter the attention product, and 0 * NaN
+            # from uninitialized memory would poison real rows.
+            k = torch.zeros((self.num_slots, self.shape_tail[0], capacity, self.shape_tail[1]),
+                            dtype=self.dtype, device=self.device)
+            v = torch.zeros_like(k)
+            if keep:
+                k[:, :, :keep] = self.keys[i][:, :, :keep]
+                v[:, :, :keep] = self.values[i][:, :, :keep]
+            new_keys.append(k)
+            new_values.append(v)
+        self.keys, self.values, self.capacity = new_keys, new_values, capacity
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+class StepCache:
+    """What a transformers attention module sees as its cache for one group: `update` writes the
+    group's new keys/values into the arena and returns the keys/values the group attends over."""
+
+    def __init__(self, arena: KVArena, group: CacheGroup):
+        self.arena, self.group = arena, group
+        slots = group.slots
+        self.key_length = max(group.ends)
+        self.contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+        self.slot_index = torch.tensor(slots, device=arena.device)
+        if group.length == 1:
+            self.position_index = torch.tensor(group.starts, device=arena.device)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        arena, group = self.arena, self.group
+        i = arena.layer_slot[layer_idx]
+        keys, values = arena.keys[i], arena.values[i]
+        if group.length == 1:
+            # key_states: [B, kv_heads, 1, head_dim] -> one position per row
+            keys[self.slot_index, :, self.position_index] = key_states[:, :, 0]
+            values[self.slot_index, :, self.position_index] = value_states[:, :, 0]
+        else:
+            slot, start = group.slots[0], group.starts[0]
+            keys[slot, :, start:start + group.length] = key_states[0]
+            values[slot, :, start:start + group.length] = value_states[0]
+        if self.contiguous:
+            first = group.slots[0]
+            rows = slice(first, first + len(group.slots))
+            return keys[rows, :, :self.key_length], values[rows, :, :self.key_length]
+        return keys[self.slot_index, :, :self.key_length], values[self.slot_index, :, :self.key_length]
+
+    # transformers' attention modules only call update(); these keep other callers informative.
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.key_length

@@ -1,0 +1,130 @@
+"""Reading a Hugging Face model directory: its config, and which safetensors file holds each tensor.
+
+Only names and file offsets are read here; tensors are read one at a time by the shard loader, so
+a stage never touches the weights of layers it does not hold.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors import safe_open
+from transformers import AutoConfig, PretrainedConfig
+
+# Decoder-only families whose checkpoints use the Llama layout (model.embed_tokens, model.layers.N,
+# model.norm, lm_head) and whose decoder layers take (hidden, mask, position_embeddings, cache).
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "GemmaForCausalLM",
+    "Gemma2ForCausalLM",
+    "Olmo2ForCausalLM",
+    "GraniteForCausalLM",
+}
+SUPPORTED_DTYPES = {"float32", "float16", "bfloat16"}
+
+
+class ModelDirError(ValueError):
+    """A model directory that cannot be used, with what is wrong and what to do."""
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """A validated model directory: its config and where each checkpoint tensor lives."""
+
+    path: Path  # the model directory
+    config: PretrainedConfig  # transformers' config for the architecture
+    tensor_files: dict[str, Path]  # checkpoint tensor name -> the safetensors file holding it
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def architecture(self) -> str:
+        return (self.config.architectures or ["?"])[0]
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self.tensor_files
+
+
+def open_model_dir(path: str | Path) -> ModelFiles:
+    """Validate a model directory (config, architecture, safetensors files) without reading weights."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise ModelDirError(f"model directory {path} does not exist; pass a Hugging Face model directory "
+                            "(config.json + *.safetensors) or run `layerbus model default`")
+    config = _read_config(path)
+    tensor_files = _index_tensors(path)
+    files = ModelFiles(path=path, config=config, tensor_files=tensor_files)
+    _check_layer_tensors(files)
+    return files
+
+
+def _read_config(path: Path) -> PretrainedConfig:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelDirError(f"{path} has no config.json; is it a Hugging Face model directory?")
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ModelDirError(f"{config_file} is not readable JSON: {error}") from None
+    architectures = raw.get("architectures") or []
+    if not architectures or architectures[0] not in SUPPORTED_ARCHITECTURES:
+        raise ModelDirError(
+            f"{path}: architecture {architectures or 'unknown'} is not supported; layerbus runs decoder-only "
+            f"models with the Llama layout: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+    dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+    if dtype not in SUPPORTED_DTYPES:
+        raise ModelDirError(f"{config_file}: dtype {dtype!r} is not one of {sorted(SUPPORTED_DTYPES)}")
+    if raw.get("quantization_config"):
+        raise ModelDirError(f"{config_file} declares quantization {raw['quantization_config'].get('quant_method')!r}; "
+                            "layerbus loads plain safetensors weights (for a GGUF file use "
+                            "`layerbus model import-gguf FILE --out DIR`)")
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as error:  # transformers raises many types for a bad config; all mean the same here
+        raise ModelDirError(f"{config_file} could not be read by transformers: {error}") from None
+
+
+def _index_tensors(path: Path) -> dict[str, Path]:
+    index_file = path / "model.safetensors.index.json"
+    if index_file.is_file():
+        try:
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as error:
+            raise ModelDirError(f"{index_file} is not a valid index (needs a 'weight_map'): {error}") from None
+        missing = sorted({name for name in weight_map.values() if not (path / name).is_file()})
+        if missing:
+            raise ModelDirError(f"{path}: shard(s) {', '.join(missing)} named in {index_file.name} are missing; "
+                                "re-download or re-save the model")
+        return {tensor: path / file for tensor, file in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        found = ", ".join(p.name for p in path.iterdir() if p.suffix in {".bin", ".pt", ".gguf"}) or "none"
+        raise ModelDirError(f"{path} has no *.safetensors weights (weight files found: {found}); layerbus never "
+                            "unpickles .bin/.pt files: convert with `save_pretrained(safe_serialization=True)`")
+    tensor_files = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as handle:
+                for name in handle.keys():
+                    tensor_files[name] = file
+        except Exception as error:  # safetensors raises SafetensorError/OSError for damaged files
+            raise ModelDirError(f"{file} is not a readable safetensors file: {error}") from None
+    return tensor_files
+
+
+def _check_layer_tensors(files: ModelFiles) -> None:
+    # A cheap completeness check: every layer must have at least one tensor under model.layers.N.
+    present = {int(name.split(".")[2]) for name in files.tensor_files if name.startswith("model.layers.")}
+    missing = [i for i in range(files.num_layers) if i not in present]
+    if missing:
+        raise ModelDirError(f"{files.path}: no weights for layer(s) {missing[:10]} of {files.num_layers}; "
+                            "the checkpoint is incomplete or uses a layout other than model.layers.N")
+    if "model.embed_tokens.weight" not in files.tensor_files:
+        raise ModelDirError(f"{files.path}: no model.embed_tokens.weight; the checkpoint uses another layout")

@@ -1,0 +1,176 @@
+"""A stage's slice of the model: decoder layers `[start, end)` plus the embedding or the head.
+
+The slice is cut from transformers' own model class built on the meta device (which allocates
+nothing), so each architecture's layer code, RoPE variant, embedding scaling and biases are the
+library's own. Only the kept modules are materialized, and only their tensors are read from the
+safetensors files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from stages.model_files import ModelDirError, ModelFiles
+from wire.spans import LayerRange
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """What a stage is told to load."""
+
+    layers: LayerRange  # decoder layers held by this stage
+    is_first: bool  # holds the token embedding (receives token ids)
+    is_last: bool  # holds the final norm and the LM head (emits tokens)
+    device: str = "cpu"  # "cpu", "cuda:N" or "mps"
+    dtype: str = "float32"  # "float32", "bfloat16" or "float16"
+
+
+class StageShard(nn.Module):
+    """The modules one stage runs, in order: [embed] -> layers -> [norm -> lm_head]."""
+
+    def __init__(self, spec: ShardSpec, config, embed: nn.Module | None, layers: list[nn.Module],
+                 norm: nn.Module | None, lm_head: nn.Module | None, rotary: nn.Module):
+        super().__init__()
+        self.spec = spec
+        self.config = config
+        self.embed_tokens = embed
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.lm_head = lm_head
+        self.rotary_emb = rotary
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+        # Per held layer: the sliding window it attends over, or None for full attention.
+        window = getattr(config, "sliding_window", None)
+        self.layer_windows = [
+            window if (layer_types[i] == "sliding_attention" or _always_sliding(config)) and window else None
+            for i in spec.layers
+        ]
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.spec.device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.spec.dtype]
+
+    def parameter_bytes(self) -> int:
+        """Bytes of distinct parameters held (a tied head shared with the embedding counts once)."""
+        seen = {}
+        for param in self.parameters():
+            seen[param.data_ptr()] = param.numel() * param.element_size()
+        return sum(seen.values())
+
+
+def _always_sliding(config) -> bool:
+    # Mistral applies its sliding window on every layer and has no layer_types.
+    return config.model_type == "mistral"
+
+
+def load_shard(files: ModelFiles, spec: ShardSpec) -> StageShard:
+    """Build the stage's modules on the meta device, then materialize and fill only those."""
+    if spec.dtype not in DTYPES:
+        raise ModelDirError(f"dtype {spec.dtype!r} is not one of {sorted(DTYPES)}")
+    if spec.layers.end > files.num_layers:
+        raise ModelDirError(f"layer range {spec.layers} is beyond the model's {files.num_layers} layers")
+    config = _runtime_config(files)
+    dtype = DTYPES[spec.dtype]
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    base = skeleton.model
+    embed = base.embed_tokens if spec.is_first else None
+    layers = [base.layers[i] for i in spec.layers]
+    norm = base.norm if spec.is_last else None
+    lm_head = skeleton.lm_head if spec.is_last else None
+    device = torch.device(spec.device)
+
+    names = {}
+    if embed is not None:
+        names[embed] = "model.embed_tokens"
+    for index, layer in zip(spec.layers, layers):
+        names[layer] = f"model.layers.{index}"
+    if norm is not None:
+        names[norm] = "model.norm"
+    with _TensorReader(files) as reader:
+        for module, prefix in names.items():
+            _materialize(module, prefix, reader, device, dtype, skeleton)
+        if lm_head is not None:
+            lm_head = _load_head(lm_head, embed, files, reader, device, dtype)
+    # inv_freq is a non-persistent buffer: it is not in the checkpoint and to_empty() left garbage,
+    # so the rotary module is rebuilt on the real device, which computes it afresh.
+    with torch.device(device):
+        rotary = type(base.rotary_emb)(config=config)
+    shard = StageShard(spec, config, embed, layers, norm, lm_head, rotary)
+    shard.eval()
+    return shard
+
+
+def _runtime_config(files: ModelFiles):
+    config = files.config.__class__.from_dict(files.config.to_dict())
+    # Gemma2 caps attention logits, which sdpa cannot do; everything else runs on sdpa.
+    needs_eager = getattr(config, "attn_logit_softcapping", None) is not None
+    config._attn_implementation = "eager" if needs_eager else "sdpa"
+    return config
+
+
+class _TensorReader:
+    """Opens each safetensors file once and hands out single tensors by checkpoint name."""
+
+    def __init__(self, files: ModelFiles):
+        self.files = files
+        self.handles = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.handles.clear()
+
+    def get(self, name: str) -> torch.Tensor:
+        path = self.files.tensor_files.get(name)
+        if path is None:
+            raise ModelDirError(f"{self.files.path}: tensor {name} is missing from the checkpoint")
+        if path not in self.handles:
+            try:
+                self.handles[path] = safe_open(path, framework="pt")
+            except Exception as error:  # damaged or truncated file
+                raise ModelDirError(f"{path} is not a readable safetensors file: {error}") from None
+        return self.handles[path].get_tensor(name)
+
+
+def _materialize(module: nn.Module, prefix: str, reader: _TensorReader, device, dtype, skeleton) -> None:
+    module.to_empty(device=device)
+    # Non-persistent buffers (e.g. Gemma's embedding scale) are not in the checkpoint; the model's
+    # own initializer knows their values. It also writes random weights, so it runs before loading.
+    for sub in module.modules():
+        if getattr(sub, "_non_persistent_buffers_set", None):
+            skeleton._init_weights(sub)
+    state = module.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for key, target in state.items():
+            tensor = reader.get(f"{prefix}.{key}")
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ModelDirError(f"{prefix}.{key} has shape {tuple(tensor.shape)} in the checkpoint but the "
+                                    f"config implies {tuple(target.shape)}; config.json does not match the weights")
+            target.copy_(tensor.to(dtype=target.dtype if target.is_floating_point() else tensor.dtype))
+
+
+def _load_head(lm_head: nn.Module, embed: nn.Module | None, files: ModelFiles, reader, device, dtype) -> nn.Module:
+    tied = getattr(files.config, "tie_word_embeddings", False) or not files.has_tensor("lm_head.weight")
+    if tied and embed is not None:
+        lm_head.weight = embed.weight  # one stage holds both ends: share, as transformers does
+        return lm_head
+    lm_head.to_empty(device=device)
+    name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    with torch.no_grad():
+        lm_head.weight.copy_(reader.get(name).to(dtype))
+        if getattr(lm_head, "bias", None) is not None:
+            lm_head.bias.copy_(reader.get("lm_head.bias").to(dtype))
+    return lm_head
