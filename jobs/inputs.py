@@ -1,0 +1,126 @@
+"""Reading a job's input file into InputRecords, with every problem in it found in one pass.
+
+Accepted inputs, chosen by extension (or by being a directory):
+
+- ``.jsonl`` / ``.json``: JSON Lines, one object per line, in either form:
+    * OpenAI batch lines ``{"custom_id", "method": "POST", "url", "body"}`` with url ``/v1/chat/completions``
+      (body.messages) or ``/v1/completions`` (body.prompt). Body keys honoured: max_tokens (or
+      max_completion_tokens), temperature, top_p, top_k, seed, stop; body.model is accepted and ignored (the
+      job chooses the model); any other key is refused rather than silently not done.
+    * the simple form ``{"id": "doc-1", "text": "..."}`` (``custom_id`` may stand for ``id``), with
+      ``prompt`` or ``messages`` instead of text for generate, and the same parameters as top-level keys.
+- ``.csv`` (header line required) and ``.parquet``: columns id (or custom_id), text and/or prompt, and
+  optional max_tokens, temperature, top_p, top_k, seed. An empty cell or null means "not given".
+- a directory of ``.txt`` files: one item per file, id = file name without extension.
+
+Decisions:
+
+- Every item needs an id, in both JSONL forms: the id keys the item's result in the output, and an id
+  made up from a line number would silently point at another document once the file is edited. Integer
+  ids are accepted and become strings.
+- summarize and translate take a document: ``text``, or in an OpenAI line the completion ``prompt`` or the
+  content of the last chat message (which must be the user's; earlier messages are not used, since the task
+  supplies its own instruction). generate takes ``prompt`` (sent as is), ``messages`` (sent through the
+  chat template), or ``text`` (used as a raw prompt).
+- An id belongs to the first item that names it; a later item with the same id is refused, and its
+  failed-item record gets a synthetic id ("line-7") so failed items stay unique by id.
+
+Nothing is queued here: load_inputs raises InputError, or with --skip-invalid hands back the valid records
+and the invalid items for the caller to record as failed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from jobs.formats import Found, read_csv, read_jsonl, read_parquet, read_text_dir
+from jobs.item_checks import ItemOutcome, show
+from jobs.records import InputError, InputProblem, InvalidItem, ReadResult
+from jobs.tasks import TASKS
+
+ACCEPTED_INPUTS = "accepted: a .jsonl or .json file (JSON Lines), a .csv file, a .parquet file, or a directory of .txt files"
+# Readers by file extension; a directory with none of these extensions is read as a folder of .txt files.
+_READERS: dict[str, Callable[[Path, str], Found]] = {
+    ".jsonl": read_jsonl,
+    ".json": read_jsonl,
+    ".csv": read_csv,
+    ".parquet": read_parquet,  # a file, or a directory of part files as Spark and pyarrow write them
+}
+
+
+def read_inputs(path: Path, task: str) -> ReadResult:
+    """Read every item of the input at path for task; problems are collected, never raised."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}: choose --task {', '.join(TASKS)}")
+    path = Path(path)
+    reader, problem = _choose_reader(path)
+    outcomes, problems = reader(path, task) if reader else ([], [problem])
+    _refuse_duplicates(outcomes)
+    return _collect(outcomes, problems)
+
+
+def load_inputs(path: Path, task: str, skip_invalid: bool) -> ReadResult:
+    """read_inputs, then apply the job's policy: raise InputError when nothing is valid, or when anything is
+    invalid and skip_invalid is False."""
+    result = read_inputs(path, task)
+    if not result.records:
+        problems = result.problems or [InputProblem(str(path), 0, "no items found")]
+        raise InputError(problems, valid_count=0)
+    if result.problems and not skip_invalid:
+        raise InputError(result.problems, valid_count=len(result.records))
+    return result
+
+
+def _choose_reader(path: Path) -> tuple[Callable[[Path, str], Found] | None, InputProblem | None]:
+    if not path.exists():
+        return None, InputProblem(str(path), 0, f"does not exist; {ACCEPTED_INPUTS}")
+    suffix = path.suffix.lower()
+    reader = _READERS.get(suffix)
+    if reader is not None and path.is_dir() and suffix != ".parquet":
+        message = (f"is a directory, but a {suffix} input must be a file; a directory of .txt files "
+                   "is read as one item per file when its name has no such extension")
+        return None, InputProblem(str(path), 0, message)
+    if reader is not None:
+        return reader, None
+    if path.is_dir():
+        return read_text_dir, None
+    return None, InputProblem(str(path), 0, f"unknown input kind {suffix or '(no extension)'!r}; {ACCEPTED_INPUTS}")
+
+
+def _refuse_duplicates(outcomes: list[ItemOutcome]) -> None:
+    first: dict[str, ItemOutcome] = {}
+    for outcome in outcomes:
+        if outcome.custom_id is None:
+            continue
+        earlier = first.setdefault(outcome.custom_id, outcome)
+        if earlier is outcome:
+            continue
+        outcome.refuse([f"duplicate id {show(outcome.custom_id)}: {earlier.where} has it already"])
+        outcome.custom_id = None  # the failed-item record must not reuse the id the first item holds
+
+
+def _collect(outcomes: list[ItemOutcome], problems: list[InputProblem]) -> ReadResult:
+    taken = {o.custom_id for o in outcomes if o.custom_id is not None}
+    records, invalid = [], []
+    for outcome in outcomes:
+        if not outcome.problems and outcome.record is not None:
+            records.append(outcome.record)
+            continue
+        custom_id = outcome.custom_id or _unused(outcome.fallback_id, taken)
+        reason = "; ".join(p.message for p in outcome.problems)
+        invalid.append(InvalidItem(custom_id, outcome.raw, reason, outcome.line))
+        problems = problems + outcome.problems
+    # Stable sort: a directory's problems come out by file name, a file's by line, whole-file ones first.
+    problems = sorted(problems, key=lambda p: (p.source, p.line))
+    return ReadResult(records=records, problems=problems, invalid=invalid)
+
+
+def _unused(candidate: str, taken: set[str]) -> str:
+    """candidate, or candidate-2, -3, ... when an item's own id already is that string."""
+    name, n = candidate, 1
+    while name in taken:
+        n += 1
+        name = f"{candidate}-{n}"
+    taken.add(name)
+    return name

@@ -1,0 +1,142 @@
+"""One JSON Lines item: an OpenAI batch line or the simple {"id", "text"} form, checked into an ItemOutcome.
+
+A line with any of "method", "url" or "body" is an OpenAI batch line; any other object is the simple form.
+"""
+
+from __future__ import annotations
+
+import json
+
+from jobs.item_checks import (
+    PARAM_NAMES,
+    ItemOutcome,
+    check_id,
+    check_messages,
+    check_params,
+    check_text,
+    make_record,
+    show,
+    type_name,
+    unknown_names,
+)
+
+# Top-level keys of the simple form: an id, the content, and per-item parameters.
+SIMPLE_KEYS = ("id", "custom_id", "text", "prompt", "messages", *PARAM_NAMES)
+# Top-level keys of an OpenAI batch line; all four are required, as in OpenAI's own files.
+OPENAI_KEYS = ("custom_id", "method", "url", "body")
+# Body keys we honour. "model" is accepted and ignored: the job, not the line, chooses the model.
+# Anything else (n, logprobs, tools, ...) is refused rather than silently not done.
+BODY_KEYS = ("model", "messages", "prompt", "max_tokens", "max_completion_tokens", *PARAM_NAMES[1:])
+# Each supported endpoint, and the body key holding its content.
+OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    # json.loads keeps the last of two equal keys silently; a repeated "text" is almost always an editing slip.
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(f"key {key!r} appears twice in one object")
+        seen[key] = value
+    return seen
+
+
+def parse_jsonl_line(raw: str, task: str, source: str, line: int) -> ItemOutcome:
+    """Check one non-blank line of a JSONL input."""
+    outcome = ItemOutcome(source, line, raw, f"line {line}", f"line-{line}")
+    try:
+        item = json.loads(raw, object_pairs_hook=_no_duplicate_keys)
+    except _DuplicateKey as e:
+        return outcome.refuse([str(e)])
+    except json.JSONDecodeError as e:
+        return outcome.refuse([f"malformed JSON: {e.msg} at column {e.colno}"])
+    if not isinstance(item, dict):
+        return outcome.refuse([f"expected a JSON object, got {type_name(item)}"])
+    is_openai = any(key in item for key in ("method", "url", "body"))
+    custom_id, record, reasons = (_openai_item if is_openai else _simple_item)(item, task, source, line)
+    outcome.custom_id, outcome.record = custom_id, record
+    return outcome.refuse(reasons)
+
+
+def _unknown_keys(item: dict, accepted: tuple[str, ...], where: str) -> list[str]:
+    unknown = [key for key in item if key not in accepted]
+    return [unknown_names(f"{where}key(s)", unknown, accepted)] if unknown else []
+
+
+def _simple_item(item: dict, task: str, source: str, line: int):
+    reasons = _unknown_keys(item, SIMPLE_KEYS, "")
+    if "id" in item and "custom_id" in item:
+        reasons.append("give id or custom_id, not both")
+    id_key = "custom_id" if "custom_id" in item else "id"
+    custom_id, id_reasons = check_id(item.get(id_key), id_key)
+    params, param_reasons = check_params({name: (name, item[name]) for name in PARAM_NAMES if name in item})
+    content = {key: item.get(key) for key in ("text", "prompt", "messages")}
+    record, content_reasons = make_record(task, custom_id, content, params, source, line)
+    reasons += id_reasons + content_reasons + param_reasons
+    return custom_id, record, reasons
+
+
+def _openai_item(item: dict, task: str, source: str, line: int):
+    reasons = _unknown_keys(item, OPENAI_KEYS, "")
+    reasons += [f"missing {key}: an OpenAI batch line needs {', '.join(OPENAI_KEYS)}" for key in OPENAI_KEYS
+                if key not in item]
+    custom_id, id_reasons = check_id(item.get("custom_id"), "custom_id")
+    reasons += id_reasons if "custom_id" in item else []
+    if "method" in item and item["method"] != "POST":
+        reasons.append(f'method must be "POST", got {show(item["method"])}')
+    url = item.get("url")
+    if "url" in item and url not in OPENAI_URLS:
+        reasons.append(f"url {show(url)} is not supported; accepted: {', '.join(OPENAI_URLS)}")
+    body = item.get("body")
+    if "body" in item and not isinstance(body, dict):
+        reasons.append(f"body must be an object, got {type_name(body)}")
+    if url not in OPENAI_URLS or not isinstance(body, dict):
+        return custom_id, None, reasons
+    content, content_reasons = _openai_content(body, url, task)
+    params, param_reasons = _openai_params(body)
+    reasons += content_reasons + param_reasons
+    if content_reasons:
+        return custom_id, None, reasons
+    record, record_reasons = make_record(task, custom_id, content, params, source, line)
+    return custom_id, record, reasons + record_reasons
+
+
+def _openai_content(body: dict, url: str, task: str) -> tuple[dict[str, object], list[str]]:
+    """The item's content. For summarize and translate the document is the completion prompt, or the last
+    message of a chat line (which must be the user's); other chat messages are not used, since the task
+    supplies its own instruction."""
+    reasons = _unknown_keys(body, BODY_KEYS, "body ")
+    key = OPENAI_URLS[url]
+    other = "prompt" if key == "messages" else "messages"
+    if other in body:
+        reasons.append(f"body.{other} does not belong on {url}: use body.{key}, or url "
+                       f"{next(u for u, k in OPENAI_URLS.items() if k == other)}")
+    if key not in body:
+        reasons.append(f"missing body.{key}: {url} needs it")
+        return {}, reasons
+    value = body[key]
+    if task == "generate":
+        return {key: value}, reasons
+    if key == "prompt":
+        return {"text": value}, reasons + check_text(value, "body.prompt")
+    messages, message_reasons = check_messages(value, "body.messages")
+    if message_reasons:
+        return {}, reasons + message_reasons
+    if messages[-1]["role"] != "user":
+        reasons.append(f"for --task {task} the document must be the last message, from the user; "
+                       f"the last message is from {messages[-1]['role']!r}")
+    document = messages[-1]["content"]
+    return {"text": document}, reasons + check_text(document, f"body.messages[{len(messages) - 1}].content")
+
+
+def _openai_params(body: dict) -> tuple[dict, list[str]]:
+    given = {name: (f"body.{name}", body[name]) for name in PARAM_NAMES if name in body}
+    if "max_completion_tokens" in body:
+        if "max_tokens" in body:
+            return {}, ["give body.max_tokens or body.max_completion_tokens, not both"]
+        given["max_tokens"] = ("body.max_completion_tokens", body["max_completion_tokens"])
+    return check_params(given)
