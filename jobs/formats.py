@@ -20,6 +20,7 @@ from jobs.jsonl_items import parse_jsonl_line
 from jobs.records import InputProblem
 from jobs.table_items import check_columns, csv_values, id_column, row_outcome
 
+# What a reader returns: every item it found (valid or not), and the problems that concern the whole input.
 Found = tuple[list[ItemOutcome], list[InputProblem]]
 
 _UTF8_BOM = b"\xef\xbb\xbf"

@@ -39,7 +39,9 @@ from jobs.item_checks import ItemOutcome, show
 from jobs.records import InputError, InputProblem, InvalidItem, ReadResult
 from jobs.tasks import TASKS
 
-ACCEPTED_INPUTS = "accepted: a .jsonl or .json file (JSON Lines), a .csv file, a .parquet file, or a directory of .txt files"
+ACCEPTED_INPUTS = (
+    "accepted: a .jsonl or .json file (JSON Lines), a .csv file, a .parquet file, or a directory of .txt files"
+)
 # Readers by file extension; a directory with none of these extensions is read as a folder of .txt files.
 _READERS: dict[str, Callable[[Path, str], Found]] = {
     ".jsonl": read_jsonl,
@@ -102,7 +104,7 @@ def _refuse_duplicates(outcomes: list[ItemOutcome]) -> None:
 
 def _collect(outcomes: list[ItemOutcome], problems: list[InputProblem]) -> ReadResult:
     taken = {o.custom_id for o in outcomes if o.custom_id is not None}
-    records, invalid = [], []
+    records, invalid, problems = [], [], list(problems)
     for outcome in outcomes:
         if not outcome.problems and outcome.record is not None:
             records.append(outcome.record)
@@ -110,7 +112,7 @@ def _collect(outcomes: list[ItemOutcome], problems: list[InputProblem]) -> ReadR
         custom_id = outcome.custom_id or _unused(outcome.fallback_id, taken)
         reason = "; ".join(p.message for p in outcome.problems)
         invalid.append(InvalidItem(custom_id, outcome.raw, reason, outcome.line))
-        problems = problems + outcome.problems
+        problems += outcome.problems
     # Stable sort: a directory's problems come out by file name, a file's by line, whole-file ones first.
     problems = sorted(problems, key=lambda p: (p.source, p.line))
     return ReadResult(records=records, problems=problems, invalid=invalid)

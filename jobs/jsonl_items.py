@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+from jobs.records import InputRecord
+
 from jobs.item_checks import (
     PARAM_NAMES,
     ItemOutcome,
@@ -67,7 +69,10 @@ def _unknown_keys(item: dict, accepted: tuple[str, ...], where: str) -> list[str
     return [unknown_names(f"{where}key(s)", unknown, accepted)] if unknown else []
 
 
-def _simple_item(item: dict, task: str, source: str, line: int):
+Checked = tuple[str | None, InputRecord | None, list[str]]  # (the id if usable, the record if valid, reasons)
+
+
+def _simple_item(item: dict, task: str, source: str, line: int) -> Checked:
     reasons = _unknown_keys(item, SIMPLE_KEYS, "")
     if "id" in item and "custom_id" in item:
         reasons.append("give id or custom_id, not both")
@@ -80,7 +85,7 @@ def _simple_item(item: dict, task: str, source: str, line: int):
     return custom_id, record, reasons
 
 
-def _openai_item(item: dict, task: str, source: str, line: int):
+def _openai_item(item: dict, task: str, source: str, line: int) -> Checked:
     reasons = _unknown_keys(item, OPENAI_KEYS, "")
     reasons += [f"missing {key}: an OpenAI batch line needs {', '.join(OPENAI_KEYS)}" for key in OPENAI_KEYS
                 if key not in item]
@@ -89,12 +94,13 @@ def _openai_item(item: dict, task: str, source: str, line: int):
     if "method" in item and item["method"] != "POST":
         reasons.append(f'method must be "POST", got {show(item["method"])}')
     url = item.get("url")
-    if "url" in item and url not in OPENAI_URLS:
+    known_url = isinstance(url, str) and url in OPENAI_URLS  # isinstance first: a list url is unhashable
+    if "url" in item and not known_url:
         reasons.append(f"url {show(url)} is not supported; accepted: {', '.join(OPENAI_URLS)}")
     body = item.get("body")
     if "body" in item and not isinstance(body, dict):
         reasons.append(f"body must be an object, got {type_name(body)}")
-    if url not in OPENAI_URLS or not isinstance(body, dict):
+    if not known_url or not isinstance(body, dict):
         return custom_id, None, reasons
     content, content_reasons = _openai_content(body, url, task)
     params, param_reasons = _openai_params(body)

@@ -47,7 +47,8 @@ def instruction(record: InputRecord, spec: TaskSpec) -> str:
     """The user message a summarize or translate item becomes."""
     if spec.task == "summarize":
         return f"Summarize the following document in a few sentences.\n\n{record.text}"
-    return f"Translate the following text into {spec.target_language}. Reply with the translation only.\n\n{record.text}"
+    language = spec.target_language
+    return f"Translate the following text into {language}. Reply with the translation only.\n\n{record.text}"
 
 
 def has_chat_template(tokenizer: Any) -> bool:

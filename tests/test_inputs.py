@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from jobs.inputs import load_inputs, read_inputs
@@ -119,7 +117,7 @@ BAD_LINES = [
     ({"id": "e"}, "missing text"),
     ({"id": "f", "text": "   "}, "text is empty"),
     ({"id": "g", "text": 42}, "text must be a string, got integer 42"),
-    ({"id": "h", "text": "x", "temprature": 1}, "unknown key(s) 'temprature' (did you mean 'temperature'?); accepted: id,"),
+    ({"id": "h", "text": "x", "temprature": 1}, "unknown key(s) 'temprature' (did you mean 'temperature'?)"),
     ({"id": "i", "text": "x", "max_tokens": 0}, "max_tokens must be a positive integer, got 0"),
     ({"id": "j", "text": "x", "max_tokens": "64"}, "max_tokens must be a positive integer, got '64'"),
     ({"id": "k", "text": "x", "temperature": -0.1}, "temperature must be a number >= 0"),
@@ -132,10 +130,13 @@ BAD_LINES = [
     ({**OPENAI_CHAT, "custom_id": "r", "method": "GET"}, 'method must be "POST"'),
     ({**OPENAI_CHAT, "custom_id": "s", "url": "/v1/embeddings"}, "url '/v1/embeddings' is not supported"),
     ({"custom_id": "t", "method": "POST", "url": "/v1/completions"}, "missing body"),
+    ({**OPENAI_CHAT, "custom_id": "t2", "url": ["/v1/completions"]}, "url ['/v1/completions'] is not supported"),
+    ({**OPENAI_CHAT, "custom_id": "t3", "body": "text"}, "body must be an object, got string"),
     ({**OPENAI_CHAT, "custom_id": "u", "body": {"messages": [], "n": 2}}, "unknown body key(s) 'n'"),
     ({**OPENAI_CHAT, "custom_id": "v", "body": {"prompt": "x"}}, "body.prompt does not belong on /v1/chat/completions"),
     ({**OPENAI_CHAT, "custom_id": "w", "extra": 1}, "unknown key(s) 'extra'; accepted: custom_id, method, url, body"),
-    ({**OPENAI_CHAT, "custom_id": "x", "body": {"messages": [{"role": "robot", "content": "x"}]}}, "role must be one of"),
+    ({**OPENAI_CHAT, "custom_id": "x", "body": {"messages": [{"role": "robot", "content": "x"}]}},
+     "body.messages[0].role must be one of system, user, assistant, got 'robot'"),
 ]
 
 
@@ -167,7 +168,8 @@ def test_several_problems_on_one_line_are_all_listed(tmp_path):
 
 
 def test_generate_refuses_two_kinds_of_content(tmp_path):
-    path = write_jsonl(tmp_path / "in.jsonl", {"id": "a", "prompt": "x", "messages": [{"role": "user", "content": "y"}]})
+    both = {"id": "a", "prompt": "x", "messages": [{"role": "user", "content": "y"}]}
+    path = write_jsonl(tmp_path / "in.jsonl", both)
     [problem] = read_inputs(path, "generate").problems
     assert "give one of text, prompt or messages, not messages and prompt" in problem.message
 

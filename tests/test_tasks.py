@@ -26,7 +26,8 @@ def tiny_tokenizer(chat_template: str | None) -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     corpus = ["the ferry leaves at noon", "summarize the following document in a few sentences"]
     tok.train_from_iterator(corpus, trainers.WordLevelTrainer(special_tokens=SPECIALS))
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    bos = ("<s>", tok.token_to_id("<s>"))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[bos])
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     wrapped.chat_template = chat_template
     return wrapped
