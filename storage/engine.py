@@ -1,0 +1,146 @@
+"""Opening a database for the job store: where the default one lives, SQLite's transaction fixes,
+PostgreSQL's connect timeout, and every way a URL can be wrong turned into a StoreError that says what to do."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from sqlalchemy import Connection, Engine, create_engine, event, text
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
+
+from storage.errors import StoreError, mask_url
+from storage.schema import Base
+
+# How long a SQLite writer waits for another process's write transaction before giving up.
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+# How long connecting to a PostgreSQL server may take before the URL is reported unreachable.
+POSTGRES_CONNECT_TIMEOUT_S = 10
+# Execution option marking a transaction that only reads: on SQLite it begins DEFERRED, not IMMEDIATE.
+READ_ONLY_OPTION = "layerbus_read_only"
+# Arbitrary constant: the advisory lock that serializes concurrent table creation on PostgreSQL.
+_CREATE_TABLES_LOCK = 0x6C617962  # "layb"
+
+_URL_EXAMPLES = "sqlite:////abs/path/layerbus.db or postgresql+psycopg://user:password@host:5432/dbname"
+
+
+def layerbus_home() -> Path:
+    """$LAYERBUS_HOME (default ~/.local/share/layerbus), created if missing."""
+    home = Path(os.environ.get("LAYERBUS_HOME") or Path.home() / ".local" / "share" / "layerbus")
+    home.mkdir(parents=True, exist_ok=True)
+    return home
+
+
+def default_db_url() -> str:
+    """The SQLite store used when no --db is given: $LAYERBUS_HOME/layerbus.db."""
+    return f"sqlite:///{layerbus_home() / 'layerbus.db'}"
+
+
+def default_results_dir() -> Path:
+    """Where final Parquet files go when no results folder is given: $LAYERBUS_HOME/results."""
+    path = layerbus_home() / "results"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def open_engine(url: str) -> Engine:
+    """An Engine for `url` with layerbus's connection settings; raises StoreError for unusable URLs."""
+    parsed = _parse(url)
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        _make_sqlite_folder(parsed, url)
+    elif backend != "postgresql":
+        raise StoreError(
+            f"database {mask_url(url)!r}: layerbus stores jobs in SQLite or PostgreSQL, not {backend!r}; "
+            f"use {_URL_EXAMPLES}"
+        )
+    connect_args = {"connect_timeout": POSTGRES_CONNECT_TIMEOUT_S} if backend == "postgresql" else {}
+    try:
+        engine = create_engine(parsed, connect_args=connect_args)
+    except NoSuchModuleError as exc:
+        raise StoreError(
+            f"database {mask_url(url)!r}: unknown driver {parsed.drivername!r}; use {_URL_EXAMPLES}"
+        ) from exc
+    except ImportError as exc:
+        raise StoreError(
+            f"database {mask_url(url)!r}: its driver is not installed ({exc}); for PostgreSQL "
+            "`pip install 'psycopg[binary]'` and use a postgresql+psycopg:// URL"
+        ) from exc
+    if backend == "sqlite":
+        _use_sqlite_transactions(engine)
+    return engine
+
+
+def create_tables(engine: Engine, url: str) -> None:
+    """Create the jobs and items tables if missing; connection failures become StoreError naming `url`."""
+    try:
+        with engine.begin() as conn:
+            if engine.dialect.name == "postgresql":
+                # Several workers may open a fresh database at once; CREATE TABLE is not idempotent under races.
+                conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _CREATE_TABLES_LOCK})
+            Base.metadata.create_all(conn)
+    except DBAPIError as exc:
+        raise _connect_error(engine, url, exc) from exc
+
+
+def _parse(url: str) -> URL:
+    try:
+        return make_url(url)
+    except ArgumentError as exc:
+        raise StoreError(f"cannot read database URL {mask_url(url)!r}; use {_URL_EXAMPLES}") from exc
+
+
+def _make_sqlite_folder(parsed: URL, url: str) -> None:
+    database = parsed.database or ""
+    if database in ("", ":memory:") or database.startswith("file:"):
+        return
+    folder = Path(database).expanduser().parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StoreError(
+            f"cannot create the folder {str(folder)!r} for SQLite database {mask_url(url)!r}: {exc.strerror}; "
+            "pass a URL whose folder is writable, or omit the database URL to use the default store under $LAYERBUS_HOME"
+        ) from exc
+
+
+def _connect_error(engine: Engine, url: str, exc: DBAPIError) -> StoreError:
+    reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else str(exc)
+    if engine.dialect.name == "sqlite":
+        return StoreError(
+            f"cannot open SQLite database {mask_url(url)!r}: {reason}; check that the path is a file "
+            "(not a folder) in a writable folder, or omit the database URL to use the default store under $LAYERBUS_HOME"
+        )
+    return StoreError(
+        f"cannot connect to {mask_url(url)!r}: {reason}; check that the server is running and reachable "
+        "at that host and port, and that the user, password and database exist"
+    )
+
+
+def _use_sqlite_transactions(engine: Engine) -> None:
+    """Make pysqlite run real transactions: writes take the write lock at BEGIN (BEGIN IMMEDIATE).
+
+    pysqlite's legacy mode starts transactions lazily and never for SELECT, so a claim's SELECT and
+    UPDATE would not be atomic. SQLAlchemy's documented recipe: turn pysqlite's BEGIN off, emit our own.
+    """
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+        # WAL: readers (status calls) never block the claiming writer and vice versa.
+        cursor.execute("PRAGMA journal_mode = WAL")
+        # Under WAL, NORMAL survives process crashes; a power cut may lose the last commits, which
+        # only means re-running those items.
+        cursor.execute("PRAGMA synchronous = NORMAL")
+        cursor.execute("PRAGMA foreign_keys = ON")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        # IMMEDIATE takes the write lock up front: two claimers can never both read the same queued rows
+        # and then fail to upgrade to writing (SQLITE_BUSY mid-transaction, which busy_timeout cannot wait out).
+        read_only = conn.get_execution_options().get(READ_ONLY_OPTION, False)
+        conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")

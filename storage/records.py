@@ -1,0 +1,165 @@
+"""The values that go in and out of the job store: what a job is made of, what a broker claims and
+reports back, and the status a user sees."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime
+from typing import Any
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """How every item of a job is run; stored as JSON in jobs.settings_json (and a few columns for SQL)."""
+
+    # The task that renders prompts: "generate", "summarize", "translate", ...
+    task: str
+    # Model name or path, as given to `layerbus submit`.
+    model: str
+    # Default generation length; an item's params["max_tokens"] overrides it.
+    max_new_tokens: int = 256
+    # Default sampling temperature; 0 means greedy.
+    temperature: float = 0.0
+    # Default nucleus sampling mass; 1.0 keeps every token.
+    top_p: float = 1.0
+    # Default top-k cut; 0 keeps every token.
+    top_k: int = 0
+    # Default sampling seed, so a rerun of the job samples the same outputs.
+    seed: int = 0
+    # Language to translate into, for the translate task; None for other tasks.
+    target_language: str | None = None
+    # Human name of the job, shown by `layerbus status`; empty means none given.
+    name: str = ""
+    # Input file or folder, as the user gave it.
+    input_path: str = ""
+    # Settings a task adds beyond these (e.g. "stop"); kept verbatim in settings_json.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> JobSettings:
+        data = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        # Keys written by a newer layerbus survive a round trip through an older one.
+        extra = {**data.pop("extra", {}), **{k: data.pop(k) for k in list(data) if k not in known}}
+        return cls(**data, extra=extra)
+
+
+@dataclass(frozen=True)
+class NewItem:
+    """One valid input item, ready to queue."""
+
+    # The user's key for the item; unique within the job.
+    custom_id: str
+    # The user's text as given (document, prompt or JSON messages), echoed in the results.
+    input: str
+    # The rendered model prompt text the stages tokenize.
+    prompt: str
+    # Per-item overrides of the job settings: max_tokens, temperature, top_p, top_k, seed, stop.
+    params: dict[str, Any]
+    # Position in the input (0- or 1-based, the caller's choice); unique within the job; results keep this order.
+    seq: int
+
+
+@dataclass(frozen=True)
+class InvalidItem:
+    """An input item refused at submit; stored directly as a failed item so it appears in the results."""
+
+    # The user's key, or a synthetic one when it had none; unique within the job.
+    custom_id: str
+    # The input as the user wrote it.
+    input: str
+    # Why it was refused, naming the offending value.
+    error: str
+    # Position in the input, on the same scale as NewItem.seq.
+    seq: int
+
+
+@dataclass(frozen=True)
+class ClaimedItem:
+    """An item a worker now owns (status in_progress) until it completes or requeues it."""
+
+    # items.id: the handle for complete_items / requeue_items.
+    item_id: int
+    # The job the item belongs to.
+    job_id: str
+    # The user's key, for logs and results.
+    custom_id: str
+    # The user's text as given.
+    input: str
+    # The rendered model prompt text.
+    prompt: str
+    # Per-item overrides of the job settings.
+    params: dict[str, Any]
+    # How many times the item has been claimed, this claim included (1 on the first run).
+    attempts: int
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    """What a worker reports for one claimed item."""
+
+    # items.id from the ClaimedItem.
+    item_id: int
+    # Generated text; None when the item failed before producing any.
+    output: str | None
+    # "stop", "length", "error" or "cancelled".
+    finish_reason: str
+    # Prompt length in tokens.
+    prompt_tokens: int
+    # Generated length in tokens.
+    completion_tokens: int
+    # Seconds from admission to finish, by the broker's clock.
+    latency_s: float
+    # Why the item failed; when set the item is stored as failed, otherwise as completed.
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """A job's state and progress, as `layerbus status` shows it."""
+
+    # jobs.id, e.g. "job_0123456789ab".
+    job_id: str
+    # Human name given at submit; may be empty.
+    name: str
+    # Task of the job.
+    task: str
+    # Model of the job.
+    model: str
+    # One of storage.states.JOB_STATES.
+    status: str
+    # When the job entered each state: keys are the jobs timestamp columns (created_at, queued_at, ...),
+    # values UTC datetimes, or None for states not reached.
+    timestamps: dict[str, datetime | None]
+    # Number of items, invalid ones included.
+    total: int
+    # Items per item state; every state of storage.states.ITEM_STATES is a key.
+    counts: dict[str, int]
+    # Items finished with an output.
+    completed: int
+    # Items that failed (at submit or while running).
+    failed: int
+    # Items cancelled before running.
+    cancelled: int
+    # Items waiting to be claimed.
+    queued: int
+    # Items claimed by a worker and not yet reported.
+    in_progress: int
+    # Prompt tokens over all finished items.
+    prompt_tokens: int
+    # Generated tokens over all finished items.
+    completion_tokens: int
+    # completion_tokens per second since the job went in_progress (until it left in_progress, if it has);
+    # None before any item ran.
+    tokens_per_s: float | None
+    # Seconds to finish the queued and in-progress items at the rate items have finished so far;
+    # None unless the job is in_progress and at least one item has finished running.
+    eta_s: float | None
+    # Final Parquet file, once written.
+    results_path: str | None
+    # Why the job failed, when it did.
+    error: str | None

@@ -1,0 +1,64 @@
+"""Conversions between the store's records and table rows: item rows to insert, result updates,
+the columns of a result row, and naming the repeated value behind a failed insert."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy.exc import IntegrityError
+
+from storage.records import ClaimedItem, InvalidItem, ItemResult, NewItem
+
+# Columns of a finished item as item_results yields it, in the order results files use.
+RESULT_COLUMNS = (
+    "custom_id", "seq", "input", "output", "finish_reason", "prompt_tokens", "completion_tokens",
+    "latency_s", "error", "status",
+)  # fmt: skip
+
+
+def new_item_row(job_id: str, item: NewItem) -> dict[str, Any]:
+    return {
+        "job_id": job_id, "custom_id": item.custom_id, "seq": item.seq, "input": item.input,
+        "prompt": item.prompt, "params_json": json.dumps(item.params, sort_keys=True), "status": "queued",
+        "attempts": 0, "finish_reason": None, "error": None, "finished_at": None,
+    }  # fmt: skip
+
+
+def claimed_item(job_id: str, row: Any) -> ClaimedItem:
+    """The ClaimedItem for an items row read just before the claim's UPDATE (so attempts is one behind)."""
+    return ClaimedItem(
+        row.id, job_id, row.custom_id, row.input, row.prompt or "", json.loads(row.params_json), row.attempts + 1
+    )
+
+
+def invalid_item_row(job_id: str, item: InvalidItem, now: datetime) -> dict[str, Any]:
+    return {
+        "job_id": job_id, "custom_id": item.custom_id, "seq": item.seq, "input": item.input,
+        "prompt": None, "params_json": "{}", "status": "failed",
+        "attempts": 0, "finish_reason": "error", "error": item.error, "finished_at": now,
+    }  # fmt: skip
+
+
+def result_params(result: ItemResult) -> dict[str, Any]:
+    return {
+        "b_id": result.item_id, "b_status": "failed" if result.error is not None else "completed",
+        "b_output": result.output, "b_finish_reason": result.finish_reason,
+        "b_prompt_tokens": result.prompt_tokens, "b_completion_tokens": result.completion_tokens,
+        "b_latency_s": result.latency_s, "b_error": result.error,
+    }  # fmt: skip
+
+
+def duplicate_message(rows: list[dict[str, Any]], exc: IntegrityError) -> str:
+    """Name the repeated custom_id or seq behind an IntegrityError, or fall back to the database's words."""
+    for key in ("custom_id", "seq"):
+        repeated = [value for value, n in Counter(row[key] for row in rows).items() if n > 1]
+        if repeated:
+            shown = ", ".join(repr(v) for v in repeated[:5])
+            return (
+                f"job not created: {key} {shown} appears more than once ({len(repeated)} repeated value(s)); "
+                f"each item needs its own {key}: fix the input, nothing was queued"
+            )
+    return f"job not created, nothing was queued: {exc.orig}"

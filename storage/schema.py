@@ -1,0 +1,125 @@
+"""The job store's two tables, `jobs` and `items`, as SQLAlchemy declarative models.
+
+Users query these tables with plain SQL (see storage/SCHEMA.md), so they stay flat: text states,
+JSON as text, one timestamp column per job state. Timestamps are UTC: `timestamptz` on PostgreSQL,
+'YYYY-MM-DD HH:MM:SS.ffffff' text (UTC, no offset) on SQLite; Python always gets aware UTC datetimes.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Dialect,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from storage.states import ITEM_STATES, JOB_STATES
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """A datetime stored as UTC on every backend and read back timezone-aware."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            # A naive time is ambiguous (local? UTC?); refusing it keeps the stored clock honest.
+            raise ValueError(f"naive datetime {value.isoformat()} given to the job store: pass an aware one, e.g. datetime.now(timezone.utc)")
+        value = value.astimezone(timezone.utc)
+        # SQLite has no time zones; store naive UTC so text comparison orders correctly.
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=timezone.utc)
+        return value.astimezone(timezone.utc)
+
+
+def _one_of(column: str, values: tuple[str, ...], name: str) -> CheckConstraint:
+    quoted = ", ".join(f"'{v}'" for v in values)
+    return CheckConstraint(f"{column} IN ({quoted})", name=name)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map: dict[Any, Any] = {datetime: UtcDateTime(), str: Text()}
+
+
+class Job(Base):
+    """One submitted corpus: its settings, its state, and when it entered each state."""
+
+    __tablename__ = "jobs"
+    __table_args__ = (_one_of("status", JOB_STATES, "jobs_status_valid"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)  # "job_" + 12 hex digits
+    name: Mapped[str]  # human name given at submit; may be empty
+    task: Mapped[str]  # generate, summarize, translate, ...
+    model: Mapped[str]  # model name or path
+    settings_json: Mapped[str]  # JobSettings as JSON text
+    input_path: Mapped[str]  # input file or folder as given
+    results_path: Mapped[str | None]  # final Parquet file, once written
+    status: Mapped[str] = mapped_column(String(16))  # one of JOB_STATES
+    total_count: Mapped[int]  # number of items, invalid ones included: status without a count(*)
+    error: Mapped[str | None]  # why the job failed
+    created_at: Mapped[datetime]  # entered validating (submitted)
+    queued_at: Mapped[datetime | None]
+    in_progress_at: Mapped[datetime | None]  # first item claimed
+    finalizing_at: Mapped[datetime | None]
+    completed_at: Mapped[datetime | None]
+    failed_at: Mapped[datetime | None]
+    cancelling_at: Mapped[datetime | None]
+    cancelled_at: Mapped[datetime | None]
+
+
+class Item(Base):
+    """One input item of a job and, once it has run, its result."""
+
+    __tablename__ = "items"
+    __table_args__ = (
+        UniqueConstraint("job_id", "custom_id", name="items_custom_id_unique"),
+        UniqueConstraint("job_id", "seq", name="items_seq_unique"),
+        # Claims read "queued items of this job in seq order"; status counts read (job_id, status).
+        Index("items_job_status_seq", "job_id", "status", "seq"),
+        _one_of("status", ITEM_STATES, "items_status_valid"),
+    )
+
+    # BIGINT on PostgreSQL; SQLite needs exactly INTEGER PRIMARY KEY for an auto-assigned rowid.
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer(), "sqlite"), primary_key=True)
+    job_id: Mapped[str] = mapped_column(String(32), ForeignKey("jobs.id", ondelete="CASCADE"))
+    custom_id: Mapped[str]  # the user's key; unique per job
+    seq: Mapped[int] = mapped_column(Integer)  # position in the input; unique per job
+    input: Mapped[str]  # the user's text as given
+    prompt: Mapped[str | None]  # rendered model prompt; NULL for items refused at submit
+    params_json: Mapped[str]  # per-item overrides as JSON text ("{}" when none)
+    status: Mapped[str] = mapped_column(String(16))  # one of ITEM_STATES
+    attempts: Mapped[int] = mapped_column(Integer, default=0)  # claims so far
+    claimed_by: Mapped[str | None]  # worker holding the item while in_progress
+    claimed_at: Mapped[datetime | None]
+    output: Mapped[str | None]  # generated text
+    finish_reason: Mapped[str | None]  # stop, length, error, cancelled
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    latency_s: Mapped[float | None] = mapped_column(Float)
+    error: Mapped[str | None]  # why the item failed
+    finished_at: Mapped[datetime | None]  # entered completed, failed or cancelled
+
+
+jobs = Job.__table__
+items = Item.__table__

@@ -1,0 +1,408 @@
+"""JobStore: the one interface between layerbus and its database (SQLite or PostgreSQL).
+
+Every method is one transaction. Claims are exclusive: BEGIN IMMEDIATE on SQLite, row locks with
+SKIP LOCKED on PostgreSQL, so any number of broker processes can claim from one job. Locks are always
+taken items first, then the job row, so concurrent claims, completions and cancels cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Connection, Engine, Select, bindparam, case, func, insert, select, update
+from sqlalchemy.exc import IntegrityError
+
+from storage.engine import READ_ONLY_OPTION, create_tables, open_engine
+from storage.errors import StoreError, mask_url
+from storage.records import ClaimedItem, InvalidItem, ItemResult, JobSettings, JobStatus, NewItem
+from storage.rows import RESULT_COLUMNS, claimed_item, duplicate_message, invalid_item_row, new_item_row, result_params
+from storage.schema import items as items_table
+from storage.schema import jobs as jobs_table
+from storage.states import (
+    CANCELLABLE_JOB_STATES,
+    FINISHED_ITEM_STATES,
+    RUNNABLE_JOB_STATES,
+    check_finish_reason,
+    check_job_transition,
+    timestamp_column,
+)
+from storage.status import StateAggregate, build_job_status
+
+# Rows per page when streaming results, and ids per IN (...) list (SQLite allows 32,766 parameters).
+_PAGE = 1000
+
+
+def _utc(now: datetime | None) -> datetime:
+    return now if now is not None else datetime.now(timezone.utc)
+
+
+def new_job_id() -> str:
+    return "job_" + secrets.token_hex(6)
+
+
+class JobStore:
+    """Jobs and their items in one SQL database; open with JobStore.open(url)."""
+
+    def __init__(self, engine: Engine, url: str) -> None:
+        self._engine = engine
+        self._read_engine = engine.execution_options(**{READ_ONLY_OPTION: True})
+        # Only PostgreSQL needs (and understands) row locks; SQLite's BEGIN IMMEDIATE locks the database.
+        self._row_locks = engine.dialect.name == "postgresql"
+        # The URL with its password masked, for messages.
+        self.url = mask_url(url)
+
+    @classmethod
+    def open(cls, url: str) -> JobStore:
+        """Connect to `url` and create the tables if needed; StoreError says what is wrong with a bad URL."""
+        engine = open_engine(url)
+        try:
+            create_tables(engine, url)
+        except StoreError:
+            engine.dispose()
+            raise
+        return cls(engine, url)
+
+    def close(self) -> None:
+        self._engine.dispose()
+
+    def __enter__(self) -> JobStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- submitting -------------------------------------------------------------------------------
+
+    def create_job(
+        self,
+        settings: JobSettings,
+        items: Sequence[NewItem],
+        invalid_items: Sequence[InvalidItem] = (),
+        now: datetime | None = None,
+    ) -> str:
+        """Store a job and all its items in one transaction, queued; returns the new job id.
+
+        Validation happens before (in jobs/), so the job is stored already past validating; both
+        created_at and queued_at are stamped. Invalid items are stored as failed, finish_reason 'error'.
+        """
+        now = _utc(now)
+        job_id = new_job_id()
+        rows = [new_item_row(job_id, item) for item in items]
+        rows += [invalid_item_row(job_id, item, now) for item in invalid_items]
+        job_row = {
+            "id": job_id, "name": settings.name, "task": settings.task, "model": settings.model,
+            "settings_json": settings.to_json(), "input_path": settings.input_path, "results_path": None,
+            "status": "queued", "total_count": len(rows), "error": None, "created_at": now, "queued_at": now,
+        }  # fmt: skip
+        try:
+            with self._write() as conn:
+                conn.execute(insert(jobs_table), job_row)
+                if rows:
+                    conn.execute(insert(items_table), rows)
+        except IntegrityError as exc:
+            raise StoreError(duplicate_message(rows, exc)) from exc
+        return job_id
+
+    # --- running ----------------------------------------------------------------------------------
+
+    def claim_items(self, job_id: str, worker: str, limit: int, now: datetime | None = None) -> list[ClaimedItem]:
+        """Move up to `limit` queued items (in seq order) to in_progress for `worker`; [] when none are left.
+
+        The first claim moves the job from queued to in_progress. Jobs that are not queued or
+        in_progress (cancelling, finalizing, ...) hand out nothing.
+        """
+        if limit < 1:
+            raise ValueError(f"claim_items needs limit >= 1, got {limit=}")
+        now = _utc(now)
+        with self._write() as conn:
+            job_status = self._job_field(conn, job_id, jobs_table.c.status)
+            if job_status not in RUNNABLE_JOB_STATES:
+                return []
+            query = (
+                select(items_table.c.id, items_table.c.custom_id, items_table.c.input, items_table.c.prompt, items_table.c.params_json,
+                       items_table.c.attempts, items_table.c.seq)
+                .where(items_table.c.job_id == job_id, items_table.c.status == "queued")
+                .order_by(items_table.c.seq)
+                .limit(limit)
+            )  # fmt: skip
+            rows = conn.execute(self._locking(query, skip_locked=True)).all()
+            if not rows:
+                return []
+            conn.execute(
+                update(items_table)
+                .where(items_table.c.id.in_([r.id for r in rows]))
+                .values(status="in_progress", attempts=items_table.c.attempts + 1, claimed_by=worker, claimed_at=now)
+            )
+            if job_status == "queued":
+                conn.execute(
+                    update(jobs_table)
+                    .where(jobs_table.c.id == job_id, jobs_table.c.status == "queued")
+                    .values(status="in_progress", in_progress_at=now)
+                )
+        return [claimed_item(job_id, row) for row in rows]
+
+    def complete_items(self, results: Sequence[ItemResult], now: datetime | None = None) -> list[int]:
+        """Record results of in_progress items (failed when error is set); returns the ids written.
+
+        Items no longer in_progress (already finished, cancelled, requeued) are skipped, so a late
+        duplicate result never overwrites a final one. Within `results`, the first result for an id wins.
+        """
+        now = _utc(now)
+        first: dict[int, ItemResult] = {}
+        for result in results:
+            check_finish_reason(result.item_id, result.finish_reason)
+            first.setdefault(result.item_id, result)
+        written: set[int] = set()
+        with self._write() as conn:
+            for chunk in _chunks(list(first)):
+                live = self._lock_in_progress(conn, items_table.c.id.in_(chunk))
+                if not live:
+                    continue
+                conn.execute(
+                    update(items_table)
+                    .where(items_table.c.id == bindparam("b_id"), items_table.c.status == "in_progress")
+                    .values(
+                        status=bindparam("b_status"), output=bindparam("b_output"),
+                        finish_reason=bindparam("b_finish_reason"), prompt_tokens=bindparam("b_prompt_tokens"),
+                        completion_tokens=bindparam("b_completion_tokens"), latency_s=bindparam("b_latency_s"),
+                        error=bindparam("b_error"), finished_at=now,
+                    ),  # fmt: skip
+                    [result_params(first[item_id]) for item_id, _ in live],
+                )
+                written.update(item_id for item_id, _ in live)
+                self._settle_cancelling(conn, {job_id for _, job_id in live}, now)
+        return [item_id for item_id in first if item_id in written]
+
+    def requeue_items(self, item_ids: Iterable[int], now: datetime | None = None) -> list[int]:
+        """Move in_progress items back to queued (for a retry); returns the ids requeued.
+
+        Items of a cancelling job are cancelled instead, and the job becomes cancelled once nothing
+        of it is in flight. Items not in_progress are left alone.
+        """
+        now = _utc(now)
+        requeued: list[int] = []
+        with self._write() as conn:
+            for chunk in _chunks(list(dict.fromkeys(item_ids))):
+                requeued += self._requeue(conn, self._lock_in_progress(conn, items_table.c.id.in_(chunk)), now)
+        return requeued
+
+    def requeue_in_flight(self, job_id: str, now: datetime | None = None) -> int:
+        """Requeue every in_progress item of a job (a broker restarting); returns how many were requeued."""
+        now = _utc(now)
+        with self._write() as conn:
+            self._job_field(conn, job_id, jobs_table.c.status)
+            live = self._lock_in_progress(conn, items_table.c.job_id == job_id)
+            return len(self._requeue(conn, live, now))
+
+    # --- job lifecycle ----------------------------------------------------------------------------
+
+    def set_job_status(self, job_id: str, status: str, error: str | None = None, now: datetime | None = None) -> None:
+        """Move a job to `status`, stamping `<status>_at`; StoreError if the lifecycle forbids the move."""
+        now = _utc(now)
+        with self._write() as conn:
+            query = select(jobs_table.c.status).where(jobs_table.c.id == job_id)
+            current = conn.execute(self._locking(query)).scalar_one_or_none()
+            if current is None:
+                raise self._no_job(job_id)
+            check_job_transition(job_id, current, status)
+            values: dict[str, Any] = {"status": status, timestamp_column(status): now}
+            if error is not None:
+                values["error"] = error
+            conn.execute(update(jobs_table).where(jobs_table.c.id == job_id).values(**values))
+
+    def cancel_job(self, job_id: str, now: datetime | None = None) -> str:
+        """Cancel a job's queued items and return the job's new status.
+
+        The job becomes cancelled at once when nothing is in flight, otherwise cancelling until its
+        in-flight items finish or are requeued. Finished outputs stay. Cancelling twice is harmless.
+        """
+        now = _utc(now)
+        with self._write() as conn:
+            current = self._job_field(conn, job_id, jobs_table.c.status)
+            if current in ("cancelling", "cancelled"):
+                return current
+            if current not in CANCELLABLE_JOB_STATES:
+                raise StoreError(
+                    f"job {job_id!r} is {current}: only {', '.join(CANCELLABLE_JOB_STATES)} jobs can be cancelled"
+                )
+            # Locking in-flight items first waits out concurrent completions/requeues, so the count below is final.
+            in_flight = len(self._lock_in_progress(conn, items_table.c.job_id == job_id))
+            conn.execute(
+                update(items_table)
+                .where(items_table.c.job_id == job_id, items_table.c.status == "queued")
+                .values(status="cancelled", finish_reason="cancelled", finished_at=now)
+            )
+            target = "cancelling" if in_flight else "cancelled"
+            moved = conn.execute(
+                update(jobs_table)
+                .where(jobs_table.c.id == job_id, jobs_table.c.status == current)
+                .values(status=target, cancelling_at=now, **({"cancelled_at": now} if target == "cancelled" else {}))
+            )
+            if moved.rowcount != 1:
+                raise StoreError(f"job {job_id!r} changed state while being cancelled; run the cancel again")
+        return target
+
+    def set_results_path(self, job_id: str, path: str | Path) -> None:
+        with self._write() as conn:
+            self._job_field(conn, job_id, jobs_table.c.id)
+            conn.execute(update(jobs_table).where(jobs_table.c.id == job_id).values(results_path=str(path)))
+
+    # --- reading ----------------------------------------------------------------------------------
+
+    def job_status(self, job_id: str, now: datetime | None = None) -> JobStatus:
+        """State, counts, throughput and ETA of one job (two queries)."""
+        with self._read() as conn:
+            job = conn.execute(select(jobs_table).where(jobs_table.c.id == job_id)).mappings().one_or_none()
+            if job is None:
+                raise self._no_job(job_id)
+            aggregates = self._aggregates(conn, [job_id])
+        return build_job_status(job, aggregates.get(job_id, []), _utc(now))
+
+    def list_jobs(self, limit: int = 20, now: datetime | None = None) -> list[JobStatus]:
+        """The `limit` most recently created jobs, newest first."""
+        with self._read() as conn:
+            rows = conn.execute(
+                select(jobs_table).order_by(jobs_table.c.created_at.desc(), jobs_table.c.id.desc()).limit(limit)
+            ).mappings().all()
+            aggregates = self._aggregates(conn, [r["id"] for r in rows])
+        return [build_job_status(r, aggregates.get(r["id"], []), _utc(now)) for r in rows]
+
+    def latest_job_id(self) -> str | None:
+        with self._read() as conn:
+            query = select(jobs_table.c.id).order_by(jobs_table.c.created_at.desc(), jobs_table.c.id.desc()).limit(1)
+            return conn.execute(query).scalar_one_or_none()
+
+    def next_runnable_job(self) -> str | None:
+        """The oldest job with work to hand out (queued or in_progress), or None."""
+        with self._read() as conn:
+            query = (
+                select(jobs_table.c.id)
+                .where(jobs_table.c.status.in_(RUNNABLE_JOB_STATES))
+                .order_by(jobs_table.c.created_at, jobs_table.c.id)
+                .limit(1)
+            )
+            return conn.execute(query).scalar_one_or_none()
+
+    def job_settings(self, job_id: str) -> JobSettings:
+        with self._read() as conn:
+            return JobSettings.from_json(self._job_field(conn, job_id, jobs_table.c.settings_json))
+
+    def item_results(self, job_id: str) -> Iterator[dict[str, Any]]:
+        """Finished items (completed, failed, cancelled) of a job in seq order, as result rows.
+
+        Keys: custom_id, seq, input, output, finish_reason, prompt_tokens, completion_tokens,
+        latency_s, error, status. Read in pages, each its own short transaction.
+        """
+        with self._read() as conn:
+            self._job_field(conn, job_id, jobs_table.c.id)
+        return self._result_pages(job_id)
+
+    # --- internals --------------------------------------------------------------------------------
+
+    @contextmanager
+    def _write(self) -> Iterator[Connection]:
+        with self._engine.begin() as conn:
+            yield conn
+
+    @contextmanager
+    def _read(self) -> Iterator[Connection]:
+        with self._read_engine.begin() as conn:
+            yield conn
+
+    def _locking(self, query: Select[Any], skip_locked: bool = False) -> Select[Any]:
+        return query.with_for_update(skip_locked=skip_locked) if self._row_locks else query
+
+    def _no_job(self, job_id: str) -> StoreError:
+        return StoreError(f"no job {job_id!r} in {self.url}; `layerbus status` lists the jobs")
+
+    def _job_field(self, conn: Connection, job_id: str, column: Any) -> Any:
+        value = conn.execute(select(column).where(jobs_table.c.id == job_id)).scalar_one_or_none()
+        if value is None:
+            raise self._no_job(job_id)
+        return value
+
+    def _lock_in_progress(self, conn: Connection, condition: Any) -> list[tuple[int, str]]:
+        """(id, job_id) of in_progress items matching `condition`, locked in id order on PostgreSQL."""
+        query = (
+            select(items_table.c.id, items_table.c.job_id)
+            .where(condition, items_table.c.status == "in_progress")
+            .order_by(items_table.c.id)
+        )
+        return [(r.id, r.job_id) for r in conn.execute(self._locking(query))]
+
+    def _requeue(self, conn: Connection, live: list[tuple[int, str]], now: datetime) -> list[int]:
+        if not live:
+            return []
+        job_ids = {job_id for _, job_id in live}
+        cancelling = set(
+            conn.execute(select(jobs_table.c.id).where(jobs_table.c.id.in_(job_ids), jobs_table.c.status == "cancelling")).scalars()
+        )
+        to_queue = [item_id for item_id, job_id in live if job_id not in cancelling]
+        to_cancel = [item_id for item_id, job_id in live if job_id in cancelling]
+        if to_queue:
+            conn.execute(
+                update(items_table).where(items_table.c.id.in_(to_queue)).values(status="queued", claimed_by=None, claimed_at=None)
+            )
+        if to_cancel:
+            conn.execute(
+                update(items_table)
+                .where(items_table.c.id.in_(to_cancel))
+                .values(status="cancelled", finish_reason="cancelled", finished_at=now)
+            )
+            self._settle_cancelling(conn, cancelling, now)
+        return to_queue
+
+    def _settle_cancelling(self, conn: Connection, job_ids: set[str], now: datetime) -> None:
+        """Move cancelling jobs among `job_ids` to cancelled once none of their items is in flight."""
+        query = select(jobs_table.c.id).where(jobs_table.c.id.in_(job_ids), jobs_table.c.status == "cancelling")
+        for job_id in conn.execute(self._locking(query)).scalars().all():
+            in_flight = conn.execute(
+                select(func.count()).where(items_table.c.job_id == job_id, items_table.c.status == "in_progress")
+            ).scalar_one()
+            if in_flight == 0:
+                conn.execute(update(jobs_table).where(jobs_table.c.id == job_id).values(status="cancelled", cancelled_at=now))
+
+    def _aggregates(self, conn: Connection, job_ids: list[str]) -> dict[str, list[StateAggregate]]:
+        if not job_ids:
+            return {}
+        query = (
+            select(
+                items_table.c.job_id,
+                items_table.c.status,
+                func.count(),
+                func.sum(case((items_table.c.attempts > 0, 1), else_=0)),
+                func.coalesce(func.sum(items_table.c.prompt_tokens), 0),
+                func.coalesce(func.sum(items_table.c.completion_tokens), 0),
+            )
+            .where(items_table.c.job_id.in_(job_ids))
+            .group_by(items_table.c.job_id, items_table.c.status)
+        )
+        out: dict[str, list[StateAggregate]] = {}
+        for job_id, status, count, ran, prompt_tokens, completion_tokens in conn.execute(query):
+            agg = StateAggregate(status, int(count), int(ran), int(prompt_tokens), int(completion_tokens))
+            out.setdefault(job_id, []).append(agg)
+        return out
+
+    def _result_pages(self, job_id: str) -> Iterator[dict[str, Any]]:
+        columns = [items_table.c[name] for name in RESULT_COLUMNS]
+        last_seq: int | None = None
+        while True:
+            query = select(*columns).where(items_table.c.job_id == job_id, items_table.c.status.in_(FINISHED_ITEM_STATES))
+            if last_seq is not None:
+                query = query.where(items_table.c.seq > last_seq)
+            with self._read() as conn:
+                page = conn.execute(query.order_by(items_table.c.seq).limit(_PAGE)).mappings().all()
+            yield from (dict(row) for row in page)
+            if len(page) < _PAGE:
+                return
+            last_seq = page[-1]["seq"]
+
+
+def _chunks(values: list[int]) -> Iterator[list[int]]:
+    for start in range(0, len(values), _PAGE):
+        yield values[start : start + _PAGE]
