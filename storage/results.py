@@ -1,0 +1,177 @@
+"""Parquet results of a job: numbered part files while the job runs, one merged file when it finishes.
+
+Layout under results_dir:
+    <job_id>/part-00001.parquet, part-00002.parquet, ...   written by the broker as batches finish
+    <job_id>.parquet                                          the final file, written by finalize()
+
+Every file is written to a temporary name in the same folder, fsynced, renamed into place and the
+folder fsynced, so a killed run never leaves an unreadable file under a final name. After a successful
+finalize the parts are deleted (the final file holds every row); finalize reads an existing final file
+as its oldest input, so running it again after more parts, or after a crash mid-cleanup, loses nothing.
+A job has one writer at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+# Result columns, in file order; seq (the item's position in the input) orders the final file.
+RESULT_SCHEMA = pa.schema(
+    [
+        ("custom_id", pa.string()),
+        ("input", pa.string()),
+        ("output", pa.string()),
+        ("finish_reason", pa.string()),
+        ("prompt_tokens", pa.int64()),
+        ("completion_tokens", pa.int64()),
+        ("latency_s", pa.float64()),
+        ("error", pa.string()),
+        ("status", pa.string()),
+        ("seq", pa.int64()),
+    ]
+)
+_PART_NAME = re.compile(r"^part-(\d{5,})\.parquet$")
+_TMP_SUFFIX = ".tmp"
+
+
+class ResultWriter:
+    """Writes one job's result parts and merges them into the final file."""
+
+    def __init__(self, results_dir: Path, job_id: str) -> None:
+        # Folder that holds <job_id>.parquet and the <job_id>/ parts folder.
+        self.results_dir = Path(results_dir)
+        # The job whose results these are; stored in the final file's metadata.
+        self.job_id = job_id
+        # Folder of the numbered part files.
+        self.parts_dir = self.results_dir / job_id
+        # The merged file finalize() writes.
+        self.final_path = self.results_dir / f"{job_id}.parquet"
+        # A restarted writer continues after the parts already on disk.
+        self._next_part = max(_part_numbers(self.parts_dir), default=0) + 1
+        _remove_temporaries(self.parts_dir, "part-")
+        _remove_temporaries(self.results_dir, f"{job_id}.")
+
+    def part_paths(self) -> list[Path]:
+        """Part files on disk, in the order they were written."""
+        return [self.parts_dir / _part_name(n) for n in sorted(_part_numbers(self.parts_dir))]
+
+    def write_part(self, rows: list[dict[str, Any]]) -> Path:
+        """Write `rows` (dicts keyed by RESULT_SCHEMA columns; missing ones are null) as the next part."""
+        if not rows:
+            raise ValueError(f"write_part got no rows for job {self.job_id!r}: skip empty batches")
+        table = _to_table(rows)
+        self.parts_dir.mkdir(parents=True, exist_ok=True)
+        path = self.parts_dir / _part_name(self._next_part)
+        write_atomically(table, path)
+        self._next_part += 1
+        return path
+
+    def finalize(self, metadata: dict[str, str], store_rows: Iterable[dict[str, Any]] = ()) -> Path:
+        """Merge the parts into <job_id>.parquet, one row per custom_id, and delete the parts.
+
+        Later parts win over earlier ones; `store_rows` (from JobStore.item_results: items failed at
+        submit, cancelled items, or every finished item) win over all parts. `metadata` (model,
+        settings JSON, ...) goes into the Parquet key-value metadata next to job_id.
+        """
+        if metadata.get("job_id", self.job_id) != self.job_id:
+            raise ValueError(f"finalize metadata names job {metadata['job_id']!r} but this writer is for {self.job_id!r}")
+        parts = self.part_paths()
+        sources = ([self.final_path] if self.final_path.exists() else []) + parts
+        tables = [pq.read_table(path, schema=RESULT_SCHEMA) for path in sources]
+        store_rows = list(store_rows)
+        if store_rows:
+            tables.append(_to_table(store_rows))
+        merged = _last_row_per_custom_id(pa.concat_tables(tables) if tables else RESULT_SCHEMA.empty_table())
+        # A re-run of finalize keeps what an earlier one recorded unless told otherwise.
+        earlier = results_metadata(self.final_path) if self.final_path.exists() else {}
+        file_metadata = {**earlier, **metadata, "job_id": self.job_id}
+        self.results_dir.mkdir(parents=True, exist_ok=True)
+        write_atomically(merged.replace_schema_metadata(file_metadata), self.final_path)
+        for path in parts:
+            path.unlink()
+        shutil.rmtree(self.parts_dir, ignore_errors=True)
+        return self.final_path
+
+
+def write_atomically(table: pa.Table, path: Path) -> None:
+    """Write `table` to `path` so that `path` is either absent, its old content, or the whole new file."""
+    tmp = path.with_name(path.name + _TMP_SUFFIX)
+    with open(tmp, "wb") as handle:
+        pq.write_table(table, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    _fsync_folder(path.parent)
+
+
+def read_results(path: Path) -> pa.Table:
+    """A results file (final or part) as a table; its metadata via results_metadata()."""
+    return pq.read_table(path)
+
+
+def results_metadata(path: Path) -> dict[str, str]:
+    """The key-value metadata of a results file: job_id, model, settings, ..."""
+    raw = pq.read_schema(path).metadata or {}
+    return {k.decode(): v.decode() for k, v in raw.items() if not k.startswith(b"ARROW:")}
+
+
+def settings_metadata(job_id: str, model: str, settings: dict[str, Any]) -> dict[str, str]:
+    """The metadata finalize() expects, from a job's model and settings."""
+    return {"job_id": job_id, "model": model, "settings": json.dumps(settings, sort_keys=True)}
+
+
+def _to_table(rows: list[dict[str, Any]]) -> pa.Table:
+    known = set(RESULT_SCHEMA.names)
+    for index, row in enumerate(rows):
+        unknown = set(row) - known
+        if unknown:
+            raise ValueError(f"result row {index} has unknown column(s) {sorted(unknown)}; columns are {RESULT_SCHEMA.names}")
+        if not isinstance(row.get("custom_id"), str):
+            raise ValueError(f"result row {index} needs a custom_id string, got {row.get('custom_id')!r}")
+    return pa.Table.from_pylist(rows, schema=RESULT_SCHEMA)
+
+
+def _last_row_per_custom_id(table: pa.Table) -> pa.Table:
+    """Keep the last row of each custom_id, ordered by seq (rows without seq last, in arrival order)."""
+    order = pa.array(range(table.num_rows), pa.int64())
+    table = table.append_column("_order", order)
+    last = table.group_by("custom_id", use_threads=False).aggregate([("_order", "max")])["_order_max"]
+    # Arrow puts nulls last by default, which is where rows without a seq belong.
+    kept = table.take(last).sort_by([("seq", "ascending"), ("_order", "ascending")])
+    return kept.drop_columns(["_order"])
+
+
+def _part_name(number: int) -> str:
+    return f"part-{number:05d}.parquet"
+
+
+def _part_numbers(folder: Path) -> list[int]:
+    if not folder.is_dir():
+        return []
+    return [int(m.group(1)) for m in map(_PART_NAME.match, os.listdir(folder)) if m]
+
+
+def _remove_temporaries(folder: Path, prefix: str) -> None:
+    """Delete files a killed writer of this job left half-written; never renamed, nothing refers to them."""
+    if folder.is_dir():
+        for name in os.listdir(folder):
+            if name.startswith(prefix) and name.endswith(".parquet" + _TMP_SUFFIX):
+                (folder / name).unlink(missing_ok=True)
+
+
+def _fsync_folder(folder: Path) -> None:
+    # The rename is only durable once the folder's entry is on disk.
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
