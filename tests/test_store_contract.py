@@ -1,0 +1,319 @@
+"""The JobStore contract: every test runs against a SQLite file and a real PostgreSQL database."""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import statistics
+import time
+from collections import Counter
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, func, select
+
+from storage.errors import StoreError
+from storage.records import InvalidItem, ItemResult, JobSettings, NewItem
+from storage.schema import items as items_table
+from storage.store import JobStore
+
+T0 = datetime(2030, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc)
+SETTINGS = JobSettings(task="generate", model="tiny-model", max_new_tokens=16, name="demo", input_path="in.jsonl")
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'store.db'}"
+    return request.getfixturevalue("postgres_fresh_url")
+
+
+@pytest.fixture
+def store(store_url: str):
+    with JobStore.open(store_url) as opened:
+        yield opened
+
+
+def new_items(n: int, start: int = 0) -> list[NewItem]:
+    return [NewItem(f"id-{i}", f"text {i}", f"prompt {i}", {"max_tokens": 4}, i) for i in range(start, start + n)]
+
+
+def ok(item_id: int, tokens: int = 5) -> ItemResult:
+    return ItemResult(item_id, f"out {item_id}", "stop", prompt_tokens=3, completion_tokens=tokens, latency_s=0.5)
+
+
+def test_create_job_queues_every_item_and_stamps_created_and_queued(store: JobStore) -> None:
+    job_id = store.create_job(SETTINGS, new_items(3), now=T0)
+    status = store.job_status(job_id, now=T0)
+    assert job_id.startswith("job_") and len(job_id) == 16
+    assert (status.status, status.total, status.queued, status.name) == ("queued", 3, 3, "demo")
+    assert status.timestamps["created_at"] == T0 and status.timestamps["queued_at"] == T0
+    assert status.timestamps["in_progress_at"] is None
+    assert store.job_settings(job_id) == SETTINGS
+
+
+def test_claims_follow_seq_order_count_attempts_and_start_the_job(store: JobStore) -> None:
+    shuffled = [NewItem(f"id-{s}", "t", f"p{s}", {"seed": s}, s) for s in (5, 1, 3, 2, 4)]
+    job_id = store.create_job(SETTINGS, shuffled, now=T0)
+    claimed = store.claim_items(job_id, "w1", 3, now=T0 + timedelta(seconds=1))
+    assert [c.custom_id for c in claimed] == ["id-1", "id-2", "id-3"]
+    assert claimed[0].params == {"seed": 1} and claimed[0].prompt == "p1"
+    assert all(c.attempts == 1 and c.job_id == job_id for c in claimed)
+    status = store.job_status(job_id)
+    assert status.status == "in_progress" and status.timestamps["in_progress_at"] == T0 + timedelta(seconds=1)
+    assert (status.in_progress, status.queued) == (3, 2)
+    assert [c.custom_id for c in store.claim_items(job_id, "w2", 10)] == ["id-4", "id-5"]
+    assert store.claim_items(job_id, "w2", 10) == []
+
+
+def test_complete_items_records_outputs_and_failures(store: JobStore) -> None:
+    job_id = store.create_job(SETTINGS, new_items(2), now=T0)
+    first, second = store.claim_items(job_id, "w", 2)
+    failure = ItemResult(second.item_id, None, "error", 3, 0, 0.1, error="CUDA out of memory")
+    assert store.complete_items([ok(first.item_id), failure]) == [first.item_id, second.item_id]
+    rows = list(store.item_results(job_id))
+    assert [(r["custom_id"], r["status"], r["output"], r["error"]) for r in rows] == [
+        ("id-0", "completed", f"out {first.item_id}", None),
+        ("id-1", "failed", None, "CUDA out of memory"),
+    ]
+    status = store.job_status(job_id)
+    assert (status.completed, status.failed, status.completion_tokens, status.prompt_tokens) == (1, 1, 5, 6)
+
+
+def test_late_duplicate_completion_never_overwrites_a_final_result(store: JobStore) -> None:
+    job_id = store.create_job(SETTINGS, new_items(1))
+    (item,) = store.claim_items(job_id, "w", 1)
+    assert store.complete_items([ok(item.item_id, tokens=5)]) == [item.item_id]
+    late = ItemResult(item.item_id, "stale", "length", 3, 9, 9.0)
+    assert store.complete_items([late]) == []
+    (row,) = store.item_results(job_id)
+    assert (row["output"], row["completion_tokens"]) == (f"out {item.item_id}", 5)
+
+
+def test_requeued_items_are_claimed_again_with_more_attempts(store: JobStore) -> None:
+    job_id = store.create_job(SETTINGS, new_items(3))
+    claimed = store.claim_items(job_id, "w1", 3)
+    assert store.requeue_items([claimed[0].item_id, claimed[0].item_id, 999_999]) == [claimed[0].item_id]
+    again = store.claim_items(job_id, "w2", 5)
+    assert [(c.custom_id, c.attempts) for c in again] == [("id-0", 2)]
+    store.complete_items([ok(again[0].item_id)])
+    assert store.requeue_items([again[0].item_id]) == []  # finished items stay finished
+
+
+def test_requeue_in_flight_returns_every_claimed_item_of_the_job(store: JobStore) -> None:
+    job_id = store.create_job(SETTINGS, new_items(4))
+    other = store.create_job(SETTINGS, new_items(2))
+    store.claim_items(job_id, "w", 3)
+    store.claim_items(other, "w", 2)
+    assert store.requeue_in_flight(job_id) == 3
+    assert (store.job_status(job_id).queued, store.job_status(other).in_progress) == (4, 2)
+
+
+def test_invalid_items_are_recorded_failed_with_their_error(store: JobStore) -> None:
+    bad = [InvalidItem("line-3", '{"text": ', "line 3: not valid JSON", 2)]
+    job_id = store.create_job(SETTINGS, new_items(2), bad, now=T0)
+    status = store.job_status(job_id)
+    assert (status.total, status.queued, status.failed) == (3, 2, 1)
+    assert [c.custom_id for c in store.claim_items(job_id, "w", 5)] == ["id-0", "id-1"]
+    failed = [r for r in store.item_results(job_id) if r["status"] == "failed"]
+    assert failed == [
+        {"custom_id": "line-3", "seq": 2, "input": '{"text": ', "output": None, "finish_reason": "error",
+         "prompt_tokens": None, "completion_tokens": None, "latency_s": None,
+         "error": "line 3: not valid JSON", "status": "failed"}
+    ]  # fmt: skip
+
+
+def test_create_job_is_all_or_nothing(store: JobStore, store_url: str) -> None:
+    items = new_items(5000)
+    items.append(NewItem("id-17", "again", "again", {}, 5000))  # fails in the database, mid-insert
+    with pytest.raises(StoreError, match=r"custom_id 'id-17' appears more than once.*nothing was queued"):
+        store.create_job(SETTINGS, items)
+    assert store.list_jobs() == [] and store.latest_job_id() is None and store.next_runnable_job() is None
+    engine = create_engine(store_url)
+    with engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(items_table)).scalar_one() == 0
+    engine.dispose()
+
+
+def test_cancel_with_nothing_in_flight_is_immediate_and_keeps_finished_outputs(store: JobStore) -> None:
+    job_id = store.create_job(SETTINGS, new_items(3), now=T0)
+    (item,) = store.claim_items(job_id, "w", 1)
+    store.complete_items([ok(item.item_id)])
+    assert store.cancel_job(job_id, now=T0 + timedelta(seconds=9)) == "cancelled"
+    status = store.job_status(job_id)
+    assert (status.status, status.completed, status.cancelled, status.queued) == ("cancelled", 1, 2, 0)
+    assert status.timestamps["cancelled_at"] == T0 + timedelta(seconds=9)
+    assert {r["finish_reason"] for r in store.item_results(job_id) if r["status"] == "cancelled"} == {"cancelled"}
+    assert store.claim_items(job_id, "w", 5) == []
+    assert store.cancel_job(job_id) == "cancelled"  # twice is harmless
+
+
+def test_cancel_with_items_in_flight_waits_for_them(store: JobStore) -> None:
+    job_id = store.create_job(SETTINGS, new_items(4))
+    first, second = store.claim_items(job_id, "w", 2)
+    assert store.cancel_job(job_id) == "cancelling"
+    assert store.claim_items(job_id, "w", 5) == [] and store.next_runnable_job() is None
+    assert store.complete_items([ok(first.item_id)]) == [first.item_id]  # finished outputs are kept
+    assert store.job_status(job_id).status == "cancelling"
+    assert store.requeue_items([second.item_id]) == []  # a retry of a cancelling job cancels the item
+    status = store.job_status(job_id)
+    assert (status.status, status.completed, status.cancelled) == ("cancelled", 1, 3)
+
+
+def test_cancel_of_a_finished_job_is_refused(store: JobStore) -> None:
+    job_id = store.create_job(SETTINGS, new_items(1))
+    store.complete_items([ok(i.item_id) for i in store.claim_items(job_id, "w", 1)])
+    store.set_job_status(job_id, "finalizing")
+    store.set_job_status(job_id, "completed")
+    with pytest.raises(StoreError, match="is completed: only validating, queued, in_progress jobs can be cancelled"):
+        store.cancel_job(job_id)
+
+
+def test_lifecycle_to_completed_stamps_every_state(store: JobStore) -> None:
+    job_id = store.create_job(SETTINGS, new_items(1), now=T0)
+    store.claim_items(job_id, "w", 1, now=T0 + timedelta(seconds=1))
+    store.set_job_status(job_id, "finalizing", now=T0 + timedelta(seconds=2))
+    store.set_results_path(job_id, "/results/x.parquet")
+    store.set_job_status(job_id, "completed", now=T0 + timedelta(seconds=3))
+    status = store.job_status(job_id)
+    assert status.status == "completed" and status.results_path == "/results/x.parquet"
+    stamps = {k: v for k, v in status.timestamps.items() if v is not None}
+    assert stamps == {
+        "created_at": T0, "queued_at": T0, "in_progress_at": T0 + timedelta(seconds=1),
+        "finalizing_at": T0 + timedelta(seconds=2), "completed_at": T0 + timedelta(seconds=3),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("moves", "target"),
+    [([], "completed"), ([], "finalizing"), (["failed"], "queued"), ([], "cancelled"), ([], "bogus")],
+)
+def test_forbidden_transitions_name_both_states(store: JobStore, moves: list[str], target: str) -> None:
+    job_id = store.create_job(SETTINGS, new_items(1))
+    for move in moves:
+        store.set_job_status(job_id, move, error="model not found")
+    current = moves[-1] if moves else "queued"
+    pattern = "unknown job state 'bogus'" if target == "bogus" else f"cannot move from {current} to {target}"
+    with pytest.raises(StoreError, match=pattern):
+        store.set_job_status(job_id, target)
+    assert store.job_status(job_id).status == current
+
+
+def test_failed_job_keeps_its_error(store: JobStore) -> None:
+    job_id = store.create_job(SETTINGS, new_items(1), now=T0)
+    store.set_job_status(job_id, "failed", error="model 'x' not found: check the name", now=T0)
+    status = store.job_status(job_id)
+    assert (status.status, status.error, status.timestamps["failed_at"]) == ("failed", "model 'x' not found: check the name", T0)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda s: s.job_status("job_missing"),
+        lambda s: s.claim_items("job_missing", "w", 1),
+        lambda s: s.set_job_status("job_missing", "failed"),
+        lambda s: s.cancel_job("job_missing"),
+        lambda s: s.requeue_in_flight("job_missing"),
+        lambda s: s.set_results_path("job_missing", "x"),
+        lambda s: s.item_results("job_missing"),
+        lambda s: s.job_settings("job_missing"),
+    ],
+)
+def test_unknown_job_names_the_job_the_store_and_the_way_out(store: JobStore, call) -> None:
+    with pytest.raises(StoreError) as raised:
+        call(store)
+    assert str(raised.value) == f"no job 'job_missing' in {store.url}; `layerbus status` lists the jobs"
+
+
+def test_clock_injection_drives_throughput_and_eta(store: JobStore) -> None:
+    job_id = store.create_job(SETTINGS, new_items(10), now=T0)
+    claimed = store.claim_items(job_id, "w", 4, now=T0 + timedelta(seconds=10))
+    store.complete_items([ok(c.item_id, tokens=25) for c in claimed], now=T0 + timedelta(seconds=20))
+    status = store.job_status(job_id, now=T0 + timedelta(seconds=30))
+    # 100 tokens in the 20 s since in_progress; 4 items in 20 s leaves 6 items for 30 s.
+    assert (status.tokens_per_s, status.eta_s) == (5.0, 30.0)
+    store.set_job_status(job_id, "failed", now=T0 + timedelta(seconds=60))
+    later = store.job_status(job_id, now=T0 + timedelta(days=1))
+    assert (later.tokens_per_s, later.eta_s) == (2.0, None)  # the run ended at 60 s
+
+
+def test_naive_datetimes_are_refused(store: JobStore) -> None:
+    with pytest.raises(Exception, match="naive datetime 2030-01-01T00:00:00"):
+        store.create_job(SETTINGS, new_items(1), now=datetime(2030, 1, 1))
+
+
+def test_listing_latest_and_next_runnable(store: JobStore) -> None:
+    older = store.create_job(SETTINGS, new_items(1), now=T0)
+    newer = store.create_job(SETTINGS, new_items(2), now=T0 + timedelta(minutes=1))
+    assert store.latest_job_id() == newer and store.next_runnable_job() == older
+    assert [(s.job_id, s.total) for s in store.list_jobs()] == [(newer, 2), (older, 1)]
+    assert [s.job_id for s in store.list_jobs(limit=1)] == [newer]
+    store.cancel_job(older)
+    assert store.next_runnable_job() == newer
+
+
+def test_item_results_pages_through_large_jobs_in_seq_order(store: JobStore) -> None:
+    job_id = store.create_job(SETTINGS, new_items(2500))
+    while claimed := store.claim_items(job_id, "w", 500):
+        store.complete_items([ok(c.item_id) for c in claimed])
+    seqs = [row["seq"] for row in store.item_results(job_id)]
+    assert seqs == list(range(2500))
+
+
+def test_job_status_is_fast_on_10000_items(store: JobStore) -> None:
+    job_id = store.create_job(SETTINGS, new_items(10_000))
+    store.complete_items([ok(c.item_id) for c in store.claim_items(job_id, "w", 3000)])
+    timings = []
+    for _ in range(10):
+        start = time.perf_counter()
+        store.job_status(job_id)
+        timings.append(time.perf_counter() - start)
+    assert statistics.median(timings) < 0.1, f"job_status took {statistics.median(timings) * 1000:.1f} ms"
+
+
+def _claim_until_empty(url: str, job_id: str, worker: str, barrier, results) -> None:  # type: ignore[no-untyped-def]
+    """A claimer process: claim small batches and complete them until nothing is left."""
+    claimed: list[int] = []
+    with JobStore.open(url) as store:
+        barrier.wait(timeout=60)
+        while batch := store.claim_items(job_id, worker, 7):
+            claimed += [c.item_id for c in batch]
+            store.complete_items([ok(c.item_id) for c in batch])
+    results.put((worker, claimed))
+
+
+def _collect(results, workers: list) -> dict[str, list[int]]:  # type: ignore[no-untyped-def]
+    """Each worker's claims; fails fast when a worker dies instead of waiting out a timeout."""
+    per_worker: dict[str, list[int]] = {}
+    deadline = time.monotonic() + 120
+    while len(per_worker) < len(workers) and time.monotonic() < deadline:
+        try:
+            worker, claimed = results.get(timeout=0.5)
+            per_worker[worker] = claimed
+        except queue.Empty:
+            crashed = [p.name for p in workers if p.exitcode not in (None, 0)]
+            assert not crashed, f"claimer processes {crashed} crashed; see their traceback above"
+    for process in workers:
+        process.join(timeout=30)
+        assert process.exitcode == 0
+    return per_worker
+
+
+def test_eight_claimer_processes_claim_every_item_exactly_once(store: JobStore, store_url: str) -> None:
+    job_id = store.create_job(SETTINGS, new_items(2000))
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(8), context.Queue()
+    workers = [
+        context.Process(target=_claim_until_empty, args=(store_url, job_id, f"w{n}", barrier, results))
+        for n in range(8)
+    ]
+    for process in workers:
+        process.start()
+    per_worker = _collect(results, workers)
+    claims = Counter(item_id for claimed in per_worker.values() for item_id in claimed)
+    assert [item_id for item_id, n in claims.items() if n > 1] == []
+    assert len(claims) == 2000
+    assert sum(1 for claimed in per_worker.values() if claimed) >= 2, "claims were not concurrent"
+    status = store.job_status(job_id)
+    assert (status.completed, status.queued, status.in_progress) == (2000, 0, 0)
