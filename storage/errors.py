@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-import re
-
-# user:password@ inside a URL; used when SQLAlchemy cannot parse the URL and so cannot mask it itself.
-_PASSWORD_IN_URL = re.compile(r"(?P<scheme>://[^:/@]*):(?P<password>[^@/]*)@")
-
 
 class StoreError(Exception):
     """A job-store operation that cannot be done as asked; str() names the values and the way out."""
 
 
 def mask_url(url: str) -> str:
-    """`url` with any password replaced by ***, safe to show in messages and logs."""
-    # SQLAlchemy's own rendering would need a parsed URL; the regex also covers URLs it rejects.
-    return _PASSWORD_IN_URL.sub(r"\g<scheme>:***@", url)
+    """`url` with any password replaced by ***, safe to show in messages and logs.
+
+    Works on URLs SQLAlchemy rejects too. The last '@' before any '?' ends the credentials, so a
+    password holding a raw '@' is masked whole (a database name with an '@' gets masked as well).
+    """
+    scheme, separator, rest = url.partition("://")
+    at = rest.split("?", 1)[0].rfind("@")
+    if not separator or at < 0 or ":" not in rest[:at]:
+        return url
+    user = rest[:at].split(":", 1)[0]
+    return f"{scheme}://{user}:***@{rest[at + 1 :]}"
