@@ -1,0 +1,157 @@
+"""ResultWriter: numbered parts, crash safety of every file under a final name, and the merged job file."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from storage.records import InvalidItem, ItemResult, JobSettings, NewItem
+from storage.results import RESULT_SCHEMA, ResultWriter, read_results, results_metadata, settings_metadata
+from storage.store import JobStore
+
+JOB = "job_0123456789ab"
+
+
+def row(custom_id: str, seq: int | None, output: str = "out") -> dict:
+    return {"custom_id": custom_id, "seq": seq, "input": f"in {custom_id}", "output": output,
+            "finish_reason": "stop", "prompt_tokens": 3, "completion_tokens": 4, "latency_s": 0.25,
+            "error": None, "status": "completed"}  # fmt: skip
+
+
+def assert_every_final_name_readable(folder: Path) -> None:
+    for path in folder.rglob("*.parquet"):
+        assert pq.read_table(path).schema.names[:9] == RESULT_SCHEMA.names[:9], path
+
+
+def test_parts_are_numbered_and_finalize_keeps_each_custom_id_once(tmp_path: Path) -> None:
+    writer = ResultWriter(tmp_path, JOB)
+    first = writer.write_part([row("b", 1, "first try"), row("a", 0)])
+    second = writer.write_part([row("b", 1, "retry"), row("c", 2)])
+    assert (first.name, second.name) == ("part-00001.parquet", "part-00002.parquet")
+    assert first.parent == tmp_path / JOB
+    submit_failure = {"custom_id": "d", "seq": 3, "input": "{bad", "error": "line 4: not JSON", "status": "failed",
+                      "finish_reason": "error"}  # fmt: skip
+    metadata = settings_metadata(JOB, "tiny-model", {"task": "generate", "max_new_tokens": 16})
+    final = writer.finalize(metadata, store_rows=[submit_failure, row("c", 2, "from the store")])
+    assert final == tmp_path / f"{JOB}.parquet"
+    table = read_results(final)
+    assert table.column_names == RESULT_SCHEMA.names
+    assert [(r["custom_id"], r["output"]) for r in table.to_pylist()] == [
+        ("a", "out"), ("b", "retry"), ("c", "from the store"), ("d", None),
+    ]  # fmt: skip
+    assert results_metadata(final) == {
+        "job_id": JOB, "model": "tiny-model", "settings": json.dumps({"max_new_tokens": 16, "task": "generate"}),
+    }  # fmt: skip
+    assert not (tmp_path / JOB).exists(), "parts are deleted after a successful finalize"
+
+
+def test_a_restarted_writer_continues_the_numbering(tmp_path: Path) -> None:
+    ResultWriter(tmp_path, JOB).write_part([row("a", 0)])
+    ResultWriter(tmp_path, JOB).write_part([row("b", 1)])
+    third = ResultWriter(tmp_path, JOB).write_part([row("c", 2)])
+    assert third.name == "part-00003.parquet"
+
+
+def test_a_half_written_temporary_is_ignored_and_removed(tmp_path: Path) -> None:
+    writer = ResultWriter(tmp_path, JOB)
+    writer.write_part([row("a", 0)])
+    garbage = tmp_path / JOB / "part-00002.parquet.tmp"
+    garbage.write_bytes(b"PAR1 truncated by a kill")
+    (tmp_path / f"{JOB}.parquet.tmp").write_bytes(b"half a final file")
+    (tmp_path / "job_other.parquet.tmp").write_bytes(b"another job's writer is busy with this")
+    restarted = ResultWriter(tmp_path, JOB)
+    assert not garbage.exists() and not (tmp_path / f"{JOB}.parquet.tmp").exists()
+    assert (tmp_path / "job_other.parquet.tmp").exists()
+    assert restarted.write_part([row("b", 1)]).name == "part-00002.parquet"
+    assert read_results(restarted.finalize({})).column("custom_id").to_pylist() == ["a", "b"]
+
+
+def _write_parts_forever(results_dir: str) -> None:
+    """A writer that never stops; the test kills it with SIGKILL at a random moment."""
+    writer = ResultWriter(Path(results_dir), JOB)
+    batch = [row(f"id-{i}", i, "x" * 300) for i in range(4000)]
+    while True:
+        writer.write_part(batch)
+
+
+def test_a_writer_killed_mid_write_never_leaves_an_unreadable_final_name(tmp_path: Path) -> None:
+    context = multiprocessing.get_context("spawn")
+    parts = tmp_path / JOB
+    for attempt in range(3):
+        before = len(list(parts.glob("part-*.parquet")))
+        child = context.Process(target=_write_parts_forever, args=(str(tmp_path),))
+        child.start()
+        deadline = time.monotonic() + 60
+        while len(list(parts.glob("part-*.parquet"))) < before + 2 and time.monotonic() < deadline:
+            assert child.is_alive(), f"writer exited with {child.exitcode}"
+            time.sleep(0.01)
+        time.sleep(random.uniform(0, 0.05))
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+        assert child.exitcode == -signal.SIGKILL
+        assert_every_final_name_readable(tmp_path)
+    numbers = sorted(int(p.name[5:10]) for p in parts.glob("part-*.parquet"))
+    assert numbers == list(range(1, len(numbers) + 1)), "restarts continue the numbering without gaps"
+    restarted = ResultWriter(tmp_path, JOB)
+    assert list(parts.glob("*.tmp")) == []
+    assert restarted.write_part([row("late", 99_999)]).name == f"part-{numbers[-1] + 1:05d}.parquet"
+    final = restarted.finalize({"model": "m"})
+    assert read_results(final).num_rows == 4001
+
+
+def test_finalize_again_after_more_parts_keeps_earlier_rows_and_metadata(tmp_path: Path) -> None:
+    writer = ResultWriter(tmp_path, JOB)
+    writer.write_part([row("a", 0), row("b", 1, "failed once")])
+    writer.finalize(settings_metadata(JOB, "m", {"seed": 1}))
+    retry = ResultWriter(tmp_path, JOB)
+    assert retry.write_part([row("b", 1, "second run")]).name == "part-00001.parquet"
+    final = retry.finalize({})
+    assert [r["output"] for r in read_results(final).to_pylist()] == ["out", "second run"]
+    assert results_metadata(final)["model"] == "m"
+
+
+def test_finalize_with_rows_from_a_real_store(tmp_path: Path) -> None:
+    with JobStore.open(f"sqlite:///{tmp_path / 'store.db'}") as store:
+        items = [NewItem(f"id-{i}", f"text {i}", f"p {i}", {}, i) for i in (0, 2)]
+        job_id = store.create_job(JobSettings(task="generate", model="m"), items, [InvalidItem("id-1", "?", "empty", 1)])
+        writer = ResultWriter(tmp_path / "results", job_id)
+        claimed = store.claim_items(job_id, "w", 10)
+        results = [ItemResult(c.item_id, f"out {c.custom_id}", "stop", 2, 3, 0.1) for c in claimed]
+        store.complete_items(results)
+        writer.write_part([row(c.custom_id, i * 2, f"out {c.custom_id}") for i, c in enumerate(claimed)])
+        failed_at_submit = [r for r in store.item_results(job_id) if r["status"] == "failed"]
+        final = writer.finalize(settings_metadata(job_id, "m", {}), store_rows=failed_at_submit)
+    assert [(r["custom_id"], r["status"], r["error"]) for r in read_results(final).to_pylist()] == [
+        ("id-0", "completed", None), ("id-1", "failed", "empty"), ("id-2", "completed", None),
+    ]  # fmt: skip
+
+
+def test_finalize_of_a_job_without_rows_writes_an_empty_file(tmp_path: Path) -> None:
+    final = ResultWriter(tmp_path, JOB).finalize({"model": "m"})
+    assert read_results(final).num_rows == 0 and results_metadata(final)["job_id"] == JOB
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([], "write_part got no rows for job 'job_0123456789ab'"),
+        ([{"custom_id": "a", "outptu": "typo"}], r"result row 0 has unknown column\(s\) \['outptu'\]"),
+        ([{"output": "no id"}], "result row 0 needs a custom_id string, got None"),
+    ],
+)
+def test_bad_rows_are_refused(tmp_path: Path, rows: list, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ResultWriter(tmp_path, JOB).write_part(rows)
+
+
+def test_metadata_for_another_job_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="names job 'job_other' but this writer is for 'job_0123456789ab'"):
+        ResultWriter(tmp_path, JOB).finalize({"job_id": "job_other"})
