@@ -65,7 +65,9 @@ def run_step(shard: StageShard, arena: KVArena, rows: list[StepRow], inputs: tor
         hidden = _run_group(shard, arena, run.group, batch)
         for j, i in enumerate(run.row_indices):
             outputs[i] = hidden[j]
-    return torch.cat(outputs) if outputs else inputs.new_empty((0,))
+    if not outputs:  # a step that only releases slots
+        return torch.empty((0, shard.config.hidden_size), dtype=shard.dtype, device=shard.device)
+    return torch.cat(outputs)
 
 
 def _run_group(shard: StageShard, arena: KVArena, group: CacheGroup, batch: torch.Tensor) -> torch.Tensor:

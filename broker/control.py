@@ -1,0 +1,176 @@
+"""The broker's control plane: a ROUTER socket where stages register, get their spans, heartbeat
+and report failures. It keeps one `StageInfo` per stage; the pipeline loop reads events from it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import zmq
+
+from wire import protocol
+from wire.frames import WireError, decode, encode
+from wire.spans import LayerRange
+
+log = logging.getLogger("layerbus.broker")
+
+
+class ClusterError(RuntimeError):
+    """The stages cannot serve: too few registered, a load failed, a stage went silent."""
+
+
+@dataclass
+class StageInfo:
+    """What the broker knows about one registered stage."""
+
+    identity: bytes  # ROUTER identity (the stage's name)
+    name: str
+    device: str
+    dtype: str
+    threads: int
+    memory_budget: int | None
+    data_address: str  # where the stage receives steps
+    host: str
+    pid: int
+    last_seen: float  # broker clock when anything last arrived from it
+    state: str = "registered"  # registered, loading, ready, failed, gone
+    layers: LayerRange | None = None
+    param_bytes: int = 0
+    load_s: float = 0.0
+    peak_rss: int = 0
+    stats: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ControlEvent:
+    """Something the pipeline loop must act on."""
+
+    kind: str  # failure, rejected, bye
+    stage: str
+    header: dict
+
+
+class ControlPlane:
+    def __init__(self, context: zmq.Context, bind: str = "tcp://127.0.0.1:*",
+                 clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.socket = context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted stage may reuse its name
+        self.socket.bind(bind)
+        self.address = self.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.stages: dict[bytes, StageInfo] = {}
+        self.epoch = 0
+        self.last_heartbeat = 0.0
+
+    # -- receiving -----------------------------------------------------------------------------
+    def poll(self, timeout_ms: int = 0) -> list[ControlEvent]:
+        events = []
+        if self.socket.poll(timeout_ms):
+            while self.socket.poll(0):
+                events.extend(self._handle(self.socket.recv_multipart(copy=False)))
+        return events
+
+    def _handle(self, frames) -> list[ControlEvent]:
+        identity = bytes(frames[0].buffer)
+        try:
+            message = decode(frames[1:], 1 << 20)
+        except WireError as error:
+            log.error("malformed control message from stage %r: %s", identity.decode(errors="replace"), error)
+            return []
+        header, kind, now = message.header, message.kind, self.clock()
+        if kind == protocol.REGISTER:
+            self._register(identity, header, now)
+            return []
+        stage = self.stages.get(identity)
+        if stage is None:
+            log.warning("control message %r from unregistered stage %r ignored", kind, identity)
+            return []
+        stage.last_seen = now
+        if "stats" in header and isinstance(header["stats"], dict):
+            stage.stats = header["stats"]
+        if kind == protocol.READY and header.get("epoch") == self.epoch:
+            stage.state = "ready"
+            stage.param_bytes = int(header.get("param_bytes", 0))
+            stage.load_s = float(header.get("load_s", 0.0))
+            stage.peak_rss = int(header.get("peak_rss", 0))
+        elif kind == protocol.FAILURE:
+            log.error("stage %s reports: %s", stage.name, header.get("error"))
+            if "step" not in header:  # a load failure: the stage cannot serve its span
+                stage.state, stage.error = "failed", str(header.get("error"))
+            return [ControlEvent("failure", stage.name, header)]
+        elif kind == protocol.REJECTED:
+            log.error("stage %s rejected a message from %s: %s", stage.name, header.get("sender"), header.get("error"))
+            return [ControlEvent("rejected", stage.name, header)]
+        elif kind == protocol.BYE:
+            stage.state = "gone"
+            return [ControlEvent("bye", stage.name, header)]
+        return []
+
+    def _register(self, identity: bytes, header: dict, now: float) -> None:
+        try:
+            protocol.require_fields(header, "register", {"name": str, "device": str, "dtype": str,
+                                                         "threads": int, "data_address": str})
+        except WireError as error:
+            log.error("registration from %r refused: %s", identity, error)
+            return
+        self.stages[identity] = StageInfo(
+            identity=identity, name=header["name"], device=header["device"], dtype=header["dtype"],
+            threads=header["threads"], memory_budget=header.get("memory_budget"),
+            data_address=header["data_address"], host=str(header.get("host", "?")),
+            pid=int(header.get("pid", 0)), last_seen=now)
+        log.info("stage %s registered (%s, %s, %d threads, data at %s)", header["name"], header["device"],
+                 header["dtype"], header["threads"], header["data_address"])
+
+    # -- sending -------------------------------------------------------------------------------
+    def send(self, stage: StageInfo, kind: str, **fields) -> None:
+        self.socket.send_multipart([stage.identity, *encode(dict(fields, kind=kind))], copy=False)
+
+    def heartbeat(self, interval_s: float) -> None:
+        now = self.clock()
+        if now - self.last_heartbeat >= interval_s:
+            for stage in self.live_stages():
+                self.send(stage, protocol.HEARTBEAT)
+            self.last_heartbeat = now
+
+    def live_stages(self) -> list[StageInfo]:
+        return [s for s in self.stages.values() if s.state != "gone"]
+
+    def shutdown_all(self) -> None:
+        for stage in self.live_stages():
+            self.send(stage, protocol.SHUTDOWN)
+
+    # -- orchestration -------------------------------------------------------------------------
+    def wait_for_stages(self, count: int, timeout_s: float) -> list[StageInfo]:
+        deadline = self.clock() + timeout_s
+        while len(self.live_stages()) < count:
+            if self.clock() > deadline:
+                raise ClusterError(f"{len(self.live_stages())} of {count} stages registered within {timeout_s:.0f} s "
+                                   f"at {self.address}; start more with `layerbus stage --broker {self.address}`")
+            self.poll(100)
+        return self.live_stages()[:count]
+
+    def assign(self, chain: list[StageInfo], spans: list[LayerRange], model_dir: str, result_address: str,
+               num_slots: int, max_context: int, timeout_s: float) -> None:
+        """Give each stage of the chain its span and next hop; wait until all report READY."""
+        self.epoch += 1
+        for i, (stage, span) in enumerate(zip(chain, spans)):
+            next_address = chain[i + 1].data_address if i + 1 < len(chain) else result_address
+            stage.state, stage.layers, stage.error = "loading", span, None
+            self.send(stage, protocol.ASSIGN, epoch=self.epoch, model_dir=model_dir, layers=span.to_json(),
+                      is_first=i == 0, is_last=i == len(chain) - 1, next_address=next_address,
+                      num_slots=num_slots, max_context=max_context)
+        deadline = self.clock() + timeout_s
+        while not all(stage.state == "ready" for stage in chain):
+            failed = [stage for stage in chain if stage.state == "failed"]
+            if failed:
+                raise ClusterError("; ".join(f"stage {s.name} could not load layers {s.layers}: {s.error}"
+                                             for s in failed))
+            if self.clock() > deadline:
+                waiting = [s.name for s in chain if s.state != "ready"]
+                raise ClusterError(f"stages {waiting} did not finish loading within {timeout_s:.0f} s")
+            self.poll(100)
+            self.heartbeat(0.5)

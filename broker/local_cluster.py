@@ -1,0 +1,95 @@
+"""A broker in this process plus N stage processes on this machine: for `layerbus run`, tests and
+benchmarks. Every process it starts is stopped on exit: SIGTERM, a bounded wait, then SIGKILL."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from broker.broker import Broker, BrokerConfig
+
+log = logging.getLogger("layerbus.cluster")
+
+
+@dataclass(frozen=True)
+class LocalStageOptions:
+    """How the local stage processes run."""
+
+    threads_per_stage: int = 0  # 0 = share this machine's cores evenly between the stages
+    device: str = "cpu"
+    dtype: str = "float32"
+    log_dir: Path | None = None  # one log file per stage (None = inherit this process's stderr)
+    extra_args: tuple[str, ...] = ()  # passed to every `python -m stages`
+    env: dict[str, str] = field(default_factory=dict)  # added to each stage's environment
+
+
+class LocalCluster:
+    """`with LocalCluster(BrokerConfig(...)) as cluster: cluster.broker.generate(...)`."""
+
+    def __init__(self, config: BrokerConfig, options: LocalStageOptions = LocalStageOptions()):
+        self.config, self.options = config, options
+        self.broker: Broker | None = None
+        self.processes: list[subprocess.Popen] = []
+        self.log_files = []
+
+    def __enter__(self) -> "LocalCluster":
+        try:
+            self.broker = Broker(self.config)
+            self._spawn_stages()
+            self.broker.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def threads_per_stage(self) -> int:
+        if self.options.threads_per_stage:
+            return self.options.threads_per_stage
+        return max(1, (os.cpu_count() or 1) // self.config.num_stages)
+
+    def _spawn_stages(self) -> None:
+        env = dict(os.environ, **self.options.env)
+        for i in range(self.config.num_stages):
+            command = [sys.executable, "-m", "stages", "--broker", self.broker.address, "--name", f"stage-{i}",
+                       "--threads", str(self.threads_per_stage()), "--device", self.options.device,
+                       "--dtype", self.options.dtype, *self.options.extra_args]
+            stderr = None
+            if self.options.log_dir is not None:
+                self.options.log_dir.mkdir(parents=True, exist_ok=True)
+                stderr = open(self.options.log_dir / f"stage-{i}.log", "ab")
+                self.log_files.append(stderr)
+            # A new process group, so a Ctrl-C at the terminal reaches the broker alone and the
+            # broker stops its stages in order.
+            self.processes.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
+                                                   start_new_session=True))
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        if self.broker is not None:
+            try:
+                self.broker.close()
+            except Exception:  # closing must go on to stop the processes whatever happened
+                log.exception("broker close failed")
+        deadline = time.monotonic() + timeout_s
+        for process in self.processes:
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.send_signal(signal.SIGTERM)
+        for process in self.processes:
+            try:
+                process.wait(3.0)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for handle in self.log_files:
+            handle.close()
+        self.processes, self.log_files = [], []

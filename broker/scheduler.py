@@ -1,0 +1,198 @@
+"""Continuous batching over micro-batches: which tokens each micro-batch sends next.
+
+Pure bookkeeping, no sockets or clocks: the pipeline loop asks `plan_step(mb)` for a micro-batch's
+next step and feeds the last stage's answer to `apply_result`. Slots are grouped into micro-batches
+of adjacent slots; a slot freed by a finished sequence is refilled at that micro-batch's very next
+step, without waiting for its neighbours. Long prompts are prefilled in chunks under a per-step
+token budget, so one prefill cannot stall the pipeline.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from broker.requests import GenerationRequest, GenerationResult
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    """Budgets for the schedule."""
+
+    num_slots: int = 32  # sequences in flight at once, over all micro-batches
+    num_micro_batches: int = 0  # 0 = number of stages + 1, so every stage has work while the broker plans
+    max_step_tokens: int = 256  # tokens one micro-batch step may carry (decode rows + prefill chunks)
+    min_prefill_chunk: int = 16  # a prefill advances at least this much per step, even in a full batch
+    max_context: int = 2048  # prompt + generated tokens per sequence (capped by the model's own limit)
+
+    def __post_init__(self) -> None:
+        if self.num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
+        if self.max_step_tokens < 1 or self.min_prefill_chunk < 1:
+            raise ValueError("max_step_tokens and min_prefill_chunk must be >= 1")
+        if self.max_context < 2:
+            raise ValueError(f"max_context must be >= 2, got {self.max_context}")
+
+    def micro_batches_for(self, num_stages: int) -> int:
+        wanted = self.num_micro_batches or num_stages + 1
+        return max(1, min(wanted, self.num_slots))
+
+
+@dataclass
+class Sequence:
+    """A request in a slot: its prompt, what is cached on the stages, what it has generated."""
+
+    request: GenerationRequest
+    slot: int
+    admitted_at: float
+    cached: int = 0  # tokens whose keys/values every stage holds
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.cached < len(self.request.prompt_ids)
+
+
+@dataclass(frozen=True)
+class PlannedRow:
+    slot: int
+    start: int  # position of the first token sent
+    tokens: list[int]  # token ids fed to the first stage
+    emit: bool  # the last stage returns a token for this row
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One micro-batch step: its rows and the slots whose caches the stages may drop."""
+
+    micro_batch: int
+    rows: list[PlannedRow]
+    released: list[int]
+
+
+class Scheduler:
+    """Slots, micro-batches and sequences. `detokenize` turns token ids into text for stop strings."""
+
+    def __init__(self, config: BatchingConfig, num_stages: int, eos_ids: set[int],
+                 detokenize: Callable[[list[int]], str] | None = None):
+        self.config = config
+        self.num_micro_batches = config.micro_batches_for(num_stages)
+        self.eos_ids = set(eos_ids)
+        self.detokenize = detokenize
+        # Micro-batch j owns the adjacent slots [bounds[j], bounds[j+1]).
+        base, extra = divmod(config.num_slots, self.num_micro_batches)
+        sizes = [base + (1 if j < extra else 0) for j in range(self.num_micro_batches)]
+        self.slots_of = []
+        start = 0
+        for size in sizes:
+            self.slots_of.append(list(range(start, start + size)))
+            start += size
+        self.waiting: deque[GenerationRequest] = deque()
+        self.active: dict[int, Sequence] = {}  # slot -> sequence
+        self.pending_release: dict[int, list[int]] = {j: [] for j in range(self.num_micro_batches)}
+
+    # -- queue --------------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest, now: float) -> GenerationResult | None:
+        """Queue a request; a prompt that can never fit is answered at once with an error."""
+        prompt_len = len(request.prompt_ids)
+        if prompt_len == 0:
+            return _failed(request, "empty prompt: nothing to generate from")
+        if prompt_len + 1 > self.config.max_context:
+            return _failed(request, f"prompt of {prompt_len} tokens does not fit the context of "
+                                    f"{self.config.max_context} tokens (with at least one new token); "
+                                    "shorten the input or raise --max-context up to the model's limit")
+        self.waiting.append(request)
+        return None
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.active
+
+    def free_slots(self) -> int:
+        return self.config.num_slots - len(self.active)
+
+    # -- planning -----------------------------------------------------------------------------
+    def plan_step(self, micro_batch: int, now: float) -> StepPlan | None:
+        """The next step for a micro-batch, admitting waiting requests into its free slots."""
+        for slot in self.slots_of[micro_batch]:
+            if slot not in self.active and self.waiting:
+                self.active[slot] = Sequence(self.waiting.popleft(), slot, admitted_at=now)
+        released, self.pending_release[micro_batch] = self.pending_release[micro_batch], []
+        sequences = [self.active[s] for s in self.slots_of[micro_batch] if s in self.active]
+        decoding = [seq for seq in sequences if not seq.prefilling]
+        rows = [PlannedRow(seq.slot, seq.cached, [seq.generated[-1]], emit=True) for seq in decoding]
+        budget = max(self.config.max_step_tokens - len(rows), self.config.min_prefill_chunk)
+        for seq in sequences:
+            if not seq.prefilling or budget <= 0:
+                continue
+            prompt = seq.request.prompt_ids
+            chunk = prompt[seq.cached:seq.cached + budget]
+            budget -= len(chunk)
+            rows.append(PlannedRow(seq.slot, seq.cached, chunk, emit=seq.cached + len(chunk) == len(prompt)))
+        if not rows and not released:
+            return None
+        return StepPlan(micro_batch, sorted(rows, key=lambda row: row.slot), released)
+
+    # -- results ------------------------------------------------------------------------------
+    def apply_result(self, plan: StepPlan, tokens: dict[int, tuple[int, float]], now: float) -> list[GenerationResult]:
+        """Advance each row's sequence; `tokens` maps slot -> (token, logprob) for emitting rows."""
+        finished = []
+        for row in plan.rows:
+            seq = self.active[row.slot]
+            seq.cached = row.start + len(row.tokens)
+            if not row.emit:
+                continue
+            token, logprob = tokens[row.slot]
+            seq.generated.append(token)
+            seq.logprobs.append(logprob)
+            reason = self._finish_reason(seq)
+            if reason:
+                finished.append(self._finish(seq, reason, now))
+        return finished
+
+    def fail_step(self, plan: StepPlan, error: str, now: float) -> list[GenerationResult]:
+        """A stage could not run this step: its sequences end with the stage's error."""
+        return [self._finish(self.active[row.slot], "error", now, error) for row in plan.rows
+                if row.slot in self.active]
+
+    def _finish_reason(self, seq: Sequence) -> str | None:
+        if seq.generated[-1] in self.eos_ids:
+            return "stop"
+        if self._stop_string_hit(seq) is not None:
+            return "stop"
+        if len(seq.generated) >= seq.request.max_new_tokens:
+            return "length"
+        if len(seq.request.prompt_ids) + len(seq.generated) >= self.config.max_context:
+            return "length"
+        return None
+
+    def _stop_string_hit(self, seq: Sequence) -> int | None:
+        if not seq.request.stop or self.detokenize is None:
+            return None
+        text = self.detokenize(seq.generated)
+        hits = [text.find(stop) for stop in seq.request.stop if stop and stop in text]
+        return min(hits) if hits else None
+
+    def _finish(self, seq: Sequence, reason: str, now: float, error: str | None = None) -> GenerationResult:
+        del self.active[seq.slot]
+        self.pending_release[self._micro_batch_of(seq.slot)].append(seq.slot)
+        request = seq.request
+        return GenerationResult(
+            request_id=request.request_id, token_ids=list(seq.generated),
+            finish_reason=reason, prompt_tokens=len(request.prompt_ids), error=error,
+            latency_s=now - seq.admitted_at,
+            logprobs=list(seq.logprobs) if request.want_logprobs else None,
+            stop_text_end=self._stop_string_hit(seq) if reason == "stop" else None)
+
+    def _micro_batch_of(self, slot: int) -> int:
+        for j, slots in enumerate(self.slots_of):
+            if slots and slots[0] <= slot <= slots[-1]:
+                return j
+        raise KeyError(slot)
+
+
+def _failed(request: GenerationRequest, error: str) -> GenerationResult:
+    return GenerationResult(request_id=request.request_id, token_ids=[], finish_reason="error",
+                            prompt_tokens=len(request.prompt_ids), error=error)

@@ -1,0 +1,292 @@
+"""The stage process: register with the broker, load the layers it is told, serve steps.
+
+A stage starts empty. It registers on the control plane (ROUTER/DEALER), loads the span the broker
+assigns, reports READY, then pulls steps from its data socket, runs them and pushes the result to
+the next stage (or, on the last stage, the chosen tokens to the broker). It never dies silently:
+a bad message is rejected and reported, a failed step is reported with its error text, and it
+exits by itself when the broker has been silent for too long.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import signal
+import socket
+import time
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from stages.forward import StepRow, head_logits, run_step
+from stages.kv_cache import KVArena
+from stages.model_files import open_model_dir
+from stages.sampling import SamplingParams, choose_token, target_log_probs
+from stages.shard import ShardSpec, StageShard, load_shard
+from wire import protocol
+from wire.frames import DEFAULT_MAX_MESSAGE_BYTES, Message, WireError, decode, encode
+from wire.spans import LayerRange
+
+log = logging.getLogger("layerbus.stage")
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """How one stage process runs."""
+
+    broker: str  # the broker's control endpoint, e.g. tcp://10.0.0.5:5555
+    name: str = ""  # unique stage name (default: host-pid)
+    bind: str = "tcp://127.0.0.1:*"  # where this stage receives steps; "*" port = any free port
+    advertise: str | None = None  # address other machines use to reach `bind` (default: as bound)
+    device: str = "cpu"  # cpu, cuda:N or mps
+    dtype: str = "float32"  # float32, bfloat16 or float16
+    threads: int = 0  # torch intra-op threads (0 = torch's default)
+    memory_budget: int | None = None  # bytes this stage may use for weights + KV (None = not set)
+    heartbeat_interval_s: float = 0.5  # control-plane heartbeat period
+    broker_timeout_s: float = 15.0  # exit when the broker has been silent this long
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger data messages are rejected
+    send_timeout_s: float = 60.0  # a send blocked this long (next stage gone) is reported
+
+    def resolved_name(self) -> str:
+        return self.name or f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass
+class StageStats:
+    busy_s: float = 0.0  # time spent running steps (decode + compute + encode)
+    steps: int = 0
+    tokens: int = 0  # positions processed
+    rejected: int = 0
+    started_at: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"busy_s": round(self.busy_s, 6), "steps": self.steps, "tokens": self.tokens,
+                "rejected": self.rejected, "uptime_s": round(time.monotonic() - self.started_at, 6),
+                "peak_rss": peak_rss_bytes()}
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class StageWorker:
+    def __init__(self, config: StageConfig):
+        self.config = config
+        self.name = config.resolved_name()
+        self.stopping = False
+        self.shard: StageShard | None = None
+        self.arena: KVArena | None = None
+        self.epoch = -1
+        self.stats = StageStats(started_at=time.monotonic())
+        self.context = zmq.Context()
+        self.control = self.context.socket(zmq.DEALER)
+        self.control.setsockopt(zmq.IDENTITY, self.name.encode())
+        self.control.setsockopt(zmq.LINGER, 0)
+        self.data_in = self.context.socket(zmq.PULL)
+        self.data_in.setsockopt(zmq.LINGER, 0)
+        self.data_out: zmq.Socket | None = None
+        self.next_address: str | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def run(self) -> int:
+        if self.config.threads:
+            torch.set_num_threads(self.config.threads)
+        self.data_in.bind(self.config.bind)
+        data_address = self.config.advertise or self.data_in.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.control.connect(self.config.broker)
+        self._send_control(protocol.REGISTER, name=self.name, device=self.config.device, dtype=self.config.dtype,
+                           threads=torch.get_num_threads(), memory_budget=self.config.memory_budget,
+                           data_address=data_address, pid=os.getpid(), host=socket.gethostname())
+        log.info("stage %s registered with %s, receiving on %s", self.name, self.config.broker, data_address)
+        self.last_heard = time.monotonic()
+        exit_code = 0
+        poller = zmq.Poller()
+        poller.register(self.control, zmq.POLLIN)
+        poller.register(self.data_in, zmq.POLLIN)
+        while not self.stopping:
+            timeout_ms = int(self.config.heartbeat_interval_s * 1000)
+            events = dict(poller.poll(timeout_ms))
+            if self.control in events:
+                self._drain_control()
+            if self.data_in in events and not self.stopping:
+                self._serve_one()
+            now = time.monotonic()
+            if now - self.last_sent >= self.config.heartbeat_interval_s:
+                self._send_control(protocol.HEARTBEAT, stats=self.stats.to_json())
+            if now - self.last_heard > self.config.broker_timeout_s:
+                log.error("stage %s: broker %s silent for %.1f s; exiting", self.name, self.config.broker,
+                          now - self.last_heard)
+                exit_code = 3
+                break
+        self._send_control(protocol.BYE, stats=self.stats.to_json())
+        self.context.destroy(linger=0)
+        log.info("stage %s stopped", self.name)
+        return exit_code
+
+    def request_stop(self, *_args) -> None:
+        self.stopping = True
+
+    # -- control plane --------------------------------------------------------------------------
+    def _send_control(self, kind: str, **fields) -> None:
+        self.control.send_multipart(encode(dict(fields, kind=kind)), copy=False)
+        self.last_sent = time.monotonic()
+
+    def _drain_control(self) -> None:
+        while self.control.poll(0):
+            frames = self.control.recv_multipart(copy=False)
+            self.last_heard = time.monotonic()
+            try:
+                message = decode(frames, 1 << 20)
+            except WireError as error:
+                log.error("stage %s: malformed control message from the broker: %s", self.name, error)
+                continue
+            if message.kind == protocol.ASSIGN:
+                self._assign(message.header)
+            elif message.kind == protocol.SHUTDOWN:
+                self.stopping = True
+            # heartbeats need nothing beyond last_heard
+
+    def _assign(self, header: dict) -> None:
+        try:
+            protocol.require_fields(header, "assign", {"epoch": int, "model_dir": str, "layers": list,
+                                                       "is_first": bool, "is_last": bool, "next_address": str,
+                                                       "num_slots": int, "max_context": int})
+            started = time.monotonic()
+            spec = ShardSpec(LayerRange.from_json(header["layers"]), header["is_first"], header["is_last"],
+                             self.config.device, self.config.dtype)
+            self.shard = None  # drop the old span before loading the new one
+            self.arena = None
+            shard = load_shard(open_model_dir(header["model_dir"]), spec)
+            config = shard.config
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+            self.arena = KVArena(list(spec.layers), header["num_slots"], kv_heads, head_dim,
+                                 shard.dtype, shard.device, header["max_context"])
+            self.shard = shard
+            self.epoch = header["epoch"]
+            self._connect_next(header["next_address"])
+            log.info("stage %s loaded layers %s of %s in %.2f s (%d parameter bytes)", self.name, spec.layers,
+                     header["model_dir"], time.monotonic() - started, shard.parameter_bytes())
+            self._send_control(protocol.READY, epoch=self.epoch, layers=spec.layers.to_json(),
+                               param_bytes=shard.parameter_bytes(), load_s=time.monotonic() - started,
+                               peak_rss=peak_rss_bytes())
+        except Exception as error:  # any load failure is reported with its text; the stage stays up
+            log.exception("stage %s: assignment failed", self.name)
+            self._send_control(protocol.FAILURE, epoch=header.get("epoch"), error=f"{type(error).__name__}: {error}")
+
+    def _connect_next(self, address: str) -> None:
+        if self.data_out is not None and address == self.next_address:
+            return
+        if self.data_out is not None:
+            self.data_out.close(linger=0)
+        self.data_out = self.context.socket(zmq.PUSH)
+        self.data_out.setsockopt(zmq.LINGER, 0)
+        self.data_out.setsockopt(zmq.SNDTIMEO, int(self.config.send_timeout_s * 1000))
+        self.data_out.connect(address)
+        self.next_address = address
+
+    # -- data plane -----------------------------------------------------------------------------
+    def _serve_one(self) -> None:
+        frames = self.data_in.recv_multipart(copy=False)
+        started = time.monotonic()
+        try:
+            message = self._validate(frames)
+        except WireError as error:
+            sender = _peer_address(frames[0])
+            log.error("stage %s: rejected a message from %s: %s", self.name, sender, error)
+            self.stats.rejected += 1
+            self._send_control(protocol.REJECTED, sender=sender, error=str(error))
+            return
+        header = message.header
+        try:
+            reply = self._run(message)
+        except Exception as error:  # the step failed here; the broker decides what happens to its items
+            log.exception("stage %s: step %s of micro-batch %s failed", self.name, header["step"], header["mb"])
+            self._send_control(protocol.FAILURE, epoch=self.epoch, step=header["step"], mb=header["mb"],
+                               error=f"{type(error).__name__}: {error}")
+            return
+        try:
+            self.data_out.send_multipart(reply, copy=False)
+        except zmq.Again:
+            self._send_control(protocol.FAILURE, epoch=self.epoch, step=header["step"], mb=header["mb"],
+                               error=f"send to {self.next_address} timed out after {self.config.send_timeout_s} s")
+        self.stats.busy_s += time.monotonic() - started
+        self.stats.steps += 1
+
+    def _validate(self, frames) -> Message:
+        message = decode(frames, self.config.max_message_bytes)
+        if message.kind != protocol.STEP:
+            raise WireError(f"data message of kind {message.kind!r}; stages accept only {protocol.STEP!r}")
+        protocol.require_fields(message.header, "step", {"mb": int, "step": int, "attempt": int, "epoch": int,
+                                                         "rows": list, "release": list})
+        if self.shard is None:
+            raise WireError("step arrived before this stage was assigned layers")
+        if message.header["epoch"] != self.epoch:
+            raise WireError(f"step of epoch {message.header['epoch']} but this stage serves epoch {self.epoch}")
+        name = "tokens" if self.shard.spec.is_first else "hidden"
+        tensor = message.tensors.get(name)
+        if tensor is None or len(message.tensors) != 1:
+            raise WireError(f"step for this stage must carry exactly one tensor {name!r}, got {list(message.tensors)}")
+        if name == "tokens" and (tensor.dtype != torch.int64 or tensor.dim() != 1):
+            raise WireError(f"'tokens' must be int64 [N], got {tensor.dtype} {list(tensor.shape)}")
+        if name == "hidden" and (tensor.dim() != 2 or tensor.shape[1] != self.shard.config.hidden_size):
+            raise WireError(f"'hidden' must be [N, {self.shard.config.hidden_size}], got {list(tensor.shape)}")
+        message.header["rows"] = protocol.rows_from_json(message.header["rows"])
+        if sum(row.length for row in message.header["rows"]) != tensor.shape[0]:
+            raise WireError(f"rows cover {sum(r.length for r in message.header['rows'])} positions, "
+                            f"tensor has {tensor.shape[0]}")
+        return message
+
+    def _run(self, message: Message) -> list:
+        header = message.header
+        rows: list[StepRow] = header["rows"]
+        for slot in header["release"]:
+            if isinstance(slot, int) and 0 <= slot < self.arena.num_slots:
+                self.arena.release(slot)
+        inputs = next(iter(message.tensors.values()))
+        hidden = run_step(self.shard, self.arena, rows, inputs)
+        self.stats.tokens += int(inputs.shape[0])
+        out_header = {key: header[key] for key in ("mb", "step", "attempt", "epoch")}
+        if not self.shard.spec.is_last:
+            out_header["rows"] = protocol.rows_to_json(rows)
+            out_header["release"] = header["release"]
+            return encode(dict(out_header, kind=protocol.STEP), {"hidden": hidden})
+        return encode(dict(out_header, kind=protocol.RESULT, **self._choose(rows, hidden)))
+
+    def _choose(self, rows: list[StepRow], hidden: torch.Tensor) -> dict:
+        tokens, scores, emitting, last_positions = [], [], [], []
+        offset = 0
+        for row in rows:
+            end = offset + row.length
+            if row.targets is not None:
+                scores.append([row.slot, target_log_probs(head_logits(self.shard, hidden[offset:end]).cpu(),
+                                                          row.targets)])
+            if row.emit:
+                emitting.append(row)
+                last_positions.append(end - 1)
+            offset = end
+        if emitting:
+            # One head matmul for all emitting rows: the head is the largest weight a stage reads.
+            logits = head_logits(self.shard, hidden[last_positions]).cpu()
+            for row, row_logits in zip(emitting, logits):
+                token, logprob = choose_token(row_logits, SamplingParams.from_json(row.sampling),
+                                              row.start + row.length)
+                tokens.append([row.slot, token, logprob])
+        return {"tokens": tokens, "scores": scores}
+
+
+def _peer_address(frame) -> str:
+    try:
+        return frame.get("Peer-Address")
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return "an unknown sender"
+
+
+def run_stage(config: StageConfig) -> int:
+    """Entry point for `layerbus stage`: runs until shutdown, a signal, or a silent broker."""
+    worker = StageWorker(config)
+    signal.signal(signal.SIGTERM, worker.request_stop)
+    signal.signal(signal.SIGINT, worker.request_stop)
+    return worker.run()

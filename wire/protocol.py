@@ -1,0 +1,69 @@
+"""Message kinds and their fields, for both planes.
+
+Data plane (PUSH/PULL, broker -> stage 0 -> ... -> last stage -> broker):
+  step    header {mb, step, attempt, epoch, rows: [[slot, start, length, emit, sampling|{}], ...],
+          release: [slot, ...]} + tensor "tokens" [N] int64 (to stage 0) or "hidden" [N, H] (later)
+  result  header {mb, step, attempt, epoch, tokens: [[slot, token, logprob], ...]} (last stage -> broker)
+
+Control plane (DEALER at each stage, ROUTER at the broker), headers only:
+  stage -> broker: register {name, device, dtype, threads, memory_budget, data_address, pid, host}
+                   ready {epoch, layers, param_bytes, load_s, peak_rss}
+                   heartbeat {stats}     failure {error, epoch, step?, mb?}
+                   rejected {sender, error} (a malformed data message was dropped)   bye {}
+  broker -> stage: assign {epoch, model_dir, layers, is_first, is_last, next_address, num_slots,
+                   max_context}     heartbeat {}     shutdown {}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stages.forward import StepRow
+from wire.frames import WireError
+
+# Control-plane kinds.
+REGISTER, ASSIGN, READY, HEARTBEAT, FAILURE, REJECTED, SHUTDOWN, BYE = (
+    "register", "assign", "ready", "heartbeat", "failure", "rejected", "shutdown", "bye")
+# Data-plane kinds.
+STEP, RESULT = "step", "result"
+
+
+def rows_to_json(rows: list[StepRow]) -> list[list[Any]]:
+    """Compact row encoding: decode headers stay small even with dozens of rows."""
+    encoded = []
+    for row in rows:
+        item: list[Any] = [row.slot, row.start, row.length, int(row.emit), row.sampling]
+        if row.targets is not None:
+            item.append(row.targets)
+        encoded.append(item)
+    return encoded
+
+
+def rows_from_json(value: Any) -> list[StepRow]:
+    if not isinstance(value, list):
+        raise WireError("step header 'rows' must be a list")
+    rows = []
+    for item in value:
+        if not isinstance(item, list) or len(item) not in (5, 6):
+            raise WireError(f"step row must be [slot, start, length, emit, sampling(, targets)], got {item!r:.80}")
+        slot, start, length, emit, sampling = item[:5]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (slot, start, length, emit)):
+            raise WireError(f"step row fields must be integers, got {item!r:.80}")
+        if slot < 0 or start < 0 or length < 1:
+            raise WireError(f"step row needs slot >= 0, start >= 0, length >= 1, got {item!r:.80}")
+        if not isinstance(sampling, dict):
+            raise WireError(f"step row sampling must be an object, got {sampling!r:.80}")
+        targets = item[5] if len(item) == 6 else None
+        if targets is not None and (not isinstance(targets, list) or len(targets) != length
+                                    or not all(isinstance(t, int) for t in targets)):
+            raise WireError(f"step row targets must be {length} token ids, got {targets!r:.80}")
+        rows.append(StepRow(slot, start, length, bool(emit), sampling, targets))
+    return rows
+
+
+def require_fields(header: dict[str, Any], kind: str, fields: dict[str, type]) -> None:
+    """Reject a header missing a field or carrying one of the wrong type, naming both."""
+    for name, expected in fields.items():
+        value = header.get(name)
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            raise WireError(f"{kind} header field {name!r} must be {expected.__name__}, got {value!r:.60}")
