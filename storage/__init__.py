@@ -1,9 +1,12 @@
-"""The job store (jobs and items in SQLite or PostgreSQL) and the Parquet results of finished jobs."""
+"""The job store (jobs and items in SQLite or PostgreSQL) and the Parquet results of finished jobs.
+
+The store's names are re-exported here; results live in storage.results (importing it loads pyarrow,
+which processes that only claim and complete items do not need).
+"""
 
 from storage.engine import default_db_url, default_results_dir
 from storage.errors import StoreError
 from storage.records import ClaimedItem, InvalidItem, ItemResult, JobSettings, JobStatus, NewItem
-from storage.results import ResultWriter, read_results, results_metadata
 from storage.store import JobStore
 
 __all__ = [
@@ -14,10 +17,7 @@ __all__ = [
     "JobStatus",
     "JobStore",
     "NewItem",
-    "ResultWriter",
     "StoreError",
     "default_db_url",
     "default_results_dir",
-    "read_results",
-    "results_metadata",
 ]

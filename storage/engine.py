@@ -101,7 +101,8 @@ def _make_sqlite_folder(parsed: URL, url: str) -> None:
     except OSError as exc:
         raise StoreError(
             f"cannot create the folder {str(folder)!r} for SQLite database {mask_url(url)!r}: {exc.strerror}; "
-            "pass a URL whose folder is writable, or omit the database URL to use the default store under $LAYERBUS_HOME"
+            "pass a URL whose folder is writable, or omit the database URL to use the default store "
+            "under $LAYERBUS_HOME"
         ) from exc
 
 
@@ -110,7 +111,8 @@ def _connect_error(engine: Engine, url: str, exc: DBAPIError) -> StoreError:
     if engine.dialect.name == "sqlite":
         return StoreError(
             f"cannot open SQLite database {mask_url(url)!r}: {reason}; check that the path is a file "
-            "(not a folder) in a writable folder, or omit the database URL to use the default store under $LAYERBUS_HOME"
+            "(not a folder) in a writable folder, or omit the database URL to use the default store "
+            "under $LAYERBUS_HOME"
         )
     return StoreError(
         f"cannot connect to {mask_url(url)!r}: {reason}; check that the server is running and reachable "

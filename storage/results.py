@@ -83,7 +83,9 @@ class ResultWriter:
         settings JSON, ...) goes into the Parquet key-value metadata next to job_id.
         """
         if metadata.get("job_id", self.job_id) != self.job_id:
-            raise ValueError(f"finalize metadata names job {metadata['job_id']!r} but this writer is for {self.job_id!r}")
+            raise ValueError(
+                f"finalize metadata names job {metadata['job_id']!r} but this writer is for {self.job_id!r}"
+            )
         parts = self.part_paths()
         sources = ([self.final_path] if self.final_path.exists() else []) + parts
         tables = [pq.read_table(path, schema=RESULT_SCHEMA) for path in sources]
@@ -134,7 +136,9 @@ def _to_table(rows: list[dict[str, Any]]) -> pa.Table:
     for index, row in enumerate(rows):
         unknown = set(row) - known
         if unknown:
-            raise ValueError(f"result row {index} has unknown column(s) {sorted(unknown)}; columns are {RESULT_SCHEMA.names}")
+            raise ValueError(
+                f"result row {index} has unknown column(s) {sorted(unknown)}; columns are {RESULT_SCHEMA.names}"
+            )
         if not isinstance(row.get("custom_id"), str):
             raise ValueError(f"result row {index} needs a custom_id string, got {row.get('custom_id')!r}")
     return pa.Table.from_pylist(rows, schema=RESULT_SCHEMA)

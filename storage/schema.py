@@ -40,7 +40,10 @@ class UtcDateTime(TypeDecorator[datetime]):
             return None
         if value.tzinfo is None:
             # A naive time is ambiguous (local? UTC?); refusing it keeps the stored clock honest.
-            raise ValueError(f"naive datetime {value.isoformat()} given to the job store: pass an aware one, e.g. datetime.now(timezone.utc)")
+            raise ValueError(
+                f"naive datetime {value.isoformat()} given to the job store: pass an aware one, "
+                "e.g. datetime.now(timezone.utc)"
+            )
         value = value.astimezone(timezone.utc)
         # SQLite has no time zones; store naive UTC so text comparison orders correctly.
         return value.replace(tzinfo=None) if dialect.name == "sqlite" else value

@@ -33,6 +33,9 @@ from storage.states import (
 )
 from storage.status import StateAggregate, build_job_status
 
+# Column collections, to keep query expressions short.
+ITEM = items_table.c
+JOB = jobs_table.c
 # Rows per page when streaming results, and ids per IN (...) list (SQLite allows 32,766 parameters).
 _PAGE = 1000
 
@@ -113,35 +116,34 @@ class JobStore:
     def claim_items(self, job_id: str, worker: str, limit: int, now: datetime | None = None) -> list[ClaimedItem]:
         """Move up to `limit` queued items (in seq order) to in_progress for `worker`; [] when none are left.
 
-        The first claim moves the job from queued to in_progress. Jobs that are not queued or
-        in_progress (cancelling, finalizing, ...) hand out nothing.
+        The first claim moves the job from queued to in_progress, even when it hands out nothing: a job
+        whose items were all refused at submit still goes in_progress -> finalizing like any other.
+        Jobs that are not queued or in_progress (cancelling, finalizing, ...) hand out nothing.
         """
         if limit < 1:
             raise ValueError(f"claim_items needs limit >= 1, got {limit=}")
         now = _utc(now)
         with self._write() as conn:
-            job_status = self._job_field(conn, job_id, jobs_table.c.status)
+            job_status = self._job_field(conn, job_id, JOB.status)
             if job_status not in RUNNABLE_JOB_STATES:
                 return []
             query = (
-                select(items_table.c.id, items_table.c.custom_id, items_table.c.input, items_table.c.prompt, items_table.c.params_json,
-                       items_table.c.attempts, items_table.c.seq)
-                .where(items_table.c.job_id == job_id, items_table.c.status == "queued")
-                .order_by(items_table.c.seq)
+                select(ITEM.id, ITEM.custom_id, ITEM.input, ITEM.prompt, ITEM.params_json, ITEM.attempts)
+                .where(ITEM.job_id == job_id, ITEM.status == "queued")
+                .order_by(ITEM.seq)
                 .limit(limit)
-            )  # fmt: skip
-            rows = conn.execute(self._locking(query, skip_locked=True)).all()
-            if not rows:
-                return []
-            conn.execute(
-                update(items_table)
-                .where(items_table.c.id.in_([r.id for r in rows]))
-                .values(status="in_progress", attempts=items_table.c.attempts + 1, claimed_by=worker, claimed_at=now)
             )
+            rows = conn.execute(self._locking(query, skip_locked=True)).all()
+            if rows:
+                conn.execute(
+                    update(items_table)
+                    .where(ITEM.id.in_([r.id for r in rows]))
+                    .values(status="in_progress", attempts=ITEM.attempts + 1, claimed_by=worker, claimed_at=now)
+                )
             if job_status == "queued":
                 conn.execute(
                     update(jobs_table)
-                    .where(jobs_table.c.id == job_id, jobs_table.c.status == "queued")
+                    .where(JOB.id == job_id, JOB.status == "queued")
                     .values(status="in_progress", in_progress_at=now)
                 )
         return [claimed_item(job_id, row) for row in rows]
@@ -160,12 +162,12 @@ class JobStore:
         written: set[int] = set()
         with self._write() as conn:
             for chunk in _chunks(list(first)):
-                live = self._lock_in_progress(conn, items_table.c.id.in_(chunk))
+                live = self._lock_in_progress(conn, ITEM.id.in_(chunk))
                 if not live:
                     continue
                 conn.execute(
                     update(items_table)
-                    .where(items_table.c.id == bindparam("b_id"), items_table.c.status == "in_progress")
+                    .where(ITEM.id == bindparam("b_id"), ITEM.status == "in_progress")
                     .values(
                         status=bindparam("b_status"), output=bindparam("b_output"),
                         finish_reason=bindparam("b_finish_reason"), prompt_tokens=bindparam("b_prompt_tokens"),
@@ -188,15 +190,15 @@ class JobStore:
         requeued: list[int] = []
         with self._write() as conn:
             for chunk in _chunks(list(dict.fromkeys(item_ids))):
-                requeued += self._requeue(conn, self._lock_in_progress(conn, items_table.c.id.in_(chunk)), now)
+                requeued += self._requeue(conn, self._lock_in_progress(conn, ITEM.id.in_(chunk)), now)
         return requeued
 
     def requeue_in_flight(self, job_id: str, now: datetime | None = None) -> int:
         """Requeue every in_progress item of a job (a broker restarting); returns how many were requeued."""
         now = _utc(now)
         with self._write() as conn:
-            self._job_field(conn, job_id, jobs_table.c.status)
-            live = self._lock_in_progress(conn, items_table.c.job_id == job_id)
+            self._job_field(conn, job_id, JOB.status)
+            live = self._lock_in_progress(conn, ITEM.job_id == job_id)
             return len(self._requeue(conn, live, now))
 
     # --- job lifecycle ----------------------------------------------------------------------------
@@ -205,7 +207,7 @@ class JobStore:
         """Move a job to `status`, stamping `<status>_at`; StoreError if the lifecycle forbids the move."""
         now = _utc(now)
         with self._write() as conn:
-            query = select(jobs_table.c.status).where(jobs_table.c.id == job_id)
+            query = select(JOB.status).where(JOB.id == job_id)
             current = conn.execute(self._locking(query)).scalar_one_or_none()
             if current is None:
                 raise self._no_job(job_id)
@@ -213,7 +215,7 @@ class JobStore:
             values: dict[str, Any] = {"status": status, timestamp_column(status): now}
             if error is not None:
                 values["error"] = error
-            conn.execute(update(jobs_table).where(jobs_table.c.id == job_id).values(**values))
+            conn.execute(update(jobs_table).where(JOB.id == job_id).values(**values))
 
     def cancel_job(self, job_id: str, now: datetime | None = None) -> str:
         """Cancel a job's queued items and return the job's new status.
@@ -223,7 +225,7 @@ class JobStore:
         """
         now = _utc(now)
         with self._write() as conn:
-            current = self._job_field(conn, job_id, jobs_table.c.status)
+            current = self._job_field(conn, job_id, JOB.status)
             if current in ("cancelling", "cancelled"):
                 return current
             if current not in CANCELLABLE_JOB_STATES:
@@ -231,16 +233,16 @@ class JobStore:
                     f"job {job_id!r} is {current}: only {', '.join(CANCELLABLE_JOB_STATES)} jobs can be cancelled"
                 )
             # Locking in-flight items first waits out concurrent completions/requeues, so the count below is final.
-            in_flight = len(self._lock_in_progress(conn, items_table.c.job_id == job_id))
+            in_flight = len(self._lock_in_progress(conn, ITEM.job_id == job_id))
             conn.execute(
                 update(items_table)
-                .where(items_table.c.job_id == job_id, items_table.c.status == "queued")
+                .where(ITEM.job_id == job_id, ITEM.status == "queued")
                 .values(status="cancelled", finish_reason="cancelled", finished_at=now)
             )
             target = "cancelling" if in_flight else "cancelled"
             moved = conn.execute(
                 update(jobs_table)
-                .where(jobs_table.c.id == job_id, jobs_table.c.status == current)
+                .where(JOB.id == job_id, JOB.status == current)
                 .values(status=target, cancelling_at=now, **({"cancelled_at": now} if target == "cancelled" else {}))
             )
             if moved.rowcount != 1:
@@ -249,15 +251,15 @@ class JobStore:
 
     def set_results_path(self, job_id: str, path: str | Path) -> None:
         with self._write() as conn:
-            self._job_field(conn, job_id, jobs_table.c.id)
-            conn.execute(update(jobs_table).where(jobs_table.c.id == job_id).values(results_path=str(path)))
+            self._job_field(conn, job_id, JOB.id)
+            conn.execute(update(jobs_table).where(JOB.id == job_id).values(results_path=str(path)))
 
     # --- reading ----------------------------------------------------------------------------------
 
     def job_status(self, job_id: str, now: datetime | None = None) -> JobStatus:
         """State, counts, throughput and ETA of one job (two queries)."""
         with self._read() as conn:
-            job = conn.execute(select(jobs_table).where(jobs_table.c.id == job_id)).mappings().one_or_none()
+            job = conn.execute(select(jobs_table).where(JOB.id == job_id)).mappings().one_or_none()
             if job is None:
                 raise self._no_job(job_id)
             aggregates = self._aggregates(conn, [job_id])
@@ -267,30 +269,30 @@ class JobStore:
         """The `limit` most recently created jobs, newest first."""
         with self._read() as conn:
             rows = conn.execute(
-                select(jobs_table).order_by(jobs_table.c.created_at.desc(), jobs_table.c.id.desc()).limit(limit)
+                select(jobs_table).order_by(JOB.created_at.desc(), JOB.id.desc()).limit(limit)
             ).mappings().all()
             aggregates = self._aggregates(conn, [r["id"] for r in rows])
         return [build_job_status(r, aggregates.get(r["id"], []), _utc(now)) for r in rows]
 
     def latest_job_id(self) -> str | None:
         with self._read() as conn:
-            query = select(jobs_table.c.id).order_by(jobs_table.c.created_at.desc(), jobs_table.c.id.desc()).limit(1)
+            query = select(JOB.id).order_by(JOB.created_at.desc(), JOB.id.desc()).limit(1)
             return conn.execute(query).scalar_one_or_none()
 
     def next_runnable_job(self) -> str | None:
         """The oldest job with work to hand out (queued or in_progress), or None."""
         with self._read() as conn:
             query = (
-                select(jobs_table.c.id)
-                .where(jobs_table.c.status.in_(RUNNABLE_JOB_STATES))
-                .order_by(jobs_table.c.created_at, jobs_table.c.id)
+                select(JOB.id)
+                .where(JOB.status.in_(RUNNABLE_JOB_STATES))
+                .order_by(JOB.created_at, JOB.id)
                 .limit(1)
             )
             return conn.execute(query).scalar_one_or_none()
 
     def job_settings(self, job_id: str) -> JobSettings:
         with self._read() as conn:
-            return JobSettings.from_json(self._job_field(conn, job_id, jobs_table.c.settings_json))
+            return JobSettings.from_json(self._job_field(conn, job_id, JOB.settings_json))
 
     def item_results(self, job_id: str) -> Iterator[dict[str, Any]]:
         """Finished items (completed, failed, cancelled) of a job in seq order, as result rows.
@@ -299,7 +301,7 @@ class JobStore:
         latency_s, error, status. Read in pages, each its own short transaction.
         """
         with self._read() as conn:
-            self._job_field(conn, job_id, jobs_table.c.id)
+            self._job_field(conn, job_id, JOB.id)
         return self._result_pages(job_id)
 
     # --- internals --------------------------------------------------------------------------------
@@ -321,7 +323,7 @@ class JobStore:
         return StoreError(f"no job {job_id!r} in {self.url}; `layerbus status` lists the jobs")
 
     def _job_field(self, conn: Connection, job_id: str, column: Any) -> Any:
-        value = conn.execute(select(column).where(jobs_table.c.id == job_id)).scalar_one_or_none()
+        value = conn.execute(select(column).where(JOB.id == job_id)).scalar_one_or_none()
         if value is None:
             raise self._no_job(job_id)
         return value
@@ -329,9 +331,9 @@ class JobStore:
     def _lock_in_progress(self, conn: Connection, condition: Any) -> list[tuple[int, str]]:
         """(id, job_id) of in_progress items matching `condition`, locked in id order on PostgreSQL."""
         query = (
-            select(items_table.c.id, items_table.c.job_id)
-            .where(condition, items_table.c.status == "in_progress")
-            .order_by(items_table.c.id)
+            select(ITEM.id, ITEM.job_id)
+            .where(condition, ITEM.status == "in_progress")
+            .order_by(ITEM.id)
         )
         return [(r.id, r.job_id) for r in conn.execute(self._locking(query))]
 
@@ -340,18 +342,20 @@ class JobStore:
             return []
         job_ids = {job_id for _, job_id in live}
         cancelling = set(
-            conn.execute(select(jobs_table.c.id).where(jobs_table.c.id.in_(job_ids), jobs_table.c.status == "cancelling")).scalars()
+            conn.execute(select(JOB.id).where(JOB.id.in_(job_ids), JOB.status == "cancelling")).scalars()
         )
         to_queue = [item_id for item_id, job_id in live if job_id not in cancelling]
         to_cancel = [item_id for item_id, job_id in live if job_id in cancelling]
         if to_queue:
             conn.execute(
-                update(items_table).where(items_table.c.id.in_(to_queue)).values(status="queued", claimed_by=None, claimed_at=None)
+                update(items_table)
+                .where(ITEM.id.in_(to_queue))
+                .values(status="queued", claimed_by=None, claimed_at=None)
             )
         if to_cancel:
             conn.execute(
                 update(items_table)
-                .where(items_table.c.id.in_(to_cancel))
+                .where(ITEM.id.in_(to_cancel))
                 .values(status="cancelled", finish_reason="cancelled", finished_at=now)
             )
             self._settle_cancelling(conn, cancelling, now)
@@ -359,28 +363,28 @@ class JobStore:
 
     def _settle_cancelling(self, conn: Connection, job_ids: set[str], now: datetime) -> None:
         """Move cancelling jobs among `job_ids` to cancelled once none of their items is in flight."""
-        query = select(jobs_table.c.id).where(jobs_table.c.id.in_(job_ids), jobs_table.c.status == "cancelling")
+        query = select(JOB.id).where(JOB.id.in_(job_ids), JOB.status == "cancelling")
         for job_id in conn.execute(self._locking(query)).scalars().all():
             in_flight = conn.execute(
-                select(func.count()).where(items_table.c.job_id == job_id, items_table.c.status == "in_progress")
+                select(func.count()).where(ITEM.job_id == job_id, ITEM.status == "in_progress")
             ).scalar_one()
             if in_flight == 0:
-                conn.execute(update(jobs_table).where(jobs_table.c.id == job_id).values(status="cancelled", cancelled_at=now))
+                conn.execute(update(jobs_table).where(JOB.id == job_id).values(status="cancelled", cancelled_at=now))
 
     def _aggregates(self, conn: Connection, job_ids: list[str]) -> dict[str, list[StateAggregate]]:
         if not job_ids:
             return {}
         query = (
             select(
-                items_table.c.job_id,
-                items_table.c.status,
+                ITEM.job_id,
+                ITEM.status,
                 func.count(),
-                func.sum(case((items_table.c.attempts > 0, 1), else_=0)),
-                func.coalesce(func.sum(items_table.c.prompt_tokens), 0),
-                func.coalesce(func.sum(items_table.c.completion_tokens), 0),
+                func.sum(case((ITEM.attempts > 0, 1), else_=0)),
+                func.coalesce(func.sum(ITEM.prompt_tokens), 0),
+                func.coalesce(func.sum(ITEM.completion_tokens), 0),
             )
-            .where(items_table.c.job_id.in_(job_ids))
-            .group_by(items_table.c.job_id, items_table.c.status)
+            .where(ITEM.job_id.in_(job_ids))
+            .group_by(ITEM.job_id, ITEM.status)
         )
         out: dict[str, list[StateAggregate]] = {}
         for job_id, status, count, ran, prompt_tokens, completion_tokens in conn.execute(query):
@@ -389,14 +393,14 @@ class JobStore:
         return out
 
     def _result_pages(self, job_id: str) -> Iterator[dict[str, Any]]:
-        columns = [items_table.c[name] for name in RESULT_COLUMNS]
+        columns = [ITEM[name] for name in RESULT_COLUMNS]
         last_seq: int | None = None
         while True:
-            query = select(*columns).where(items_table.c.job_id == job_id, items_table.c.status.in_(FINISHED_ITEM_STATES))
+            query = select(*columns).where(ITEM.job_id == job_id, ITEM.status.in_(FINISHED_ITEM_STATES))
             if last_seq is not None:
-                query = query.where(items_table.c.seq > last_seq)
+                query = query.where(ITEM.seq > last_seq)
             with self._read() as conn:
-                page = conn.execute(query.order_by(items_table.c.seq).limit(_PAGE)).mappings().all()
+                page = conn.execute(query.order_by(ITEM.seq).limit(_PAGE)).mappings().all()
             yield from (dict(row) for row in page)
             if len(page) < _PAGE:
                 return

@@ -102,7 +102,8 @@ def postgres_server() -> Iterator[int]:
         entry = pwd.getpwnam(user)
         os.chown(base, entry.pw_uid, entry.pw_gid)
     data, log, port = base / "data", base / "server.log", _free_port()
-    _run_as(user, [str(bindir / "initdb"), "-D", str(data), "-U", PG_USER, "-A", "trust", "-E", "UTF8", "--no-sync"], base)
+    initdb = [str(bindir / "initdb"), "-D", str(data), "-U", PG_USER, "-A", "trust", "-E", "UTF8", "--no-sync"]
+    _run_as(user, initdb, base)
     options = f"-c listen_addresses=127.0.0.1 -p {port} -k {base} {_SERVER_OPTIONS}"
     start = [str(bindir / "pg_ctl"), "-D", str(data), "-l", str(log), "-w", "-t", str(START_TIMEOUT_S), "-o", options]
     try:

@@ -121,7 +121,8 @@ def test_finalize_again_after_more_parts_keeps_earlier_rows_and_metadata(tmp_pat
 def test_finalize_with_rows_from_a_real_store(tmp_path: Path) -> None:
     with JobStore.open(f"sqlite:///{tmp_path / 'store.db'}") as store:
         items = [NewItem(f"id-{i}", f"text {i}", f"p {i}", {}, i) for i in (0, 2)]
-        job_id = store.create_job(JobSettings(task="generate", model="m"), items, [InvalidItem("id-1", "?", "empty", 1)])
+        refused = [InvalidItem("id-1", "?", "empty", 1)]
+        job_id = store.create_job(JobSettings(task="generate", model="m"), items, refused)
         writer = ResultWriter(tmp_path / "results", job_id)
         claimed = store.claim_items(job_id, "w", 10)
         results = [ItemResult(c.item_id, f"out {c.custom_id}", "stop", 2, 3, 0.1) for c in claimed]

@@ -35,13 +35,20 @@ def test_sqlite_file_in_a_missing_folder_is_created(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("url", "expected"),
     [
-        ("mysql://root:hunter2@db/layerbus", r"'mysql://root:\*\*\*@db/layerbus': layerbus stores jobs in SQLite or PostgreSQL, not 'mysql'"),
+        (
+            "mysql://root:hunter2@db/layerbus",
+            r"'mysql://root:\*\*\*@db/layerbus': layerbus stores jobs in SQLite or PostgreSQL, not 'mysql'",
+        ),
         ("postgresql+nosuch://u@h/d", r"unknown driver 'postgresql\+nosuch'; use sqlite:///"),
-        ("postgresql+psycopg2://u:hunter2@h/d", r"'postgresql\+psycopg2://u:\*\*\*@h/d': its driver is not installed .*pip install 'psycopg\[binary\]'"),
+        (
+            "postgresql+psycopg2://u:hunter2@h/d",
+            r"'postgresql\+psycopg2://u:\*\*\*@h/d': its driver is not installed .*pip install 'psycopg\[binary\]'",
+        ),
         ("not a url", r"cannot read database URL 'not a url'; use sqlite:///"),
         (
             "postgresql+psycopg://layerbus:hunter2@127.0.0.1:1/nowhere",
-            r"cannot connect to 'postgresql\+psycopg://layerbus:\*\*\*@127.0.0.1:1/nowhere': .*check that the server is running",
+            r"cannot connect to 'postgresql\+psycopg://layerbus:\*\*\*@127.0.0.1:1/nowhere': "
+            r".*check that the server is running",
         ),
     ],
 )
@@ -59,7 +66,8 @@ def test_sqlite_path_under_a_file_names_the_folder(tmp_path: Path) -> None:
 
 
 def test_sqlite_path_that_is_a_folder_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(StoreError, match=rf"cannot open SQLite database 'sqlite:///{tmp_path}': .*is a file \(not a folder\)"):
+    expected = rf"cannot open SQLite database 'sqlite:///{tmp_path}': .*is a file \(not a folder\)"
+    with pytest.raises(StoreError, match=expected):
         JobStore.open(f"sqlite:///{tmp_path}")
 
 
