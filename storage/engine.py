@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from sqlalchemy import Connection, Engine, create_engine, event, text
+from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 
@@ -75,6 +75,10 @@ def open_engine(url: str) -> Engine:
 def create_tables(engine: Engine, url: str) -> None:
     """Create the jobs and items tables if missing; connection failures become StoreError naming `url`."""
     try:
+        # Most opens find the tables there: checking first spares SQLite a write lock per open.
+        with engine.execution_options(**{READ_ONLY_OPTION: True}).connect() as conn:
+            if {"jobs", "items"} <= set(inspect(conn).get_table_names()):
+                return
         with engine.begin() as conn:
             if engine.dialect.name == "postgresql":
                 # Several workers may open a fresh database at once; CREATE TABLE is not idempotent under races.

@@ -41,7 +41,15 @@ _PAGE = 1000
 
 
 def _utc(now: datetime | None) -> datetime:
-    return now if now is not None else datetime.now(timezone.utc)
+    """The injected clock reading, or the real one; naive times are refused (local? UTC?)."""
+    if now is None:
+        return datetime.now(timezone.utc)
+    if now.tzinfo is None:
+        raise ValueError(
+            f"naive datetime {now.isoformat()} given to the job store: "
+            "pass an aware one, e.g. datetime.now(timezone.utc)"
+        )
+    return now
 
 
 def new_job_id() -> str:
@@ -323,10 +331,11 @@ class JobStore:
         return StoreError(f"no job {job_id!r} in {self.url}; `layerbus status` lists the jobs")
 
     def _job_field(self, conn: Connection, job_id: str, column: Any) -> Any:
-        value = conn.execute(select(column).where(JOB.id == job_id)).scalar_one_or_none()
-        if value is None:
+        """One column of the job's row; StoreError naming the job when there is no such job."""
+        row = conn.execute(select(column).where(JOB.id == job_id)).one_or_none()
+        if row is None:
             raise self._no_job(job_id)
-        return value
+        return row[0]
 
     def _lock_in_progress(self, conn: Connection, condition: Any) -> list[tuple[int, str]]:
         """(id, job_id) of in_progress items matching `condition`, locked in id order on PostgreSQL."""

@@ -250,8 +250,11 @@ def test_clock_injection_drives_throughput_and_eta(store: JobStore) -> None:
 
 
 def test_naive_datetimes_are_refused(store: JobStore) -> None:
-    with pytest.raises(Exception, match="naive datetime 2030-01-01T00:00:00"):
+    with pytest.raises(ValueError, match="naive datetime 2030-01-01T00:00:00 given to the job store"):
         store.create_job(SETTINGS, new_items(1), now=datetime(2030, 1, 1))
+    job_id = store.create_job(SETTINGS, new_items(1))
+    with pytest.raises(ValueError, match="naive datetime"):
+        store.job_status(job_id, now=datetime(2030, 1, 1))
 
 
 def test_listing_latest_and_next_runnable(store: JobStore) -> None:
