@@ -108,9 +108,13 @@ def prepare_once(target: Path, build: Callable[[Path], dict[str, Any]], progress
             )
         _remove_stale_staging(target, progress)
         staging = target.parent / f".{target.name}.staging-{os.getpid()}"
-        marker = build(staging)
-        (staging / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
-        os.replace(staging, target)
+        try:
+            marker = build(staging)
+            (staging / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
+            os.replace(staging, target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     progress(f"layerbus: {target.name} ready at {target}")
     return target
 
@@ -131,8 +135,11 @@ def _exclusive_lock(lock_path: Path, progress: Progress) -> Iterator[None]:
 
 
 def _remove_stale_staging(target: Path, progress: Progress) -> None:
-    """Staging directories of killed builds; safe to delete because only a lock holder makes them."""
-    for leftover in target.parent.glob(f".{target.name}.staging-*"):
+    """Staging directories of killed builds; safe to delete because only a lock holder makes them.
+
+    The pattern also matches import_gguf's own `..<name>.staging-<pid>.partial-*` siblings.
+    """
+    for leftover in target.parent.glob(f"*.{target.name}.staging-*"):
         progress(f"layerbus: removing {leftover}, left by an interrupted preparation")
         shutil.rmtree(leftover, ignore_errors=True)
 

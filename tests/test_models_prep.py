@@ -285,6 +285,7 @@ def test_prepare_once_in_two_processes_builds_once(tmp_path):
 def test_prepare_once_clears_a_killed_build_and_survives_a_failed_one(tmp_path):
     target = tmp_path / "m"
     (tmp_path / ".m.staging-999").mkdir()  # what a killed build leaves
+    (tmp_path / "..m.staging-999.partial-x").mkdir()  # and what a killed import_gguf leaves
     messages: list[str] = []
 
     def failing_build(staging: Path) -> dict:
@@ -293,8 +294,8 @@ def test_prepare_once_clears_a_killed_build_and_survives_a_failed_one(tmp_path):
 
     with pytest.raises(RuntimeError, match="disk full"):
         prepare_once(target, failing_build, progress=messages.append)
-    assert not target.exists()
-    assert any(".m.staging-999" in m for m in messages)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".m.lock"]
+    assert sum("interrupted" in m for m in messages) == 2
     assert prepare_once(target, _build_into(tmp_path / "log"), progress=messages.append) == target
 
 
