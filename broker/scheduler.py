@@ -99,6 +99,8 @@ class Scheduler:
         prompt_len = len(request.prompt_ids)
         if prompt_len == 0:
             return _failed(request, "empty prompt: nothing to generate from")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in request.prompt_ids):
+            return _failed(request, "prompt_ids must be a list of integer token ids")
         if prompt_len + 1 > self.config.max_context:
             return _failed(request, f"prompt of {prompt_len} tokens does not fit the context of "
                                     f"{self.config.max_context} tokens (with at least one new token); "
