@@ -65,7 +65,8 @@ VOCAB_SIZE = 384
 # Qwen2Tokenizer also rebuilds the pipeline as NFC, this split and a regex-free byte-level
 # step. Building the tiny tokenizer the same way makes it encode identically for every arch.
 QWEN2_SPLIT_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
 # ChatML-like: every turn ends with the EOS token, so a model that emits EOS ends its turn.
