@@ -123,7 +123,7 @@ class Pipeline:
                 sink.deliver(finished)
 
         def top_up() -> None:
-            wanted = scheduler.free_slots() + self.batching.num_slots // 2 - len(scheduler.waiting)
+            wanted = scheduler.free_slots() + scheduler.config.num_slots // 2 - len(scheduler.waiting)
             if wanted > 0 and not source.exhausted:
                 now = self.clock()
                 deliver([r for r in (scheduler.submit(req, now) for req in source.fetch(wanted)) if r])

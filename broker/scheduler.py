@@ -20,23 +20,31 @@ from broker.requests import GenerationRequest, GenerationResult
 class BatchingConfig:
     """Budgets for the schedule."""
 
-    num_slots: int = 32  # sequences in flight at once, over all micro-batches
+    num_slots: int = 0  # sequences in flight at once, over all micro-batches (0 = micro_batch_size x micro-batches)
     num_micro_batches: int = 0  # 0 = number of stages + 1, so every stage has work while the broker plans
+    micro_batch_size: int = 32  # sequences per micro-batch when num_slots is 0: decode reads every weight
+    # once per micro-batch step, so on a CPU tokens/s grows with this until compute-bound
     max_step_tokens: int = 256  # tokens one micro-batch step may carry (decode rows + prefill chunks)
     min_prefill_chunk: int = 16  # a prefill advances at least this much per step, even in a full batch
     max_context: int = 2048  # prompt + generated tokens per sequence (capped by the model's own limit)
 
     def __post_init__(self) -> None:
-        if self.num_slots < 1:
-            raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
+        if self.num_slots < 0 or self.micro_batch_size < 1 or self.num_micro_batches < 0:
+            raise ValueError(f"need num_slots >= 0, micro_batch_size >= 1 and num_micro_batches >= 0, got "
+                             f"{self.num_slots=}, {self.micro_batch_size=}, {self.num_micro_batches=}")
         if self.max_step_tokens < 1 or self.min_prefill_chunk < 1:
             raise ValueError("max_step_tokens and min_prefill_chunk must be >= 1")
         if self.max_context < 2:
             raise ValueError(f"max_context must be >= 2, got {self.max_context}")
 
-    def micro_batches_for(self, num_stages: int) -> int:
-        wanted = self.num_micro_batches or num_stages + 1
-        return max(1, min(wanted, self.num_slots))
+    def resolved(self, num_stages: int) -> "BatchingConfig":
+        """The same budgets with num_micro_batches and num_slots filled in for a chain of stages."""
+        micro_batches = self.num_micro_batches or num_stages + 1
+        slots = self.num_slots or self.micro_batch_size * micro_batches
+        micro_batches = max(1, min(micro_batches, slots))
+        return BatchingConfig(num_slots=slots, num_micro_batches=micro_batches,
+                              micro_batch_size=-(-slots // micro_batches), max_step_tokens=self.max_step_tokens,
+                              min_prefill_chunk=self.min_prefill_chunk, max_context=self.max_context)
 
 
 @dataclass
@@ -77,8 +85,9 @@ class Scheduler:
 
     def __init__(self, config: BatchingConfig, num_stages: int, eos_ids: set[int],
                  detokenize: Callable[[list[int]], str] | None = None):
+        config = config.resolved(num_stages)
         self.config = config
-        self.num_micro_batches = config.micro_batches_for(num_stages)
+        self.num_micro_batches = config.num_micro_batches
         self.eos_ids = set(eos_ids)
         self.detokenize = detokenize
         # Micro-batch j owns the adjacent slots [bounds[j], bounds[j+1]).
@@ -99,6 +108,8 @@ class Scheduler:
         prompt_len = len(request.prompt_ids)
         if prompt_len == 0:
             return _failed(request, "empty prompt: nothing to generate from")
+        if request.max_new_tokens < 1:
+            return _failed(request, f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in request.prompt_ids):
             return _failed(request, "prompt_ids must be a list of integer token ids")
         if prompt_len + 1 > self.config.max_context:

@@ -48,6 +48,9 @@ class KVArena:
 
     def prepare(self, group: CacheGroup) -> None:
         """Make room for the group and forget anything cached past each row's start."""
+        needed = max(group.ends)
+        if needed > self.max_context:
+            raise ValueError(f"position {needed} exceeds the context budget of {self.max_context} tokens")
         for slot, start in zip(group.slots, group.starts):
             if not 0 <= slot < self.num_slots:
                 raise ValueError(f"slot {slot} is outside this stage's {self.num_slots} slots")
@@ -57,9 +60,6 @@ class KVArena:
             # A start below the cached length rewinds the slot (a new sequence starts at 0, and a
             # recovery re-prefills from an earlier point); stale keys past it are masked out.
             self.lengths[slot] = start
-        needed = max(group.ends)
-        if needed > self.max_context:
-            raise ValueError(f"position {needed} exceeds the context budget of {self.max_context} tokens")
         if needed > self.capacity:
             capacity = self.capacity
             while capacity < needed:

@@ -23,11 +23,11 @@ class SamplingParams:
     seed: int = 0  # per-item seed; with the position it fixes the random draw
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # also refuses NaN
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
+        if not 0 < self.top_p <= 1:  # also refuses NaN
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
     @property

@@ -156,17 +156,16 @@ class StageWorker:
             started = time.monotonic()
             spec = ShardSpec(LayerRange.from_json(header["layers"]), header["is_first"], header["is_last"],
                              self.config.device, self.config.dtype)
-            self.shard = None  # drop the old span before loading the new one
-            self.arena = None
+            self.shard, self.arena, self.epoch = None, None, -1  # drop the old span before loading the new one
             shard = load_shard(open_model_dir(header["model_dir"]), spec)
             config = shard.config
             head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
             kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-            self.arena = KVArena(list(spec.layers), header["num_slots"], kv_heads, head_dim,
-                                 shard.dtype, shard.device, header["max_context"])
-            self.shard = shard
-            self.epoch = header["epoch"]
+            arena = KVArena(list(spec.layers), header["num_slots"], kv_heads, head_dim,
+                            shard.dtype, shard.device, header["max_context"])
             self._connect_next(header["next_address"])
+            # Only a fully set-up stage serves the new epoch: a failure above leaves it serving none.
+            self.shard, self.arena, self.epoch = shard, arena, header["epoch"]
             log.info("stage %s loaded layers %s of %s in %.2f s (%d parameter bytes)", self.name, spec.layers,
                      header["model_dir"], time.monotonic() - started, shard.parameter_bytes())
             self._send_control(protocol.READY, epoch=self.epoch, layers=spec.layers.to_json(),

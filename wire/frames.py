@@ -22,6 +22,7 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable")
 WIRE_VERSION = 1
 MAX_HEADER_BYTES = 1 << 20  # a header lists ids and small options; 1 MiB is far above any real one
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30  # an option per socket; this guards against a runaway sender
+MAX_DIMENSION = 1 << 40  # far beyond any real tensor, and small enough that torch never overflows
 
 # The dtypes that may travel, by their wire name. bfloat16 has no numpy equivalent, so every tensor
 # travels as its raw bytes and is re-typed on arrival.
@@ -122,11 +123,11 @@ def _parse_header(buffer: memoryview) -> dict[str, Any]:
         raise WireError(f"header of {len(buffer)} bytes exceeds {MAX_HEADER_BYTES} bytes")
     try:
         header = json.loads(bytes(buffer))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise WireError(f"header is not valid JSON: {error}") from None
+    except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise WireError(f"header is not valid JSON: {type(error).__name__}: {error}"[:300]) from None
     if not isinstance(header, dict):
         raise WireError(f"header must be a JSON object, got {type(header).__name__}")
-    if header.get("v") != WIRE_VERSION:
+    if type(header.get("v")) is not int or header["v"] != WIRE_VERSION:
         raise WireError(f"wire version {header.get('v')!r} is not {WIRE_VERSION}: "
                         "broker and stages must run the same layerbus version")
     if not isinstance(header.get("kind"), str):
@@ -147,6 +148,7 @@ def _check_spec(spec: Any) -> tuple[str, torch.dtype, list[int]]:
     if dtype_name not in WIRE_DTYPES:
         raise WireError(f"tensor {name!r}: unknown dtype {dtype_name!r}; supported: {', '.join(WIRE_DTYPES)}")
     if (not isinstance(shape, list) or len(shape) > 8
-            or not all(isinstance(size, int) and not isinstance(size, bool) and size >= 0 for size in shape)):
-        raise WireError(f"tensor {name!r}: shape must be a list of at most 8 non-negative ints, got {shape!r:.80}")
+            or not all(type(size) is int and 0 <= size <= MAX_DIMENSION for size in shape)):
+        raise WireError(f"tensor {name!r}: shape must be a list of at most 8 non-negative ints, got {shape!r:.80} "
+                        f"(each at most {MAX_DIMENSION})")
     return name, WIRE_DTYPES[dtype_name], shape

@@ -1,0 +1,148 @@
+"""Throughput of layerbus against transformers `generate`, on one machine (issue: pipeline runtime).
+
+Runs, on the same summarization corpus, greedy, float32:
+  * transformers `generate` in static batches of --batch prompts (left-padded; the baseline users
+    have today): a batch runs until its longest output ends, so finished rows keep computing;
+  * layerbus with 1, 2 and 3 local stage processes sharing the machine's cores.
+Reports useful new tokens/s (tokens up to and including EOS), model-FLOP utilization against a
+measured float32 matmul peak, per-stage busy fractions and the broker's CPU time per token.
+
+    .venv/bin/python bench/bench_pipeline.py            # the full run (about 15 min on 2 cores)
+    .venv/bin/python bench/bench_pipeline.py --prompts 32 --stages 1   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.corpus import tokenized_prompts  # noqa: E402
+from broker.broker import BrokerConfig  # noqa: E402
+from broker.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
+from broker.partition import model_cost_from_config  # noqa: E402
+from broker.requests import GenerationRequest  # noqa: E402
+from broker.scheduler import BatchingConfig  # noqa: E402
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def matmul_peak_gflops(threads: int, size: int = 1024, seconds: float = 3.0) -> float:
+    torch.set_num_threads(threads)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    for _ in range(3):
+        a @ b
+    count, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        a @ b
+        count += 1
+    return 2 * size ** 3 * count / (time.perf_counter() - started) / 1e9
+
+
+def useful_length(tokens: list[int], eos_ids: set[int]) -> int:
+    for i, token in enumerate(tokens):
+        if token in eos_ids:
+            return i + 1
+    return len(tokens)
+
+
+def run_baseline(model_dir: Path, prompts, max_new_tokens: int, batch: int, threads: int, eos_ids) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    useful = computed = 0
+    started = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        chunk = [ids for _, ids in prompts[i:i + batch]]
+        width = max(len(ids) for ids in chunk)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in chunk])
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in chunk])
+        with torch.no_grad():
+            out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=pad)
+        new = out[:, width:].tolist()
+        useful += sum(useful_length(row, eos_ids) for row in new)
+        computed += len(new) * len(new[0])
+    wall = time.perf_counter() - started
+    return {"system": f"transformers generate (static batches of {batch})", "threads": threads,
+            "useful_tokens": useful, "computed_tokens": computed, "wall_s": wall, "useful_tok_s": useful / wall}
+
+
+def run_layerbus(model_dir: Path, prompts, max_new_tokens: int, stages: int, threads_per_stage: int,
+                 slots: int, micro_batches: int) -> dict:
+    requests = [GenerationRequest(pid, ids, max_new_tokens=max_new_tokens) for pid, ids in prompts]
+    config = BrokerConfig(str(model_dir), stages,
+                          batching=BatchingConfig(num_slots=slots, num_micro_batches=micro_batches, max_context=4096))
+    with LocalCluster(config, LocalStageOptions(threads_per_stage=threads_per_stage)) as cluster:
+        spans = [str(span) for span in cluster.broker.spans]
+        results, stats = cluster.broker.generate(requests)
+    errors = [r.error for r in results if r.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
+    useful = sum(len(r.token_ids) for r in results)
+    busy = {name: s.get("busy_s", 0.0) / stats.wall_s for name, s in sorted(stats.stage_stats.items())}
+    return {"system": f"layerbus, {stages} stage(s)", "threads": threads_per_stage * stages, "spans": spans,
+            "useful_tokens": useful, "computed_tokens": useful, "wall_s": stats.wall_s,
+            "useful_tok_s": useful / stats.wall_s, "busy_fraction": busy,
+            "broker_cpu_ms_per_token": 1000 * stats.broker_cpu_s / max(useful, 1), "steps": stats.steps}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=None, help="model dir (default: the default model)")
+    parser.add_argument("--prompts", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=32, help="baseline batch size = layerbus slots")
+    parser.add_argument("--stages", type=int, nargs="*", default=[1, 2, 3])
+    parser.add_argument("--micro-batches", type=int, default=0, help="0 = stages + 1")
+    parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bench_pipeline.json")
+    args = parser.parse_args()
+    from broker.model_info import load_tokenizer, read_model_info
+    from stages.default_model import default_model_dir
+
+    model_dir = args.model or default_model_dir()
+    info = read_model_info(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    prompts = tokenized_prompts(tokenizer, args.prompts)
+    cores = os.cpu_count() or 1
+    cost = model_cost_from_config(info.files.config)
+    flops_per_token = sum(cost.layer) + cost.head
+    peak = matmul_peak_gflops(cores)
+    rows = []
+    if not args.skip_baseline:
+        rows.append(run_baseline(model_dir, prompts, args.max_new_tokens, args.batch, cores, set(info.eos_ids)))
+    for stages in args.stages:
+        rows.append(run_layerbus(model_dir, prompts, args.max_new_tokens, stages, max(1, cores // stages),
+                                 args.batch, args.micro_batches))
+    for row in rows:
+        row["mfu"] = flops_per_token * row["useful_tok_s"] / (peak * 1e9)
+    report = {"model": str(model_dir), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+              "prompt_tokens": sum(len(ids) for _, ids in prompts), "cores": cores,
+              "matmul_peak_gflops": peak, "flops_per_token": flops_per_token, "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"\n{len(prompts)} prompts ({report['prompt_tokens']} prompt tokens), max_new_tokens {args.max_new_tokens}, "
+          f"{cores} cores, float32 matmul peak {peak:.0f} GFLOP/s, {flops_per_token / 1e6:.0f} MFLOP/token")
+    print(f"| system | threads | useful tok/s | MFU | wall s | useful / computed tokens | stage busy | broker CPU ms/token |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        busy = ", ".join(f"{v:.0%}" for v in row.get("busy_fraction", {}).values()) or "-"
+        broker = f"{row['broker_cpu_ms_per_token']:.2f}" if "broker_cpu_ms_per_token" in row else "-"
+        print(f"| {row['system']} | {row['threads']} | {row['useful_tok_s']:.1f} | {row['mfu']:.1%} | {row['wall_s']:.1f} | "
+              f"{row['useful_tokens']} / {row['computed_tokens']} | {busy} | {broker} |")
+    print(f"\nwritten to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

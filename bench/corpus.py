@@ -1,0 +1,40 @@
+"""The benchmark corpus: summarization prompts built from the bundled sample documents.
+
+Each of the 40 sample documents (1 to 8 paragraphs) is asked for with several instructions, so
+prompt lengths vary with the documents and output lengths vary with the instructions; every
+output is meant to end at EOS well before the token limit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SAMPLE_CORPUS = Path(__file__).resolve().parent.parent / "examples" / "sample_corpus"
+INSTRUCTIONS = (
+    "Summarize the following document in one sentence.",
+    "Summarize the following document in a few sentences.",
+    "Give a short title for the following document, then a two-sentence summary.",
+    "List the three most important facts in the following document.",
+)
+
+
+def summarization_messages(count: int) -> list[tuple[str, list[dict]]]:
+    """`count` (id, chat messages) pairs cycling documents and instructions."""
+    documents = sorted(SAMPLE_CORPUS.glob("*.txt"))
+    if not documents:
+        raise FileNotFoundError(f"no sample documents in {SAMPLE_CORPUS}")
+    prompts = []
+    for i in range(count):
+        document = documents[i % len(documents)]
+        instruction = INSTRUCTIONS[(i // len(documents)) % len(INSTRUCTIONS)]
+        text = document.read_text().strip()
+        prompts.append((f"{document.stem}-{i}", [{"role": "user", "content": f"{instruction}\n\n{text}"}]))
+    return prompts
+
+
+def tokenized_prompts(tokenizer, count: int) -> list[tuple[str, list[int]]]:
+    out = []
+    for prompt_id, messages in summarization_messages(count):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        out.append((prompt_id, tokenizer(text, add_special_tokens=False).input_ids))
+    return out

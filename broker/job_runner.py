@@ -1,0 +1,309 @@
+"""Glue between a job in the store and the broker: claimed items become generation requests, finished
+generations become result rows (a Parquet part, then the store), and `run_job` takes one job from
+queued, or from a killed earlier run, to completed, cancelled or failed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, MutableMapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from broker.requests import GenerationRequest, GenerationResult
+from stages.sampling import SamplingParams
+from storage import ClaimedItem, ItemResult, JobSettings, JobStatus, JobStore, StoreError
+from storage.results import ResultWriter, settings_metadata
+from storage.states import RUNNABLE_JOB_STATES
+
+log = logging.getLogger("layerbus.jobs")
+
+# Keys `layerbus submit` adds to every item's params next to the user's overrides: how render_prompt
+# said to tokenize the prompt, and the item's position in the input (ClaimedItem carries no seq).
+ADD_SPECIAL_TOKENS_KEY = "add_special_tokens"
+SEQ_KEY = "seq"
+# Job states after which a run has nothing left to do.
+FINAL_JOB_STATES = ("completed", "failed", "cancelled")
+
+
+class ProgressBar(Protocol):
+    """The part of tqdm's interface run_job uses."""
+
+    def reset(self, total: int | None = None) -> None: ...
+
+    def update(self, n: int = 1) -> Any: ...
+
+
+class Runner(Protocol):
+    """What run_job needs of a started broker."""
+
+    def run(self, source: Any, sink: Any, should_stop: Callable[[], bool]) -> Any: ...
+
+    def tokenizer(self) -> Any: ...
+
+
+def item_seed(job_seed: int, seq: int) -> int:
+    """An item's sampling seed when it gives none: differs between items, equal on every rerun."""
+    digest = hashlib.blake2b(f"{job_seed}:{seq}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1  # < 2**63, as the input checks require of seeds
+
+
+def item_params(overrides: dict[str, Any], add_special_tokens: bool, seq: int) -> dict[str, Any]:
+    """An item's stored params: the user's overrides plus what StoreSource needs to rebuild the request."""
+    return {**overrides, ADD_SPECIAL_TOKENS_KEY: add_special_tokens, SEQ_KEY: seq}
+
+
+def default_worker_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class StoreSource:
+    """A RequestSource over a job's queued items: each fetch claims just what the broker asks for."""
+
+    def __init__(self, store: JobStore, job_id: str, tokenizer: Any, settings: JobSettings, worker_name: str):
+        self.store, self.job_id, self.tokenizer, self.settings = store, job_id, tokenizer, settings
+        self.worker_name = worker_name
+        # Claimed items whose results are not yet in the store: item_id -> item. StoreSink removes an
+        # item once its result is committed; whatever is left when a run ends goes back to the store.
+        self.outstanding: dict[int, ClaimedItem] = {}
+        self._exhausted = False
+
+    @property
+    def exhausted(self) -> bool:
+        return self._exhausted
+
+    def fetch(self, limit: int) -> list[GenerationRequest]:
+        if self._exhausted or limit < 1:
+            return []
+        claimed = self.store.claim_items(self.job_id, self.worker_name, limit)
+        if not claimed:  # nothing queued, or the job stopped handing out work (cancelled, ...)
+            self._exhausted = True
+        for item in claimed:
+            self.outstanding[item.item_id] = item
+        return [self.request_for(item) for item in claimed]
+
+    def request_for(self, item: ClaimedItem) -> GenerationRequest:
+        """The item's own params override the job's settings."""
+        params, job = item.params, self.settings
+        seq = int(params.get(SEQ_KEY, item.item_id))
+        sampling = SamplingParams(
+            temperature=float(params.get("temperature", job.temperature)),
+            top_k=int(params.get("top_k", job.top_k)),
+            top_p=float(params.get("top_p", job.top_p)),
+            seed=int(params.get("seed", item_seed(job.seed, seq))),
+        )
+        stop = params.get("stop", job.extra.get("stop", ()))
+        # verbose=False: a prompt over the tokenizer's max length is the scheduler's to refuse, with a clearer message.
+        prompt_ids = self.tokenizer.encode(item.prompt, add_special_tokens=self._add_special_tokens(item),
+                                           verbose=False)
+        return GenerationRequest(request_id=str(item.item_id), prompt_ids=list(prompt_ids),
+                                 max_new_tokens=int(params.get("max_tokens", job.max_new_tokens)),
+                                 sampling=sampling, stop=tuple([stop] if isinstance(stop, str) else stop))
+
+    def _add_special_tokens(self, item: ClaimedItem) -> bool:
+        if ADD_SPECIAL_TOKENS_KEY in item.params:
+            return bool(item.params[ADD_SPECIAL_TOKENS_KEY])
+        # A job queued by another tool: a prompt that already starts with BOS was rendered by a chat template.
+        bos = getattr(self.tokenizer, "bos_token", None)
+        return not (bos and item.prompt.startswith(bos))
+
+
+class StoreSink:
+    """A ResultSink that records finished items in batches: a Parquet part first, then the store.
+
+    Why that order: the store is the record of what is done, so an item is marked done only once its
+    row is on disk. Killed between the two, the item is still in_progress in the store; the next run
+    requeues and reruns it, and its new row lands in a later part. The final file keeps one row per
+    custom_id (later parts win over earlier ones, and the store's rows, from item_results, win over
+    every part), so the custom_id appears exactly once. Committing first would leave the parts
+    missing an item the store calls done (finalize would still recover it from the store, but the
+    parts would no longer hold every finished output).
+    """
+
+    def __init__(self, store: JobStore, writer: ResultWriter, tokenizer: Any,
+                 claimed: MutableMapping[int, ClaimedItem], flush_every: int = 64, flush_interval_s: float = 2.0,
+                 progress: ProgressBar | None = None, clock: Callable[[], float] = time.monotonic):
+        self.store, self.writer, self.tokenizer = store, writer, tokenizer
+        self.claimed = claimed  # StoreSource.outstanding: the items whose results may arrive
+        self.flush_every, self.flush_interval_s = flush_every, flush_interval_s
+        self.progress, self.clock = progress, clock
+        self.pending: list[tuple[ItemResult, dict[str, Any]]] = []
+        self.last_flush = clock()
+
+    def deliver(self, results: list[GenerationResult]) -> None:
+        for result in results:
+            item = self.claimed.get(int(result.request_id))
+            if item is None:
+                log.warning("result for item %s, which this run does not hold; dropped", result.request_id)
+                continue
+            self.pending.append(self._record(item, result))
+        if self.progress is not None:
+            self.progress.update(len(results))
+        if len(self.pending) >= self.flush_every:
+            self.flush()
+        else:
+            self.flush_if_due()
+
+    def flush_if_due(self) -> None:
+        if self.pending and self.clock() - self.last_flush >= self.flush_interval_s:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the pending rows as a part file, then commit them to the store (see the class docstring)."""
+        self.last_flush = self.clock()
+        if not self.pending:
+            return
+        batch, self.pending = self.pending, []
+        self.writer.write_part([row for _, row in batch])
+        written = set(self.store.complete_items([result for result, _ in batch]))
+        skipped = [result.item_id for result, _ in batch if result.item_id not in written]
+        if skipped:
+            # Requeued or finished elsewhere meanwhile: the store keeps its row, which finalize prefers.
+            log.warning("%d result(s) not recorded: those items are no longer held by this run (ids %s)",
+                        len(skipped), skipped[:10])
+        for result, _ in batch:
+            self.claimed.pop(result.item_id, None)
+
+    def _record(self, item: ClaimedItem, result: GenerationResult) -> tuple[ItemResult, dict[str, Any]]:
+        text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        if result.stop_text_end is not None:
+            text = text[:result.stop_text_end]
+        output = text if result.token_ids or result.error is None else None
+        item_result = ItemResult(item_id=item.item_id, output=output, finish_reason=result.finish_reason,
+                                 prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
+                                 latency_s=result.latency_s, error=result.error)
+        row = {"custom_id": item.custom_id, "input": item.input, "output": output,
+               "finish_reason": result.finish_reason, "prompt_tokens": result.prompt_tokens,
+               "completion_tokens": result.completion_tokens, "latency_s": result.latency_s,
+               "error": result.error, "status": "failed" if result.error is not None else "completed",
+               "seq": item.params.get(SEQ_KEY)}
+        return item_result, row
+
+
+class CancelWatch:
+    """`should_stop` for the pipeline: true once the job no longer hands out work (cancelled, failed).
+
+    Reads the store at most every `interval_s`, since the pipeline asks every few milliseconds.
+    """
+
+    def __init__(self, store: JobStore, job_id: str, interval_s: float, clock: Callable[[], float] = time.monotonic):
+        self.store, self.job_id, self.interval_s, self.clock = store, job_id, interval_s, clock
+        self.stopping = False
+        self.last_check = clock()
+
+    def __call__(self) -> bool:
+        now = self.clock()
+        if not self.stopping and now - self.last_check >= self.interval_s:
+            self.last_check = now
+            status = self.store.job_status(self.job_id).status
+            if status not in RUNNABLE_JOB_STATES:
+                log.info("job %s is %s: finishing the items in flight, claiming no more", self.job_id, status)
+                self.stopping = True
+        return self.stopping
+
+
+def run_job(store: JobStore, job_id: str, broker: Runner, results_dir: Path, progress: ProgressBar | None = None,
+            poll_cancel_s: float = 1.0, worker_name: str | None = None) -> JobStatus:
+    """Run a job on a started broker until it is completed, cancelled or failed; returns its status.
+
+    Items a killed earlier run left in_progress are requeued first, so this also resumes a job. An
+    exception fails the job with its text (finished outputs stay in the store and the part files);
+    KeyboardInterrupt requeues the items in flight, leaves the job in_progress for a later run, and
+    propagates.
+    """
+    status = store.job_status(job_id)
+    if status.status in FINAL_JOB_STATES:
+        log.info("job %s is already %s: nothing to run", job_id, status.status)
+        return status
+    requeued = store.requeue_in_flight(job_id)
+    if requeued:
+        log.info("job %s: requeued %d item(s) left in progress by an earlier run", job_id, requeued)
+    if status.status == "queued":
+        _try_set_status(store, job_id, "in_progress")
+    settings = store.job_settings(job_id)
+    writer = ResultWriter(Path(results_dir), job_id)
+    worker_name = worker_name or default_worker_name()
+    try:
+        _run_rounds(store, job_id, broker, writer, settings, progress, poll_cancel_s, worker_name)
+        return _finish(store, job_id, writer, settings)
+    except Exception as error:
+        log.exception("job %s failed", job_id)
+        _try_set_status(store, job_id, "failed", error=f"{type(error).__name__}: {error}")
+        return store.job_status(job_id)
+
+
+def _run_rounds(store: JobStore, job_id: str, broker: Runner, writer: ResultWriter, settings: JobSettings,
+                progress: ProgressBar | None, poll_cancel_s: float, worker_name: str) -> None:
+    """Run the pipeline until the job has nothing queued (items requeued meanwhile get another round)."""
+    tokenizer = broker.tokenizer()
+    while True:
+        status = store.job_status(job_id)
+        if progress is not None:
+            progress.reset(total=status.total)
+            progress.update(status.completed + status.failed + status.cancelled)
+        source = StoreSource(store, job_id, tokenizer, settings, worker_name)
+        sink = StoreSink(store, writer, tokenizer, source.outstanding, progress=progress)
+        watch = CancelWatch(store, job_id, poll_cancel_s)
+
+        def should_stop() -> bool:
+            sink.flush_if_due()  # the pipeline calls this every loop: the sink's clock tick
+            return watch()
+
+        try:
+            broker.run(source, sink, should_stop=should_stop)
+        finally:
+            _hand_back(store, sink, source)
+        status = store.job_status(job_id)
+        if watch.stopping or status.status not in RUNNABLE_JOB_STATES or status.queued == 0:
+            return
+
+
+def _hand_back(store: JobStore, sink: StoreSink, source: StoreSource) -> None:
+    """Commit what finished; claimed items without a result go back to the store.
+
+    requeue_items returns them to the queue, or cancels them when the job is cancelling.
+    """
+    try:
+        sink.flush()
+    finally:
+        leftovers = list(source.outstanding)
+        source.outstanding.clear()
+        if leftovers:
+            store.requeue_items(leftovers)
+            log.info("job %s: %d unfinished item(s) handed back", source.job_id, len(leftovers))
+
+
+def _finish(store: JobStore, job_id: str, writer: ResultWriter, settings: JobSettings) -> JobStatus:
+    status = store.job_status(job_id)
+    if status.status == "in_progress" and status.queued == 0 and status.in_progress == 0:
+        # A job whose items all failed is still completed, as in the OpenAI Batch API.
+        if _try_set_status(store, job_id, "finalizing"):
+            _write_results(store, job_id, writer, settings)
+            store.set_job_status(job_id, "completed")
+        status = store.job_status(job_id)
+    if status.status == "cancelled" and status.results_path is None:
+        _write_results(store, job_id, writer, settings)  # the outputs that finished before the cancel
+        status = store.job_status(job_id)
+    return status
+
+
+def _write_results(store: JobStore, job_id: str, writer: ResultWriter, settings: JobSettings) -> Path:
+    metadata = settings_metadata(job_id, settings.model, json.loads(settings.to_json()))
+    path = writer.finalize(metadata, store_rows=store.item_results(job_id))
+    store.set_results_path(job_id, path)
+    log.info("job %s: results in %s", job_id, path)
+    return path
+
+
+def _try_set_status(store: JobStore, job_id: str, status: str, error: str | None = None) -> bool:
+    """Move the job unless someone moved it first (a cancel, typically); False then."""
+    try:
+        store.set_job_status(job_id, status, error=error)
+        return True
+    except StoreError as refused:
+        log.info("job %s not moved to %s: %s", job_id, status, refused)
+        return False
