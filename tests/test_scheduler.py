@@ -122,7 +122,7 @@ def test_micro_batches_own_adjacent_slots(num_slots: int, micro_batches: int, nu
     ({"max_step_tokens": 0}, r"max_step_tokens and min_prefill_chunk must be >= 1"),
     ({"min_prefill_chunk": 0}, r"max_step_tokens and min_prefill_chunk must be >= 1"),
     ({"max_context": 1}, r"max_context must be >= 2, got 1"),
-], ids=["no slots", "no step budget", "no prefill chunk", "context of one"])
+], ids=["negative slots", "empty micro-batches", "no step budget", "no prefill chunk", "context of one"])
 def test_batching_config_rejects_bad_budgets(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         BatchingConfig(**fields)
@@ -432,3 +432,17 @@ def test_every_request_finishes_exactly_once_with_the_reference_output(seed, num
         got = results[req.request_id]
         assert (got.token_ids, got.finish_reason, got.error) == (tokens, reason, None), req.request_id
     assert scheduler.free_slots() == num_slots
+
+
+@pytest.mark.parametrize("config, stages, slots, micro_batches", [
+    (BatchingConfig(), 1, 64, 2),  # defaults: stages + 1 micro-batches of 32
+    (BatchingConfig(), 3, 128, 4),
+    (BatchingConfig(micro_batch_size=8), 2, 24, 3),
+    (BatchingConfig(num_slots=10), 3, 10, 4),  # an explicit slot count wins
+    (BatchingConfig(num_slots=2), 3, 2, 2),  # never more micro-batches than slots
+    (BatchingConfig(num_slots=12, num_micro_batches=6), 1, 12, 6),
+], ids=["default 1 stage", "default 3 stages", "micro-batch size", "explicit slots", "few slots", "explicit both"])
+def test_batching_config_resolves_slots_and_micro_batches(config, stages, slots, micro_batches) -> None:
+    resolved = config.resolved(stages)
+    assert (resolved.num_slots, resolved.num_micro_batches) == (slots, micro_batches)
+    assert resolved.resolved(stages) == resolved
