@@ -118,7 +118,8 @@ def test_micro_batches_own_adjacent_slots(num_slots: int, micro_batches: int, nu
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"num_slots": 0}, r"num_slots must be >= 1, got 0"),
+    ({"num_slots": -1}, r"need num_slots >= 0, micro_batch_size >= 1 and num_micro_batches >= 0"),
+    ({"micro_batch_size": 0}, r"self.micro_batch_size=0"),
     ({"max_step_tokens": 0}, r"max_step_tokens and min_prefill_chunk must be >= 1"),
     ({"min_prefill_chunk": 0}, r"max_step_tokens and min_prefill_chunk must be >= 1"),
     ({"max_context": 1}, r"max_context must be >= 2, got 1"),
