@@ -156,7 +156,8 @@ class Pipeline:
         rows, tokens = [], []
         for row in plan.rows:
             request = scheduler.active[row.slot].request
-            rows.append(StepRow(row.slot, row.start, len(row.tokens), row.emit, request.sampling.to_json()))
+            rows.append(StepRow(row.slot, row.start, len(row.tokens), row.emit, request.sampling.to_json(),
+                                row.targets))
             tokens.extend(row.tokens)
         step = self.next_step
         self.next_step += 1
@@ -183,7 +184,8 @@ class Pipeline:
             del inflight[header["mb"]]
             stats.steps += 1
             tokens = {slot: (token, logprob) for slot, token, logprob in header["tokens"]}
-            deliver(scheduler.apply_result(current.plan, tokens, self.clock()))
+            scores = {slot: values for slot, values in header.get("scores", [])}
+            deliver(scheduler.apply_result(current.plan, tokens, self.clock(), scores))
             self._send(scheduler, header["mb"], inflight)
 
     def _handle_control(self, scheduler, inflight, deliver) -> None:

@@ -17,6 +17,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)  # greedy unless temperature > 0
     stop: tuple[str, ...] = ()  # stop strings: generation ends when the output text contains one
     want_logprobs: bool = False  # return the log-probability of every generated token
+    score_prompt: bool = False  # return log P(prompt[i] | prompt[:i]) for i >= 1 (teacher-forced evals)
 
 
 @dataclass
@@ -31,6 +32,7 @@ class GenerationResult:
     latency_s: float = 0.0  # admission to finish, as measured by the broker's clock
     logprobs: list[float] | None = None  # per generated token, when asked for
     stop_text_end: int | None = None  # where a matched stop string begins in the decoded output
+    prompt_logprobs: list[float] | None = None  # with score_prompt: one per prompt token after the first
 
     @property
     def completion_tokens(self) -> int:

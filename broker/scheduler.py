@@ -57,6 +57,7 @@ class Sequence:
     cached: int = 0  # tokens whose keys/values every stage holds
     generated: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)
 
     @property
     def prefilling(self) -> bool:
@@ -69,6 +70,7 @@ class PlannedRow:
     start: int  # position of the first token sent
     tokens: list[int]  # token ids fed to the first stage
     emit: bool  # the last stage returns a token for this row
+    targets: list[int] | None = None  # next prompt tokens to score (score_prompt requests)
 
 
 @dataclass(frozen=True)
@@ -143,18 +145,24 @@ class Scheduler:
             prompt = seq.request.prompt_ids
             chunk = prompt[seq.cached:seq.cached + budget]
             budget -= len(chunk)
-            rows.append(PlannedRow(seq.slot, seq.cached, chunk, emit=seq.cached + len(chunk) == len(prompt)))
+            targets = prompt[seq.cached + 1:seq.cached + 1 + len(chunk)] if seq.request.score_prompt else None
+            rows.append(PlannedRow(seq.slot, seq.cached, chunk, emit=seq.cached + len(chunk) == len(prompt),
+                                   targets=targets))
         if not rows and not released:
             return None
         return StepPlan(micro_batch, sorted(rows, key=lambda row: row.slot), released)
 
     # -- results ------------------------------------------------------------------------------
-    def apply_result(self, plan: StepPlan, tokens: dict[int, tuple[int, float]], now: float) -> list[GenerationResult]:
-        """Advance each row's sequence; `tokens` maps slot -> (token, logprob) for emitting rows."""
+    def apply_result(self, plan: StepPlan, tokens: dict[int, tuple[int, float]], now: float,
+                     scores: dict[int, list[float]] | None = None) -> list[GenerationResult]:
+        """Advance each row's sequence; `tokens` maps slot -> (token, logprob) for emitting rows,
+        `scores` slot -> log-probs of the row's targets."""
         finished = []
         for row in plan.rows:
             seq = self.active[row.slot]
             seq.cached = row.start + len(row.tokens)
+            if row.targets:
+                seq.prompt_logprobs.extend((scores or {}).get(row.slot, []))
             if not row.emit:
                 continue
             token, logprob = tokens[row.slot]
@@ -197,6 +205,7 @@ class Scheduler:
             finish_reason=reason, prompt_tokens=len(request.prompt_ids), error=error,
             latency_s=now - seq.admitted_at,
             logprobs=list(seq.logprobs) if request.want_logprobs else None,
+            prompt_logprobs=list(seq.prompt_logprobs) if request.score_prompt else None,
             stop_text_end=self._stop_string_hit(seq) if reason == "stop" else None)
 
     def _micro_batch_of(self, slot: int) -> int:

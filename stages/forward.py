@@ -25,7 +25,7 @@ class StepRow:
     length: int  # new tokens in this step
     emit: bool = False  # the last stage returns the next token after this row's last position
     sampling: dict = field(default_factory=dict)  # temperature, top_k, top_p, seed (empty = greedy)
-    targets: list[int] | None = None  # score these next tokens (one per position) with log-probs
+    targets: list[int] | None = None  # log-probs of these next tokens at the row's first positions
 
 
 @dataclass

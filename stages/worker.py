@@ -67,6 +67,27 @@ class StageStats:
                 "peak_rss": peak_rss_bytes()}
 
 
+def check_device(device: str, dtype: str) -> None:
+    """Refuse at start-up a device this machine does not have, rather than at the first load."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a torch device; use cpu, cuda:N or mps") from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"--device {device}: this torch build or machine has no CUDA device "
+                             f"(torch {torch.__version__}); install a CUDA build of torch or use --device cpu")
+        if (parsed.index or 0) >= count:
+            raise ValueError(f"--device {device}: only {count} CUDA device(s) here (cuda:0 to cuda:{count - 1})")
+    elif parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device mps: Metal is not available on this machine; use --device cpu")
+    elif parsed.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"--device {device}: layerbus runs on cpu, cuda:N or mps")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"--dtype {dtype!r} is not float32, bfloat16 or float16")
+
+
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
@@ -259,9 +280,9 @@ class StageWorker:
         offset = 0
         for row in rows:
             end = offset + row.length
-            if row.targets is not None:
-                scores.append([row.slot, target_log_probs(head_logits(self.shard, hidden[offset:end]).cpu(),
-                                                          row.targets)])
+            if row.targets:
+                scored = hidden[offset:offset + len(row.targets)]
+                scores.append([row.slot, target_log_probs(head_logits(self.shard, scored).cpu(), row.targets)])
             if row.emit:
                 emitting.append(row)
                 last_positions.append(end - 1)
@@ -285,6 +306,11 @@ def _peer_address(frame) -> str:
 
 def run_stage(config: StageConfig) -> int:
     """Entry point for `layerbus stage`: runs until shutdown, a signal, or a silent broker."""
+    try:
+        check_device(config.device, config.dtype)
+    except ValueError as error:
+        log.error("%s", error)
+        return 2
     worker = StageWorker(config)
     signal.signal(signal.SIGTERM, worker.request_stop)
     signal.signal(signal.SIGINT, worker.request_stop)

@@ -168,3 +168,20 @@ def test_default_model_matches_transformers(smollm2_case, num_stages):
     results, _ = run_pipeline(model_dir, num_stages, requests, num_slots=4, max_step_tokens=64)
     assert_equivalent(model, requests, results, references)
     assert any(r.finish_reason == "stop" for r in results), "some summaries should end at EOS"
+
+
+def test_prompt_scores_match_transformers(tiny_models):
+    """Teacher-forced log-probs of every prompt token (what evals need), across 2 stages and chunks."""
+    model_dir = tiny_models("llama", num_hidden_layers=4)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    requests = [GenerationRequest(f"s{i}", tokenizer(p).input_ids, max_new_tokens=1, score_prompt=True)
+                for i, p in enumerate(TINY_PROMPTS[:4])]
+    results, _ = run_pipeline(model_dir, 2, requests, num_slots=2, max_step_tokens=8, min_prefill_chunk=4)
+    for request, result in zip(requests, results):
+        ids = torch.tensor([request.prompt_ids])
+        with torch.no_grad():
+            log_probs = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+        expected = log_probs.gather(1, ids[0, 1:].unsqueeze(1)).squeeze(1)
+        assert len(result.prompt_logprobs) == len(request.prompt_ids) - 1
+        torch.testing.assert_close(torch.tensor(result.prompt_logprobs), expected, atol=1e-4, rtol=1e-4)

@@ -326,9 +326,10 @@ BAD_ROWS = {
     "negative start": ([[0, -4, 1, 1, {}]], r"step row needs slot >= 0, start >= 0, length >= 1"),
     "zero length": ([[0, 0, 0, 1, {}]], r"step row needs slot >= 0, start >= 0, length >= 1"),
     "sampling not an object": ([[0, 0, 1, 1, None]], r"step row sampling must be an object"),
-    "targets too short": ([[0, 0, 3, 0, {}, [1, 2]]], r"step row targets must be 3 token ids"),
-    "targets not ints": ([[0, 0, 2, 0, {}, [1, "2"]]], r"step row targets must be 2 token ids"),
-    "targets not a list": ([[0, 0, 1, 0, {}, 5]], r"step row targets must be 1 token ids"),
+    "targets too long": ([[0, 0, 2, 0, {}, [1, 2, 3]]], r"step row targets must be at most 2 token ids"),
+    "targets not ints": ([[0, 0, 2, 0, {}, [1, "2"]]], r"step row targets must be at most 2 token ids"),
+    "negative target": ([[0, 0, 2, 0, {}, [1, -1]]], r"step row targets must be at most 2 token ids"),
+    "targets not a list": ([[0, 0, 1, 0, {}, 5]], r"step row targets must be at most 1 token ids"),
 }
 
 

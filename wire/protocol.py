@@ -3,7 +3,8 @@
 Data plane (PUSH/PULL, broker -> stage 0 -> ... -> last stage -> broker):
   step    header {mb, step, attempt, epoch, rows: [[slot, start, length, emit, sampling|{}], ...],
           release: [slot, ...]} + tensor "tokens" [N] int64 (to stage 0) or "hidden" [N, H] (later)
-  result  header {mb, step, attempt, epoch, tokens: [[slot, token, logprob], ...]} (last stage -> broker)
+  result  header {mb, step, attempt, epoch, tokens: [[slot, token, logprob], ...],
+          scores: [[slot, [logprob of each target], ...]} (last stage -> broker)
 
 Control plane (DEALER at each stage, ROUTER at the broker), headers only:
   stage -> broker: register {name, device, dtype, threads, memory_budget, data_address, pid, host}
@@ -54,9 +55,11 @@ def rows_from_json(value: Any) -> list[StepRow]:
         if not isinstance(sampling, dict):
             raise WireError(f"step row sampling must be an object, got {sampling!r:.80}")
         targets = item[5] if len(item) == 6 else None
-        if targets is not None and (not isinstance(targets, list) or len(targets) != length
-                                    or not all(isinstance(t, int) for t in targets)):
-            raise WireError(f"step row targets must be {length} token ids, got {targets!r:.80}")
+        # Targets score the row's first len(targets) positions: a prompt's last position predicts a
+        # token nobody knows yet, so the final chunk of a scored prompt carries one target fewer.
+        if targets is not None and (not isinstance(targets, list) or len(targets) > length
+                                    or not all(type(t) is int and t >= 0 for t in targets)):
+            raise WireError(f"step row targets must be at most {length} token ids, got {targets!r:.80}")
         rows.append(StepRow(slot, start, length, bool(emit), sampling, targets))
     return rows
 
