@@ -39,7 +39,8 @@ class StageInfo:
     layers: LayerRange | None = None
     param_bytes: int = 0
     load_s: float = 0.0
-    peak_rss: int = 0
+    peak_rss: int = 0  # the stage's peak resident memory when it reported READY
+    rss_before_load: int = 0  # its resident memory before loading the span
     stats: dict = field(default_factory=dict)
     error: str | None = None
 
@@ -97,6 +98,7 @@ class ControlPlane:
             stage.param_bytes = int(header.get("param_bytes", 0))
             stage.load_s = float(header.get("load_s", 0.0))
             stage.peak_rss = int(header.get("peak_rss", 0))
+            stage.rss_before_load = int(header.get("rss_before_load", 0))
         elif kind == protocol.FAILURE:
             log.error("stage %s reports: %s", stage.name, header.get("error"))
             if "step" not in header:  # a load failure: the stage cannot serve its span

@@ -98,11 +98,15 @@ def load_shard(files: ModelFiles, spec: ShardSpec) -> StageShard:
         names[layer] = f"model.layers.{index}"
     if norm is not None:
         names[norm] = "model.norm"
-    with _TensorReader(files) as reader:
-        for module, prefix in names.items():
-            _materialize(module, prefix, reader, device, dtype, skeleton)
-        if lm_head is not None:
-            lm_head = _load_head(lm_head, embed, files, reader, device, dtype)
+    reader = _TensorReader(files)
+    for module, prefix in names.items():
+        _materialize(module, prefix, reader, device, dtype, skeleton)
+        # Unmap the files after each module: pages read through a mapping count in this process's
+        # memory until unmapped, and kept for the whole load they would double its peak.
+        reader.close()
+    if lm_head is not None:
+        lm_head = _load_head(lm_head, embed, files, reader, device, dtype)
+        reader.close()
     # inv_freq is a non-persistent buffer: it is not in the checkpoint and to_empty() left garbage,
     # so the rotary module is rebuilt on the real device, which computes it afresh.
     with torch.device(device):
@@ -127,10 +131,9 @@ class _TensorReader:
         self.files = files
         self.handles = {}
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
+    def close(self) -> None:
+        for handle in self.handles.values():
+            handle.__exit__(None, None, None)
         self.handles.clear()
 
     def get(self, name: str) -> torch.Tensor:
@@ -139,7 +142,7 @@ class _TensorReader:
             raise ModelDirError(f"{self.files.path}: tensor {name} is missing from the checkpoint")
         if path not in self.handles:
             try:
-                self.handles[path] = safe_open(path, framework="pt")
+                self.handles[path] = safe_open(path, framework="pt").__enter__()
             except Exception as error:  # damaged or truncated file
                 raise ModelDirError(f"{path} is not a readable safetensors file: {error}") from None
         return self.handles[path].get_tensor(name)

@@ -92,6 +92,14 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def current_rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * resource.getpagesize()
+    except OSError:  # not Linux: the peak is the best figure there is
+        return peak_rss_bytes()
+
+
 class StageWorker:
     def __init__(self, config: StageConfig):
         self.config = config
@@ -174,7 +182,7 @@ class StageWorker:
             protocol.require_fields(header, "assign", {"epoch": int, "model_dir": str, "layers": list,
                                                        "is_first": bool, "is_last": bool, "next_address": str,
                                                        "num_slots": int, "max_context": int})
-            started = time.monotonic()
+            started, rss_before = time.monotonic(), current_rss_bytes()
             spec = ShardSpec(LayerRange.from_json(header["layers"]), header["is_first"], header["is_last"],
                              self.config.device, self.config.dtype)
             self.shard, self.arena, self.epoch = None, None, -1  # drop the old span before loading the new one
@@ -191,7 +199,7 @@ class StageWorker:
                      header["model_dir"], time.monotonic() - started, shard.parameter_bytes())
             self._send_control(protocol.READY, epoch=self.epoch, layers=spec.layers.to_json(),
                                param_bytes=shard.parameter_bytes(), load_s=time.monotonic() - started,
-                               peak_rss=peak_rss_bytes())
+                               peak_rss=peak_rss_bytes(), rss_before_load=rss_before)
         except Exception as error:  # any load failure is reported with its text; the stage stays up
             log.exception("stage %s: assignment failed", self.name)
             self._send_control(protocol.FAILURE, epoch=header.get("epoch"), error=f"{type(error).__name__}: {error}")

@@ -75,12 +75,25 @@ def assert_equivalent(model, requests, results, references=None) -> int:
     return exact
 
 
-def run_pipeline(model_dir: Path, num_stages: int, requests, num_slots: int, **batching):
+def run_pipeline(model_dir: Path, num_stages: int, requests, num_slots: int, check=None, **batching):
     config = BrokerConfig(str(model_dir), num_stages,
                           batching=BatchingConfig(num_slots=num_slots, **batching))
     with LocalCluster(config, LocalStageOptions(threads_per_stage=1)) as cluster:
+        if check is not None:
+            check(cluster.broker)
         results, stats = cluster.broker.generate(requests)
     return results, stats
+
+
+def assert_stage_memory_is_partial(broker) -> None:
+    """No stage's memory ever holds the whole model: each load grows a stage by about its own
+    parameters (plus one module's read buffer), far below the checkpoint's size."""
+    model_bytes = sum(path.stat().st_size for path in set(broker.model.files.tensor_files.values()))
+    for stage in broker.chain:
+        growth = stage.peak_rss - stage.rss_before_load
+        assert growth < model_bytes * 0.9, f"{stage.name}: load grew memory by {growth} of a {model_bytes}-byte model"
+        assert growth < stage.param_bytes * 1.3 + (64 << 20), (
+            f"{stage.name}: load grew memory by {growth} bytes for {stage.param_bytes} parameter bytes")
 
 
 @pytest.mark.parametrize("num_stages", [1, 2, 3])
@@ -165,7 +178,8 @@ def smollm2_case(default_model):
 @pytest.mark.parametrize("num_stages", [2, 3])
 def test_default_model_matches_transformers(smollm2_case, num_stages):
     model_dir, model, requests, references = smollm2_case
-    results, _ = run_pipeline(model_dir, num_stages, requests, num_slots=4, max_step_tokens=64)
+    results, _ = run_pipeline(model_dir, num_stages, requests, num_slots=4, max_step_tokens=64,
+                              check=assert_stage_memory_is_partial if num_stages == 3 else None)
     assert_equivalent(model, requests, results, references)
     assert any(r.finish_reason == "stop" for r in results), "some summaries should end at EOS"
 
