@@ -228,7 +228,8 @@ def run_job(store: JobStore, job_id: str, broker: Runner, results_dir: Path, pro
     writer = ResultWriter(Path(results_dir), job_id)
     worker_name = worker_name or default_worker_name()
     try:
-        _run_rounds(store, job_id, broker, writer, settings, progress, poll_cancel_s, worker_name)
+        if status.status != "finalizing":  # stopped while writing its results: only that is left to do
+            _run_rounds(store, job_id, broker, writer, settings, progress, poll_cancel_s, worker_name)
         return _finish(store, job_id, writer, settings)
     except Exception as error:
         log.exception("job %s failed", job_id)
@@ -281,9 +282,11 @@ def _finish(store: JobStore, job_id: str, writer: ResultWriter, settings: JobSet
     status = store.job_status(job_id)
     if status.status == "in_progress" and status.queued == 0 and status.in_progress == 0:
         # A job whose items all failed is still completed, as in the OpenAI Batch API.
-        if _try_set_status(store, job_id, "finalizing"):
-            _write_results(store, job_id, writer, settings)
-            store.set_job_status(job_id, "completed")
+        _try_set_status(store, job_id, "finalizing")
+        status = store.job_status(job_id)
+    if status.status == "finalizing":  # finalize() may run again after an interrupted one: it loses nothing
+        _write_results(store, job_id, writer, settings)
+        store.set_job_status(job_id, "completed")
         status = store.job_status(job_id)
     if status.status == "cancelled" and status.results_path is None:
         _write_results(store, job_id, writer, settings)  # the outputs that finished before the cancel

@@ -1,0 +1,266 @@
+"""run_job, StoreSource and StoreSink against a real SQLite store and a real tokenizer, with the broker
+played in-process by a script: requests out of claimed items, results into parts and the store, exactly
+one row per custom_id after a kill between part and commit, cancel, failure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from broker.job_runner import (
+    ADD_SPECIAL_TOKENS_KEY,
+    StoreSink,
+    StoreSource,
+    item_params,
+    item_seed,
+    run_job,
+)
+from broker.model_info import load_tokenizer
+from broker.requests import GenerationRequest, GenerationResult
+from storage import InvalidItem, JobSettings, JobStore, NewItem
+from storage.results import ResultWriter, read_results, results_metadata
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_models):
+    return load_tokenizer(tiny_models("llama"))
+
+
+@pytest.fixture
+def store(tmp_path):
+    with JobStore.open(f"sqlite:///{tmp_path / 'jobs.db'}") as opened:
+        yield opened
+
+
+def queue_job(store: JobStore, count: int, settings: JobSettings | None = None, invalid: int = 0,
+              overrides: dict[int, dict] | None = None) -> str:
+    settings = settings or JobSettings(task="generate", model="tiny", max_new_tokens=4)
+    overrides = overrides or {}
+    items = [NewItem(f"doc-{i}", f"input {i}", f"The stage runs item {i}.",
+                     item_params(overrides.get(i, {}), add_special_tokens=True, seq=i + 1), seq=i + 1)
+             for i in range(count)]
+    refused = [InvalidItem(f"bad-{i}", "{oops", "line is not JSON", seq=count + i + 1) for i in range(invalid)]
+    return store.create_job(settings, items, refused)
+
+
+class ScriptedBroker:
+    """Plays Broker.run: claims `batch` requests at a time and answers each with tokens from its prompt.
+
+    `before_deliver(round, requests)` may act (cancel the job) or raise (a crashed stage) before a batch is
+    delivered; `deliver_only` caps how many of a round's results are delivered.
+    """
+
+    def __init__(self, tokenizer, batch: int = 4, before_deliver=None, deliver_only: int | None = None):
+        self._tokenizer, self.batch = tokenizer, batch
+        self.before_deliver, self.deliver_only = before_deliver, deliver_only
+        self.requests: list[GenerationRequest] = []
+
+    def tokenizer(self):
+        return self._tokenizer
+
+    def run(self, source, sink, should_stop):
+        round_number = 0
+        while not source.exhausted and not should_stop():
+            batch = source.fetch(self.batch)
+            self.requests += batch
+            if self.before_deliver is not None:
+                self.before_deliver(round_number, batch)
+            results = [answer(request) for request in batch][: self.deliver_only]
+            if results:
+                sink.deliver(results)
+            round_number += 1
+
+
+def answer(request: GenerationRequest) -> GenerationResult:
+    return GenerationResult(request.request_id, token_ids=request.prompt_ids[: request.max_new_tokens],
+                            finish_reason="length", prompt_tokens=len(request.prompt_ids), latency_s=0.01)
+
+
+def final_rows(path: str) -> list[dict]:
+    return read_results(Path(path)).to_pylist()
+
+
+def test_run_job_records_every_item_once_with_metadata(store, tokenizer, tmp_path):
+    job_id = queue_job(store, 10, invalid=1)
+    broker = ScriptedBroker(tokenizer, batch=3)
+
+    status = run_job(store, job_id, broker, tmp_path / "results", poll_cancel_s=0)
+
+    assert status.status == "completed"
+    assert (status.total, status.completed, status.failed, status.queued, status.in_progress) == (11, 10, 1, 0, 0)
+    rows = final_rows(status.results_path)
+    assert [r["custom_id"] for r in rows] == [f"doc-{i}" for i in range(10)] + ["bad-0"]
+    first = rows[0]
+    assert first["input"] == "input 0" and first["status"] == "completed" and first["finish_reason"] == "length"
+    prompt_ids = tokenizer.encode("The stage runs item 0.")
+    assert first["output"] == tokenizer.decode(prompt_ids[:4], skip_special_tokens=True)
+    assert (first["prompt_tokens"], first["completion_tokens"]) == (len(prompt_ids), 4)
+    assert rows[-1]["status"] == "failed" and rows[-1]["error"] == "line is not JSON"
+    assert sum(r["completion_tokens"] or 0 for r in rows) == status.completion_tokens
+    metadata = results_metadata(Path(status.results_path))
+    assert metadata["job_id"] == job_id and metadata["model"] == "tiny" and '"max_new_tokens": 4' in metadata["settings"]
+    assert not (tmp_path / "results" / job_id).exists(), "parts are deleted once the final file is written"
+
+
+def test_claims_only_what_is_fetched(store, tokenizer):
+    job_id = queue_job(store, 10)
+    source = StoreSource(store, job_id, tokenizer, store.job_settings(job_id), "w1")
+    assert len(source.fetch(3)) == 3
+    assert store.job_status(job_id).in_progress == 3
+    assert len(source.fetch(100)) == 7 and not source.exhausted
+    assert source.fetch(5) == [] and source.exhausted
+
+
+def test_item_params_override_job_settings(store, tokenizer):
+    settings = JobSettings(task="generate", model="tiny", max_new_tokens=5, temperature=0.7, top_p=0.9, top_k=40,
+                           seed=3, extra={"stop": ["END"]})
+    job_id = queue_job(store, 3, settings, overrides={1: {"max_tokens": 2, "temperature": 0.0, "seed": 9,
+                                                          "stop": ["x", "y"], "top_k": 5}})
+    requests = StoreSource(store, job_id, tokenizer, settings, "w1").fetch(3)
+    default, overridden, other = requests
+    assert default.max_new_tokens == 5 and default.stop == ("END",)
+    assert (default.sampling.temperature, default.sampling.top_p, default.sampling.top_k) == (0.7, 0.9, 40)
+    assert default.sampling.seed == item_seed(3, 1)
+    assert other.sampling.seed == item_seed(3, 3) != default.sampling.seed, "items sample differently"
+    assert overridden.max_new_tokens == 2 and overridden.stop == ("x", "y")
+    assert (overridden.sampling.temperature, overridden.sampling.top_k, overridden.sampling.seed) == (0.0, 5, 9)
+    assert default.prompt_ids == tokenizer.encode("The stage runs item 0.")
+    assert default.request_id.isdigit(), "request ids are item ids, so results find their item"
+
+
+def test_default_seed_is_reproducible_across_runs():
+    assert item_seed(0, 7) == item_seed(0, 7)
+    assert len({item_seed(seed, seq) for seed in range(3) for seq in range(50)}) == 150
+    assert all(0 <= item_seed(2**63 - 1, seq) < 2**63 for seq in range(10))
+
+
+class RecordingTokenizer:
+    def __init__(self, inner):
+        self.inner, self.flags = inner, []
+        self.bos_token = inner.bos_token
+
+    def encode(self, text, add_special_tokens=True, **kwargs):
+        self.flags.append(add_special_tokens)
+        return self.inner.encode(text, add_special_tokens=add_special_tokens, **kwargs)
+
+
+def test_prompts_are_tokenized_as_rendered(store, tokenizer):
+    items = [NewItem("chat", "hi", "<|bos|><|user|>\nhi", item_params({}, False, 1), 1),
+             NewItem("raw", "hi", "hi", item_params({}, True, 2), 2),
+             NewItem("other-tool", "hi", "<|bos|>hi", {}, 3)]  # queued without the key: BOS means a template
+    job_id = store.create_job(JobSettings(task="generate", model="tiny"), items)
+    recording = RecordingTokenizer(tokenizer)
+    StoreSource(store, job_id, recording, store.job_settings(job_id), "w1").fetch(3)
+    assert recording.flags == [False, True, False]
+    assert ADD_SPECIAL_TOKENS_KEY in items[0].params
+
+
+def test_sink_decodes_skips_special_tokens_and_cuts_at_stop(store, tokenizer, tmp_path):
+    job_id = queue_job(store, 2)
+    source = StoreSource(store, job_id, tokenizer, store.job_settings(job_id), "w1")
+    first, second = source.fetch(2)
+    sink = StoreSink(store, ResultWriter(tmp_path, job_id), tokenizer, source.outstanding, flush_every=100)
+    words = tokenizer.encode("one two three")
+    text = tokenizer.decode(words)
+    sink.deliver([GenerationResult(first.request_id, words + [tokenizer.eos_token_id], "stop", 5),
+                  GenerationResult(second.request_id, words, "stop", 5, stop_text_end=text.index("two"))])
+    assert store.job_status(job_id).completed == 0, "nothing is committed before the flush"
+    sink.flush()
+    outputs = {row["custom_id"]: row["output"] for row in store.item_results(job_id)}
+    assert outputs == {"doc-0": text, "doc-1": text[: text.index("two")]}
+    assert source.outstanding == {}
+
+
+def test_killed_between_part_and_commit_gives_each_custom_id_once(store, tokenizer, tmp_path, monkeypatch):
+    job_id = queue_job(store, 8)
+
+    def killed(*args, **kwargs):
+        raise SystemExit("killed")  # the process dies here: no requeue, nothing committed
+
+    with monkeypatch.context() as patch:
+        patch.setattr(store, "complete_items", killed)
+        patch.setattr(store, "requeue_items", killed)
+        with pytest.raises(SystemExit):
+            run_job(store, job_id, ScriptedBroker(tokenizer, batch=8), tmp_path, poll_cancel_s=0)
+    parts = ResultWriter(tmp_path, job_id).part_paths()
+    assert len(parts) == 1 and read_results(parts[0]).num_rows == 8, "the part was written before the kill"
+    assert store.job_status(job_id).in_progress == 8, "the store never heard of those results"
+
+    status = run_job(store, job_id, ScriptedBroker(tokenizer, batch=8), tmp_path, poll_cancel_s=0)
+
+    assert status.status == "completed" and status.completed == 8
+    rows = final_rows(status.results_path)
+    assert sorted(r["custom_id"] for r in rows) == [f"doc-{i}" for i in range(8)]
+    assert all(r["status"] == "completed" for r in rows)
+
+
+def test_cancel_keeps_finished_outputs_and_cancels_the_rest(store, tokenizer, tmp_path):
+    job_id = queue_job(store, 12)
+
+    def cancel_in_second_round(round_number, requests):
+        if round_number == 1:
+            assert store.cancel_job(job_id) == "cancelling"  # another process runs `layerbus cancel`
+
+    broker = ScriptedBroker(tokenizer, batch=4, before_deliver=cancel_in_second_round, deliver_only=1)
+    status = run_job(store, job_id, broker, tmp_path, poll_cancel_s=0)
+
+    assert status.status == "cancelled"
+    assert (status.completed, status.cancelled, status.queued, status.in_progress) == (2, 10, 0, 0)
+    rows = final_rows(status.results_path)
+    assert len(rows) == 12 and len({r["custom_id"] for r in rows}) == 12
+    assert [r["status"] for r in rows].count("completed") == 2
+    assert {r["custom_id"] for r in rows if r["status"] == "completed"} == {"doc-0", "doc-4"}
+
+
+def test_a_crash_fails_the_job_and_keeps_finished_outputs(store, tokenizer, tmp_path):
+    job_id = queue_job(store, 9)
+
+    def crash_in_third_round(round_number, requests):
+        if round_number == 2:
+            raise RuntimeError("stage-1 exploded")
+
+    broker = ScriptedBroker(tokenizer, batch=3, before_deliver=crash_in_third_round)
+    status = run_job(store, job_id, broker, tmp_path, poll_cancel_s=0)
+
+    assert status.status == "failed" and "stage-1 exploded" in status.error
+    assert (status.completed, status.in_progress, status.queued) == (6, 0, 3), "claimed items went back"
+    parts = ResultWriter(tmp_path, job_id).part_paths()
+    assert sum(read_results(p).num_rows for p in parts) == 6
+
+
+def test_a_job_whose_items_all_failed_is_completed(store, tokenizer, tmp_path):
+    job_id = queue_job(store, 3)
+
+    class FailingBroker(ScriptedBroker):
+        def run(self, source, sink, should_stop):
+            while not source.exhausted:
+                sink.deliver([GenerationResult(r.request_id, [], "error", len(r.prompt_ids), error="too long")
+                              for r in source.fetch(2)])
+
+    status = run_job(store, job_id, FailingBroker(tokenizer), tmp_path, poll_cancel_s=0)
+    assert (status.status, status.failed, status.completed) == ("completed", 3, 0)
+    assert all(r["error"] == "too long" and r["output"] is None for r in final_rows(status.results_path))
+
+
+def test_finished_jobs_are_left_alone(store, tokenizer, tmp_path):
+    job_id = queue_job(store, 2)
+    first = run_job(store, job_id, ScriptedBroker(tokenizer), tmp_path, poll_cancel_s=0)
+    broker = ScriptedBroker(tokenizer)
+    again = run_job(store, job_id, broker, tmp_path, poll_cancel_s=0)
+    assert again.status == "completed" and again.results_path == first.results_path and broker.requests == []
+
+
+def test_a_job_stopped_while_finalizing_is_finalized_on_resume(store, tokenizer, tmp_path, monkeypatch):
+    job_id = queue_job(store, 4)
+    with monkeypatch.context() as patch:
+        patch.setattr(ResultWriter, "finalize", lambda *args, **kwargs: (_ for _ in ()).throw(KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt):
+            run_job(store, job_id, ScriptedBroker(tokenizer), tmp_path, poll_cancel_s=0)
+    assert store.job_status(job_id).status == "finalizing"
+
+    broker = ScriptedBroker(tokenizer)
+    status = run_job(store, job_id, broker, tmp_path, poll_cancel_s=0)
+
+    assert status.status == "completed" and broker.requests == []
+    assert sorted(r["custom_id"] for r in final_rows(status.results_path)) == [f"doc-{i}" for i in range(4)]
