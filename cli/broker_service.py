@@ -1,0 +1,164 @@
+"""`layerbus broker`: a broker for stages started by hand (`layerbus stage`, `run_cluster.sh`), serving
+queued jobs of its model from the store until Ctrl-C or SIGTERM, which stop it and its stages cleanly."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+from cli.errors import EXIT_FAILED, EXIT_OK, UsageError
+from cli.options import (
+    add_cluster_options,
+    add_db,
+    add_model,
+    add_verbose,
+    model_for_stages,
+    open_store,
+    positive_int,
+    resolve_model,
+    results_dir,
+)
+from cli.signals import Interrupted, stop_on_signals
+
+log = logging.getLogger("layerbus.broker")
+
+IDLE_HEARTBEAT_S = 0.5  # while no job runs, stages still hear from the broker this often
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("broker", help="run a broker for stages started elsewhere",
+                                   description="Wait for N stages (`layerbus stage --broker ADDRESS`), split the "
+                                               "model over them, then run the store's queued jobs for this model, "
+                                               "oldest first, polling for new ones, until Ctrl-C or SIGTERM.")
+    add_model(parser, "Hugging Face model directory every stage can read at this path (default: the default model)")
+    parser.add_argument("--stages", metavar="N", type=positive_int, required=True, help="stages to wait for")
+    parser.add_argument("--bind-control", metavar="ENDPOINT", default="tcp://0.0.0.0:5555",
+                        help="where stages register (default: tcp://0.0.0.0:5555)")
+    parser.add_argument("--bind-results", metavar="ENDPOINT", default="tcp://0.0.0.0:5556",
+                        help="where the last stage returns tokens (default: tcp://0.0.0.0:5556)")
+    parser.add_argument("--advertise", metavar="HOST", default=None,
+                        help="host name or address stages on other machines use to reach this broker")
+    add_db(parser)
+    parser.add_argument("--job", metavar="JOB", default=None,
+                        help="run this one job, then exit (0 iff it completed); default: run jobs as they come")
+    add_cluster_options(parser)
+    parser.add_argument("--poll", metavar="SECONDS", type=float, default=2.0,
+                        help="how often to look for new jobs when idle (default: 2)")
+    parser.add_argument("--register-timeout", metavar="SECONDS", type=float, default=600.0,
+                        help="how long to wait for the stages to register (default: 600)")
+    add_verbose(parser)
+    parser.set_defaults(handler=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    import zmq
+
+    from broker.broker import Broker, BrokerConfig
+    from broker.scheduler import BatchingConfig
+
+    model_dir = resolve_model(args.model)
+    model_for_stages(model_dir, args.stages)
+    config = BrokerConfig(str(model_dir), args.stages, control_bind=args.bind_control,
+                          results_bind=args.bind_results, advertise_host=args.advertise, partition=args.partition,
+                          batching=BatchingConfig(num_slots=args.slots, max_context=args.max_context),
+                          register_timeout_s=args.register_timeout)
+    with open_store(args.db) as store:
+        if args.job:
+            store.job_status(args.job)  # StoreError names a job that does not exist
+        try:
+            broker = Broker(config)
+        except zmq.ZMQError as error:
+            raise UsageError(f"cannot bind {args.bind_control} / {args.bind_results}: {error}; another broker "
+                             "may hold the port: pick others with --bind-control/--bind-results") from None
+        try:
+            with stop_on_signals():
+                return _serve(store, broker, model_dir, args)
+        except Interrupted as interrupted:
+            print(f"layerbus broker: {interrupted}: stopped; stages told to stop, items in flight requeued",
+                  file=sys.stderr)
+            return EXIT_OK
+        finally:
+            broker.close()
+
+
+def _serve(store, broker, model_dir: Path, args: argparse.Namespace) -> int:
+    from broker.job_runner import run_job
+
+    print(f"layerbus broker: waiting for {args.stages} stage(s) at {broker.address}: start each with "
+          f"`layerbus stage --broker {broker.address}`", file=sys.stderr, flush=True)
+    broker.start()
+    print("layerbus broker: ready: " + ", ".join(f"{s.name} layers {span}" for s, span in zip(broker.chain,
+                                                                                                broker.spans)),
+          file=sys.stderr, flush=True)
+    if args.job:
+        status = run_job(store, args.job, broker, results_dir())
+        _report(status)
+        return EXIT_OK if status.status == "completed" else EXIT_FAILED
+    warned: set[str] = set()
+    while True:
+        job_id = next_job_for(store, model_dir, warned)
+        if job_id is None:
+            _idle(broker, args.poll)
+            continue
+        print(f"layerbus broker: running {job_id}", file=sys.stderr, flush=True)
+        _report(run_job(store, job_id, broker, results_dir()))
+        _check_chain(broker)  # a job that failed because a stage left must not take the next job down too
+
+
+def next_job_for(store, model_dir: Path, warned: set[str]) -> str | None:
+    """The oldest queued or in-progress job for this broker's model."""
+    from storage.states import RUNNABLE_JOB_STATES
+
+    job_id = store.next_runnable_job()
+    if job_id is None:
+        return None
+    if _same_model(store.job_settings(job_id).model, model_dir):
+        return job_id
+    runnable = [s for s in reversed(store.list_jobs(limit=500)) if s.status in RUNNABLE_JOB_STATES]
+    for status in runnable:
+        if _same_model(status.model, model_dir):
+            return status.job_id
+        if status.job_id not in warned:
+            warned.add(status.job_id)
+            print(f"layerbus broker: skipping {status.job_id}: it is for model {status.model}, this broker serves "
+                  f"{model_dir}", file=sys.stderr, flush=True)
+    return None
+
+
+def _same_model(job_model: str, model_dir: Path) -> bool:
+    return Path(job_model).expanduser().resolve() == model_dir.resolve()
+
+
+def _idle(broker, seconds: float) -> None:
+    """Keep the stages' heartbeats going while there is no job; stop if one leaves."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        broker.control.poll(100)
+        broker.control.heartbeat(IDLE_HEARTBEAT_S)
+        _check_chain(broker)
+
+
+def _check_chain(broker) -> None:
+    from broker.control import ClusterError
+
+    limit = broker.config.pipeline.stage_timeout_s
+    for stage in broker.chain:
+        if stage.state in ("gone", "failed"):
+            raise ClusterError(f"stage {stage.name} (layers {stage.layers}) is {stage.state}: restart it and "
+                               "this broker")
+        silent = time.monotonic() - stage.last_seen
+        if silent > limit:
+            raise ClusterError(f"stage {stage.name} (layers {stage.layers}) silent for {silent:.0f} s: restart it "
+                               "and this broker")
+
+
+def _report(status) -> None:
+    done = status.completed + status.failed + status.cancelled
+    path = f"; results {status.results_path}" if status.results_path else ""
+    error = f": {status.error}" if status.error else ""
+    print(f"layerbus broker: {status.job_id} {status.status}{error} ({done}/{status.total} items, "
+          f"{status.failed} failed){path}", file=sys.stderr, flush=True)
+

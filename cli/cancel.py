@@ -1,0 +1,30 @@
+"""`layerbus cancel`: stop a job; its queued items are cancelled, items in flight finish first."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from cli.errors import EXIT_OK
+from cli.options import add_db, add_verbose, open_store
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("cancel", help="cancel a job (prints its new status)",
+                                   description="Cancel JOB: queued items become cancelled, items in flight "
+                                               "finish, completed outputs are kept. Prints the new status: "
+                                               "cancelling (items still in flight) or cancelled.")
+    parser.add_argument("job", metavar="JOB", help="job id (job_...)")
+    add_db(parser)
+    add_verbose(parser)
+    parser.set_defaults(handler=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    with open_store(args.db) as store:
+        new_status = store.cancel_job(args.job)
+    print(new_status)
+    if new_status == "cancelling":
+        print(f"layerbus: {args.job} stops once its items in flight finish; follow with "
+              f"`layerbus status {args.job} --watch`", file=sys.stderr)
+    return EXIT_OK

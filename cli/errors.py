@@ -1,0 +1,56 @@
+"""How the CLI ends: exit codes, and which exceptions are the user's to fix (one message, exit 2,
+no traceback) rather than bugs (a traceback)."""
+
+from __future__ import annotations
+
+import sys
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # the work did not succeed: a job failed or was cancelled, the cluster broke
+EXIT_USAGE = 2  # the command cannot be done as given: fix the arguments, the input or the setup
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGTERM: 143)
+
+
+class UsageError(Exception):
+    """A mistake the user can fix; str() names the value and the way out."""
+
+
+class RunFailed(Exception):
+    """The command was fine but the work failed (a stage could not load, the cluster broke); exit 1."""
+
+
+def user_error_message(error: BaseException) -> str | None:
+    """The message to show for an exception the user can act on, or None for a bug.
+
+    Error classes of heavy modules are only looked up when those modules are loaded: an exception
+    cannot come from a module nobody imported, and importing one here would slow every command.
+    """
+    if isinstance(error, (UsageError, FileNotFoundError)):
+        return str(error)
+    from jobs.records import InputError
+    from storage.errors import StoreError
+
+    if isinstance(error, (StoreError, InputError)):
+        return str(error)
+    for module, names in _HEAVY_USER_ERRORS.items():
+        loaded = sys.modules.get(module)
+        if loaded is not None and isinstance(error, tuple(getattr(loaded, name) for name in names)):
+            return str(error)
+    return None
+
+
+def failure_message(error: BaseException) -> str | None:
+    """The message for a runtime failure that needs no traceback (exit 1), or None."""
+    if isinstance(error, RunFailed):
+        return str(error)
+    control = sys.modules.get("broker.control")
+    if control is not None and isinstance(error, control.ClusterError):
+        return str(error)
+    return None
+
+
+_HEAVY_USER_ERRORS = {
+    "stages.model_files": ("ModelDirError",),
+    "stages.default_model": ("DefaultModelError",),
+    "stages.gguf_import": ("GGUFImportError",),
+}

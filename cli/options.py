@@ -1,0 +1,121 @@
+"""Options several subcommands share, and the few steps they share: opening the store, finding the model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cli.errors import UsageError
+
+if TYPE_CHECKING:
+    from broker.model_info import ModelInfo
+    from storage import JobStore
+
+TASKS = ("summarize", "translate", "generate")  # as jobs.tasks.TASKS, without importing it for --help
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
+def seed(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**63), got {text}")
+    return value
+
+
+def add_verbose(parser: argparse.ArgumentParser) -> None:
+    # SUPPRESS: a subcommand's -v adds to the top-level one instead of resetting it.
+    parser.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                        help="log progress to stderr (-vv: debug)")
+
+
+def add_db(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--db", metavar="URL", default=None,
+                        help="job store: sqlite:///path.db or postgresql+psycopg://user:pw@host/db "
+                             "(default: sqlite under $LAYERBUS_HOME, ~/.local/share/layerbus)")
+
+
+def add_model(parser: argparse.ArgumentParser, help_text: str) -> None:
+    parser.add_argument("--model", metavar="DIR", default=None, help=help_text)
+
+
+def add_job_options(parser: argparse.ArgumentParser) -> None:
+    """What `submit` and `run` take to define a job."""
+    parser.add_argument("--task", choices=TASKS, help="what to do with each item (required with INPUT)")
+    parser.add_argument("--target-language", metavar="L", default=None, help="language to translate into (translate)")
+    add_model(parser, "Hugging Face model directory (default: SmolLM2-135M-Instruct, prepared on first use)")
+    parser.add_argument("--max-new-tokens", metavar="N", type=positive_int, default=256,
+                        help="tokens to generate per item unless the item says max_tokens (default: 256)")
+    parser.add_argument("--temperature", metavar="T", type=non_negative_float, default=0.0,
+                        help="sampling temperature; 0 = greedy (default: 0)")
+    parser.add_argument("--seed", metavar="S", type=seed, default=0,
+                        help="job seed: each item samples with a seed derived from it and the item's position")
+    parser.add_argument("--name", default="", help="a name for the job, shown by `layerbus status`")
+    add_db(parser)
+    parser.add_argument("--skip-invalid", action="store_true",
+                        help="queue the valid items and record invalid ones as failed (default: refuse the input)")
+
+
+def add_cluster_options(parser: argparse.ArgumentParser) -> None:
+    """How the broker batches and splits the model (`run`, `broker`)."""
+    parser.add_argument("--slots", metavar="N", type=non_negative_int, default=0,
+                        help="sequences in flight at once (default: 0 = 32 per micro-batch, one micro-batch per "
+                             "stage plus one)")
+    parser.add_argument("--max-context", metavar="N", type=positive_int, default=2048,
+                        help="prompt + generated tokens per item, capped by the model's limit (default: 2048)")
+    parser.add_argument("--partition", choices=("balanced", "equal"), default="balanced",
+                        help="split layers by compute cost (balanced) or by count (equal) (default: balanced)")
+
+
+def open_store(url: str | None) -> JobStore:
+    from storage import JobStore, default_db_url
+
+    return JobStore.open(url or default_db_url())
+
+
+def resolve_model(model: str | None) -> Path:
+    """The model directory: --model as given, or the default model (prepared on first use)."""
+    if model:
+        return Path(model).expanduser().absolute()
+    from stages.default_model import default_model_dir
+
+    return default_model_dir(progress=lambda message: print(message, file=sys.stderr))
+
+
+def model_for_stages(model_dir: Path, num_stages: int) -> ModelInfo:
+    """The model's info, after checking it has a layer for every stage."""
+    from broker.model_info import read_model_info
+
+    info = read_model_info(model_dir)
+    layers = info.files.num_layers
+    if num_stages > layers:
+        raise UsageError(f"--stages {num_stages}, but {model_dir} has {layers} layers and every stage needs at "
+                         f"least one: use --stages {layers} or fewer")
+    return info
+
+
+def results_dir() -> Path:
+    from storage import default_results_dir
+
+    return default_results_dir()

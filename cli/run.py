@@ -1,0 +1,95 @@
+"""`layerbus run`: submit a job (or take an existing one) and run it on a broker plus N stage processes
+started on this machine, with a progress bar; exit 0 iff the job completed."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from cli.errors import EXIT_FAILED, EXIT_OK, RunFailed, UsageError
+from cli.options import (
+    add_cluster_options,
+    add_job_options,
+    add_verbose,
+    model_for_stages,
+    non_negative_int,
+    open_store,
+    positive_int,
+    resolve_model,
+    results_dir,
+)
+from cli.signals import Interrupted, stop_on_signals
+from cli.status import FINAL_STATES, job_report
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("run", help="submit and run a job on local stage processes",
+                                   description="Submit INPUT as a job (or resume --job JOB) and run it on a broker "
+                                               "in this process and N stage processes on this machine. Ctrl-C stops "
+                                               "cleanly; `layerbus run --job JOB` resumes.")
+    parser.add_argument("input", metavar="INPUT", nargs="?", help="as for `layerbus submit` (omit with --job)")
+    parser.add_argument("--job", metavar="JOB", default=None, help="run (or resume) this queued or interrupted job")
+    add_job_options(parser)
+    parser.add_argument("--stages", metavar="N", type=positive_int, default=3, help="stage processes (default: 3)")
+    parser.add_argument("--threads-per-stage", metavar="N", type=non_negative_int, default=0,
+                        help="torch threads per stage (default: this machine's cores shared evenly)")
+    add_cluster_options(parser)
+    add_verbose(parser)
+    parser.set_defaults(handler=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    if (args.input is None) == (args.job is None):
+        raise UsageError("give INPUT (to submit a new job) or --job JOB (to run an existing one)"
+                         + (", not both" if args.input else ""))
+    with open_store(args.db) as store:
+        if args.job:
+            if args.task or args.model:
+                raise UsageError("--job runs the job with the settings it was submitted with: drop --task/--model")
+            job_id = args.job
+            model_dir = Path(store.job_settings(job_id).model)  # StoreError when there is no such job
+            model_for_stages(model_dir, args.stages)
+        else:
+            model_dir = resolve_model(args.model)
+            model_for_stages(model_dir, args.stages)  # before queueing: a job that cannot run is not queued
+            from cli.submit import submit_job
+
+            job_id = submit_job(store, argparse.Namespace(**{**vars(args), "model": str(model_dir)}))
+        status = store.job_status(job_id)
+        if status.status not in FINAL_STATES:  # a finished job needs no cluster
+            status = _run_locally(store, job_id, model_dir, args)
+    print(job_report(status))
+    if status.status != "completed":
+        print(f"layerbus: job {job_id} is {status.status}" + (f": {status.error}" if status.error else ""),
+              file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _run_locally(store, job_id: str, model_dir: Path, args: argparse.Namespace):
+    from tqdm import tqdm
+
+    from broker.broker import BrokerConfig
+    from broker.control import ClusterError
+    from broker.job_runner import run_job
+    from broker.local_cluster import LocalCluster, LocalStageOptions
+    from broker.scheduler import BatchingConfig
+    from storage.engine import layerbus_home
+
+    log_dir = layerbus_home() / "logs" / job_id
+    config = BrokerConfig(str(model_dir), args.stages, partition=args.partition,
+                          batching=BatchingConfig(num_slots=args.slots, max_context=args.max_context))
+    options = LocalStageOptions(threads_per_stage=args.threads_per_stage, log_dir=log_dir)
+    print(f"layerbus: running {job_id} on {args.stages} local stage(s); stage logs in {log_dir}", file=sys.stderr)
+    try:
+        with stop_on_signals(), LocalCluster(config, options) as cluster:
+            with tqdm(desc=job_id, unit="item", file=sys.stderr, disable=None, dynamic_ncols=True) as bar:
+                return run_job(store, job_id, cluster.broker, results_dir(), progress=bar)
+    except ClusterError as error:
+        raise RunFailed(f"{error}\nstage logs: {log_dir}; the job keeps its finished items: "
+                        f"`layerbus run --job {job_id}` resumes it") from None
+    except Interrupted as interrupted:
+        print(f"layerbus: stopped by {interrupted}; items in flight were requeued; "
+              f"`layerbus run --job {job_id}` resumes", file=sys.stderr)
+        raise

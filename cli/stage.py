@@ -1,0 +1,33 @@
+"""`layerbus stage`: one stage process, with exactly the options of `python -m stages`."""
+
+from __future__ import annotations
+
+import argparse
+
+STAGE_DESCRIPTION = ("Run one stage: register with the broker at --broker, load the layers it assigns, serve "
+                     "steps until the broker says stop, SIGTERM/Ctrl-C, or the broker goes silent.")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    # The stage's own options are added when the command runs: stages.__main__ imports torch, which
+    # every other command (and --help) would pay for. Its arguments reach main() as args.extra.
+    parser = subparsers.add_parser("stage", help="run one stage process (see `layerbus stage --help`)",
+                                   add_help=False, description=STAGE_DESCRIPTION)
+    parser.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS)
+    parser.set_defaults(handler=main, takes_extra=True)
+
+
+def stage_parser() -> argparse.ArgumentParser:
+    from stages.__main__ import add_stage_arguments
+
+    parser = argparse.ArgumentParser(prog="layerbus stage", description=STAGE_DESCRIPTION)
+    add_stage_arguments(parser)
+    return parser
+
+
+def main(args: argparse.Namespace) -> int:
+    from stages.__main__ import config_from_args
+    from stages.worker import run_stage
+
+    stage_args = stage_parser().parse_args(args.extra)
+    return run_stage(config_from_args(stage_args))

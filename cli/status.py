@@ -1,0 +1,140 @@
+"""`layerbus status`: recent jobs, or one job's progress; light enough to poll (no torch, no transformers)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from cli.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
+from cli.options import add_db, add_verbose, open_store, positive_int
+
+if TYPE_CHECKING:
+    from storage import JobStatus, JobStore
+
+FINAL_STATES = ("completed", "failed", "cancelled")
+WATCH_INTERVAL_S = 2.0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("status", help="show recent jobs, or one job's progress",
+                                   description="Without JOB: a table of recent jobs. With JOB: counts by state, "
+                                               "tokens, tokens/s, ETA, timestamps and the results path.")
+    parser.add_argument("job", metavar="JOB", nargs="?", help="job id (job_...)")
+    parser.add_argument("--json", action="store_true", help="print JSON (one object per refresh with --watch)")
+    parser.add_argument("--watch", action="store_true",
+                        help=f"refresh every {WATCH_INTERVAL_S:.0f} s until the job (default: the latest) is "
+                             "finished; exit 0 if it completed, 1 otherwise")
+    parser.add_argument("--limit", metavar="N", type=positive_int, default=20, help="jobs in the table (default: 20)")
+    add_db(parser)
+    add_verbose(parser)
+    parser.set_defaults(handler=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    with open_store(args.db) as store:
+        if args.watch:
+            return _watch(store, args.job or _latest(store), args.json)
+        if args.job is None:
+            jobs = store.list_jobs(limit=args.limit)
+            print(json.dumps([status_json(s) for s in jobs], indent=2) if args.json else jobs_table(jobs))
+            return EXIT_OK
+        status = store.job_status(args.job)
+        print(json.dumps(status_json(status), indent=2) if args.json else job_report(status))
+        return EXIT_OK
+
+
+def _latest(store: JobStore) -> str:
+    from cli.errors import UsageError
+
+    job_id = store.latest_job_id()
+    if job_id is None:
+        raise UsageError(f"no jobs in {store.url} yet: queue one with `layerbus submit` or `layerbus run`")
+    return job_id
+
+
+def _watch(store: JobStore, job_id: str, as_json: bool) -> int:
+    redraw = sys.stdout.isatty() and not as_json
+    try:
+        while True:
+            status = store.job_status(job_id)
+            if redraw:
+                sys.stdout.write("\x1b[H\x1b[2J")  # cursor home, clear screen
+            print(json.dumps(status_json(status)) if as_json else job_report(status), flush=True)
+            if status.status in FINAL_STATES:
+                return EXIT_OK if status.status == "completed" else EXIT_FAILED
+            if not redraw and not as_json:
+                print(flush=True)
+            time.sleep(WATCH_INTERVAL_S)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+def status_json(status: JobStatus) -> dict[str, Any]:
+    return {
+        "id": status.job_id,
+        "name": status.name,
+        "task": status.task,
+        "model": status.model,
+        "status": status.status,
+        "request_counts": {"total": status.total, "completed": status.completed, "failed": status.failed,
+                           "cancelled": status.cancelled, "queued": status.queued,
+                           "in_progress": status.in_progress},
+        "tokens": {"prompt": status.prompt_tokens, "completion": status.completion_tokens,
+                   "total": status.prompt_tokens + status.completion_tokens},
+        "tokens_per_s": status.tokens_per_s,
+        "eta_s": status.eta_s,
+        "timestamps": {column: _iso(value) for column, value in status.timestamps.items()},
+        "results_path": status.results_path,
+        "error": status.error,
+    }
+
+
+def job_report(status: JobStatus) -> str:
+    rate = f" ({status.tokens_per_s:.1f} tok/s)" if status.tokens_per_s is not None else ""
+    lines = [
+        ("job", f"{status.job_id}" + (f" ({status.name})" if status.name else "")),
+        ("status", status.status),
+        ("task", status.task),
+        ("model", status.model),
+        ("items", f"{status.total} total: {status.completed} completed, {status.failed} failed, "
+                  f"{status.cancelled} cancelled, {status.queued} queued, {status.in_progress} in progress"),
+        ("tokens", f"{status.prompt_tokens} prompt, {status.completion_tokens} generated{rate}"),
+    ]
+    if status.eta_s is not None:
+        lines.append(("eta", _duration(status.eta_s)))
+    lines += [(column.removesuffix("_at"), f"{_clock(value)} UTC") for column, value in status.timestamps.items()
+              if value is not None]
+    lines.append(("results", status.results_path or "(not written yet)"))
+    if status.error:
+        lines.append(("error", status.error))
+    width = max(len(label) for label, _ in lines)
+    return "\n".join(f"{label:<{width}}  {value}" for label, value in lines)
+
+
+def jobs_table(jobs: list[JobStatus]) -> str:
+    if not jobs:
+        return "no jobs yet: queue one with `layerbus submit INPUT --task ...` or `layerbus run INPUT --task ...`"
+    header = ("JOB", "STATUS", "TASK", "DONE/TOTAL", "FAILED", "TOK/S", "CREATED (UTC)", "NAME")
+    rows = [(s.job_id, s.status, s.task, f"{s.completed + s.failed + s.cancelled}/{s.total}", str(s.failed),
+             f"{s.tokens_per_s:.1f}" if s.tokens_per_s is not None else "-",
+             _clock(s.timestamps.get("created_at")), s.name) for s in jobs]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows])
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def _clock(value: datetime | None) -> str:
+    return value.strftime("%Y-%m-%d %H:%M:%S") if value is not None else "-"
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"

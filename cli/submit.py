@@ -1,0 +1,111 @@
+"""`layerbus submit`: read and check an input, render every prompt with the model's tokenizer, queue a job."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cli.errors import EXIT_OK, UsageError
+from cli.options import add_job_options, add_verbose, open_store, resolve_model
+
+if TYPE_CHECKING:
+    from jobs.records import InputRecord
+    from jobs.tasks import TaskSpec
+    from storage import InvalidItem, JobStore, NewItem
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("submit", help="queue a job (prints its id)",
+                                   description="Check INPUT, render its prompts and queue a job. Prints the job id "
+                                               "on stdout; run it with `layerbus broker` or `layerbus run --job`.")
+    parser.add_argument("input", metavar="INPUT", help=".jsonl/.json, .csv, .parquet, or a folder of .txt files")
+    add_job_options(parser)
+    add_verbose(parser)
+    parser.set_defaults(handler=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    with open_store(args.db) as store:
+        job_id = submit_job(store, args)
+    print(job_id)
+    return EXIT_OK
+
+
+def submit_job(store: JobStore, args: argparse.Namespace) -> str:
+    """Queue the job that args describe and return its id; nothing is queued when anything is wrong."""
+    from jobs.inputs import load_inputs
+
+    if args.task is None:
+        raise UsageError("--task is required with an INPUT: choose --task summarize, translate or generate")
+    spec = _task_spec(args)
+    read = load_inputs(Path(args.input), spec.task, args.skip_invalid)  # InputError lists every problem
+    model_dir = resolve_model(args.model)
+    from broker.model_info import load_tokenizer, read_model_info
+    from storage import JobSettings
+
+    read_model_info(model_dir)  # ModelDirError names what is wrong with the directory
+    try:
+        tokenizer = load_tokenizer(model_dir)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    items, invalid, problems = _render_items(read.records, spec, tokenizer)
+    if problems and not args.skip_invalid:
+        raise UsageError("\n".join(problems + [
+            f"Fix the {len(problems)} problem(s) above, or pass --skip-invalid to record those items as failed."]))
+    invalid += [_invalid_item(item) for item in read.invalid]
+    settings = JobSettings(task=spec.task, model=str(model_dir), max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, seed=args.seed, target_language=spec.target_language,
+                           name=args.name, input_path=str(Path(args.input).absolute()))
+    job_id = store.create_job(settings, items, invalid)
+    refused = f", {len(invalid)} invalid recorded as failed" if invalid else ""
+    print(f"layerbus: queued {job_id}: {len(items)} item(s){refused}, model {model_dir}, store {store.url}",
+          file=sys.stderr)
+    return job_id
+
+
+def _task_spec(args: argparse.Namespace) -> TaskSpec:
+    from jobs.tasks import TaskSpec
+
+    try:
+        return TaskSpec(args.task, args.target_language)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
+def _render_items(records: list[InputRecord], spec: TaskSpec, tokenizer: Any) -> tuple[
+        list[NewItem], list[InvalidItem], list[str]]:
+    """NewItems for the records render_prompt accepts; the others as failed items and problem lines."""
+    from broker.job_runner import item_params
+    from jobs.tasks import render_prompt
+    from storage import InvalidItem, NewItem
+
+    items, invalid, problems = [], [], []
+    for record in records:
+        try:
+            prompt = render_prompt(record, spec, tokenizer)
+        except ValueError as error:
+            problems.append(f"{record.source}:{record.line}: {error}")
+            invalid.append(InvalidItem(record.custom_id, _input_text(record), str(error), record.line))
+            continue
+        params = item_params(record.params, prompt.add_special_tokens, record.line)
+        items.append(NewItem(record.custom_id, _input_text(record), prompt.text, params, record.line))
+    return items, invalid, problems
+
+
+def _input_text(record: InputRecord) -> str:
+    """The user's input as echoed in the results: the document, the raw prompt, or the messages as JSON."""
+    if record.text is not None:
+        return record.text
+    if record.prompt is not None:
+        return record.prompt
+    return json.dumps(record.messages, ensure_ascii=False)
+
+
+def _invalid_item(item: Any) -> InvalidItem:
+    """jobs.records.InvalidItem (refused when read) -> storage.records.InvalidItem (stored as failed)."""
+    from storage import InvalidItem
+
+    return InvalidItem(custom_id=item.custom_id, input=item.raw, error=item.reason, seq=item.line)
