@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# Start a layerbus broker and N local stages against a job store; stop every one of them on exit.
+#
+#   ./run_cluster.sh [--stages N] [--model DIR] [--db URL] [--log-dir DIR] [--port P] [--remote-stages K]
+#   ./run_cluster.sh stage --broker tcp://HOST:PORT [layerbus stage options]
+#
+# The first form runs `layerbus broker` (control on tcp://0.0.0.0:P, results on P+1) and N local
+# `layerbus stage` processes, then serves the store's queued jobs (`layerbus submit ...`) until Ctrl-C
+# or SIGTERM; with --remote-stages K the broker also waits for K stages started on other machines with
+# the second form. On exit every process started here gets SIGTERM, then SIGKILL after a grace period.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+if [[ -x "$here/.venv/bin/layerbus" ]]; then
+    layerbus="$here/.venv/bin/layerbus"
+elif layerbus="$(command -v layerbus)"; then
+    :
+else
+    echo "run_cluster.sh: no layerbus found: expected $here/.venv/bin/layerbus or layerbus on PATH" >&2
+    exit 2
+fi
+
+usage() {
+    sed -n '2,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+    exit 2
+}
+
+if [[ "${1:-}" == "stage" ]]; then
+    shift
+    exec "$layerbus" -v stage "$@"
+fi
+
+stages=3
+remote_stages=0
+model=""
+db=""
+log_dir=""
+port=5555
+grace_s=10  # SIGTERM, then this long, then SIGKILL
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --stages) stages="${2:?--stages needs a number}"; shift 2 ;;
+        --remote-stages) remote_stages="${2:?--remote-stages needs a number}"; shift 2 ;;
+        --model) model="${2:?--model needs a directory}"; shift 2 ;;
+        --db) db="${2:?--db needs a URL}"; shift 2 ;;
+        --log-dir) log_dir="${2:?--log-dir needs a directory}"; shift 2 ;;
+        --port) port="${2:?--port needs a number}"; shift 2 ;;
+        -h|--help) usage ;;
+        *) echo "run_cluster.sh: unknown option $1" >&2; usage ;;
+    esac
+done
+for value in "$stages" "$remote_stages" "$port"; do
+    [[ "$value" =~ ^[0-9]+$ ]] || { echo "run_cluster.sh: '$value' is not a number" >&2; exit 2; }
+done
+if (( stages + remote_stages < 1 )); then
+    echo "run_cluster.sh: no stages: pass --stages N (local) and/or --remote-stages K" >&2
+    exit 2
+fi
+
+home="${LAYERBUS_HOME:-$HOME/.local/share/layerbus}"
+log_dir="${log_dir:-$home/logs/cluster-$(date +%Y%m%d-%H%M%S)}"
+mkdir -p "$log_dir"
+cores="$(nproc 2>/dev/null || echo 1)"
+threads=$(( stages > 0 ? (cores / stages > 0 ? cores / stages : 1) : 1 ))
+
+pids=()
+stop_all() {
+    trap - EXIT INT TERM
+    local pid alive deadline
+    for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+    deadline=$(( SECONDS + grace_s ))
+    while (( SECONDS < deadline )); do
+        alive=0
+        for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+        (( alive )) || break
+        sleep 0.2
+    done
+    for pid in "${pids[@]}"; do
+        if kill -0 "$pid" 2>/dev/null; then
+            echo "run_cluster.sh: pid $pid ignored SIGTERM for ${grace_s} s; sending SIGKILL" >&2
+            kill -KILL "$pid" 2>/dev/null || true
+        fi
+    done
+    wait 2>/dev/null || true
+    echo "run_cluster.sh: stopped (logs in $log_dir)" >&2
+}
+trap stop_all EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+broker_args=(--stages "$(( stages + remote_stages ))" --bind-control "tcp://0.0.0.0:$port"
+             --bind-results "tcp://0.0.0.0:$(( port + 1 ))")
+[[ -n "$model" ]] && broker_args+=(--model "$model")
+[[ -n "$db" ]] && broker_args+=(--db "$db")
+"$layerbus" -v broker "${broker_args[@]}" >"$log_dir/broker.log" 2>&1 &
+pids+=($!)
+echo "broker pid $! (log $log_dir/broker.log)"
+for (( i = 0; i < stages; i++ )); do
+    "$layerbus" -v stage --broker "tcp://127.0.0.1:$port" --name "$(hostname)-stage-$i" --threads "$threads" \
+        >"$log_dir/stage-$i.log" 2>&1 &
+    pids+=($!)
+    echo "stage-$i pid $! (log $log_dir/stage-$i.log)"
+done
+if (( remote_stages > 0 )); then
+    echo "waiting for $remote_stages more stage(s): on each machine run" \
+         "./run_cluster.sh stage --broker tcp://$(hostname):$port --bind tcp://0.0.0.0:PORT --advertise tcp://THAT_HOST:PORT"
+fi
+echo "logs in $log_dir; submit jobs with: $layerbus submit INPUT --task ...${db:+ --db $db}; Ctrl-C stops everything"
+
+# Run until any process ends (a crash, or the broker giving up) or a signal arrives (the traps).
+status=0
+wait -n "${pids[@]}" || status=$?
+echo "run_cluster.sh: a process exited (status $status); stopping the others (see $log_dir)" >&2
+exit "$status"
