@@ -14,6 +14,7 @@ from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from broker.control import ClusterError
 from broker.requests import GenerationRequest, GenerationResult
 from stages.sampling import SamplingParams
 from storage import ClaimedItem, ItemResult, JobSettings, JobStatus, JobStore, StoreError
@@ -232,7 +233,8 @@ def run_job(store: JobStore, job_id: str, broker: Runner, results_dir: Path, pro
             _run_rounds(store, job_id, broker, writer, settings, progress, poll_cancel_s, worker_name)
         return _finish(store, job_id, writer, settings)
     except Exception as error:
-        log.exception("job %s failed", job_id)
+        # A broken cluster is explained by its message (and the stage logs); anything else may be a bug.
+        log.error("job %s failed: %s", job_id, error, exc_info=not isinstance(error, ClusterError))
         _try_set_status(store, job_id, "failed", error=f"{type(error).__name__}: {error}")
         return store.job_status(job_id)
 

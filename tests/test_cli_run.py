@@ -131,11 +131,11 @@ def test_cancel_mid_job_keeps_finished_outputs(home, tmp_path, tiny):
 
 
 def test_ctrl_c_requeues_and_run_job_resumes(home, tmp_path, tiny):
-    corpus = write_jsonl(tmp_path / "corpus.jsonl", documents(40))
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", documents(30))
     db = f"sqlite:///{tmp_path / 'jobs.db'}"
     log = tmp_path / "run.log"
     run = start_run(home, log, corpus, "--task", "summarize", "--model", tiny, "--stages", "2", "--db", db,
-                    "--max-new-tokens", "64", "--slots", "2", "--threads-per-stage", "1")
+                    "--max-new-tokens", "48", "--slots", "2", "--threads-per-stage", "1")
     try:
         job_id = wait_for_finished_items(db, 1, run, log)
         run.send_signal(signal.SIGINT)
@@ -148,11 +148,11 @@ def test_ctrl_c_requeues_and_run_job_resumes(home, tmp_path, tiny):
     assert interrupted["request_counts"]["queued"] > 0
     assert f"run --job {job_id}" in log.read_text()
 
-    resumed = layerbus(home, "run", "--job", job_id, "--stages", "2", "--db", db, "--slots", "4",
+    resumed = layerbus(home, "run", "--job", job_id, "--stages", "2", "--db", db, "--slots", "8",
                        timeout=RUN_TIMEOUT_S)
 
     assert resumed.returncode == 0, resumed.stderr
     status = status_json(home, job_id, "--db", db)
-    assert status["status"] == "completed" and status["request_counts"]["completed"] == 40
+    assert status["status"] == "completed" and status["request_counts"]["completed"] == 30
     rows = assert_parquet_matches_store(db, job_id, status["results_path"])
-    assert sorted(r["custom_id"] for r in rows) == [f"doc-{i:02d}" for i in range(40)]
+    assert sorted(r["custom_id"] for r in rows) == [f"doc-{i:02d}" for i in range(30)]
