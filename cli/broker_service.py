@@ -8,6 +8,7 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cli.errors import EXIT_FAILED, EXIT_OK, UsageError
 from cli.options import (
@@ -22,6 +23,10 @@ from cli.options import (
     results_dir,
 )
 from cli.signals import Interrupted, stop_on_signals
+
+if TYPE_CHECKING:
+    from broker.broker import Broker
+    from storage import JobStatus, JobStore
 
 log = logging.getLogger("layerbus.broker")
 
@@ -84,11 +89,15 @@ def main(args: argparse.Namespace) -> int:
             broker.close()
 
 
-def _serve(store, broker, model_dir: Path, args: argparse.Namespace) -> int:
+def _serve(store: JobStore, broker: Broker, model_dir: Path, args: argparse.Namespace) -> int:
     from broker.job_runner import run_job
 
     print(f"layerbus broker: waiting for {args.stages} stage(s) at {broker.address}: start each with "
           f"`layerbus stage --broker {broker.address}`", file=sys.stderr, flush=True)
+    if "0.0.0.0" in broker.address:
+        print("layerbus broker: stages on other machines use this machine's address instead of 0.0.0.0, and "
+              "need this broker started with --advertise HOST so their last stage can reach the results port",
+              file=sys.stderr, flush=True)
     broker.start()
     print("layerbus broker: ready: " + ", ".join(f"{s.name} layers {span}" for s, span in zip(broker.chain,
                                                                                                 broker.spans)),
@@ -108,7 +117,7 @@ def _serve(store, broker, model_dir: Path, args: argparse.Namespace) -> int:
         _check_chain(broker)  # a job that failed because a stage left must not take the next job down too
 
 
-def next_job_for(store, model_dir: Path, warned: set[str]) -> str | None:
+def next_job_for(store: JobStore, model_dir: Path, warned: set[str]) -> str | None:
     """The oldest queued or in-progress job for this broker's model."""
     from storage.states import RUNNABLE_JOB_STATES
 
@@ -132,7 +141,7 @@ def _same_model(job_model: str, model_dir: Path) -> bool:
     return Path(job_model).expanduser().resolve() == model_dir.resolve()
 
 
-def _idle(broker, seconds: float) -> None:
+def _idle(broker: Broker, seconds: float) -> None:
     """Keep the stages' heartbeats going while there is no job; stop if one leaves."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -141,7 +150,7 @@ def _idle(broker, seconds: float) -> None:
         _check_chain(broker)
 
 
-def _check_chain(broker) -> None:
+def _check_chain(broker: Broker) -> None:
     from broker.control import ClusterError
 
     limit = broker.config.pipeline.stage_timeout_s
@@ -155,7 +164,7 @@ def _check_chain(broker) -> None:
                                "and this broker")
 
 
-def _report(status) -> None:
+def _report(status: JobStatus) -> None:
     done = status.completed + status.failed + status.cancelled
     path = f"; results {status.results_path}" if status.results_path else ""
     error = f": {status.error}" if status.error else ""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cli.errors import EXIT_FAILED, EXIT_OK, RunFailed, UsageError
 from cli.options import (
@@ -21,6 +22,9 @@ from cli.options import (
 )
 from cli.signals import Interrupted, stop_on_signals
 from cli.status import FINAL_STATES, job_report
+
+if TYPE_CHECKING:
+    from storage import JobStatus, JobStore
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -67,7 +71,7 @@ def main(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _run_locally(store, job_id: str, model_dir: Path, args: argparse.Namespace):
+def _run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.Namespace) -> JobStatus:
     from tqdm import tqdm
 
     from broker.broker import BrokerConfig

@@ -93,7 +93,8 @@ def test_run_end_to_end(home, tmp_path, tiny):
     assert status["tokens"]["completion"] == sum(r["completion_tokens"] for r in rows)
     assert status["tokens"]["prompt"] == sum(r["prompt_tokens"] for r in rows)
     metadata = results_metadata(Path(path))
-    assert metadata["job_id"] == job_id and metadata["model"] == str(tiny) and '"task": "summarize"' in metadata["settings"]
+    assert (metadata["job_id"], metadata["model"]) == (job_id, str(tiny))
+    assert '"task": "summarize"' in metadata["settings"]
     assert sorted(p.name for p in (home / "logs" / job_id).iterdir()) == ["stage-0.log", "stage-1.log"]
 
     shown = layerbus(home, "results", job_id, "--head", "3", "--db", db)

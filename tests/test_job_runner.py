@@ -99,7 +99,8 @@ def test_run_job_records_every_item_once_with_metadata(store, tokenizer, tmp_pat
     assert rows[-1]["status"] == "failed" and rows[-1]["error"] == "line is not JSON"
     assert sum(r["completion_tokens"] or 0 for r in rows) == status.completion_tokens
     metadata = results_metadata(Path(status.results_path))
-    assert metadata["job_id"] == job_id and metadata["model"] == "tiny" and '"max_new_tokens": 4' in metadata["settings"]
+    assert (metadata["job_id"], metadata["model"]) == (job_id, "tiny")
+    assert '"max_new_tokens": 4' in metadata["settings"]
     assert not (tmp_path / "results" / job_id).exists(), "parts are deleted once the final file is written"
 
 
