@@ -78,11 +78,14 @@ def _run_group(shard: StageShard, arena: KVArena, group: CacheGroup, batch: torc
         hidden = hidden * multiplier
     positions = _positions(group, shard.device)  # [B, T]
     position_embeddings = shard.rotary_emb(hidden, positions)
-    masks = {window: _attention_mask(group, window, shard.dtype, shard.device) for window in set(shard.layer_windows)}
-    cache = arena.view(group)
+    in_place = group.length == 1 and shard.attends_in_place
+    extra = {"layerbus_rows": list(zip(group.slots, group.ends))} if in_place else {}
+    masks = {window: None if in_place else _attention_mask(group, window, shard.dtype, shard.device)
+             for window in set(shard.layer_windows)}
+    cache = arena.view(group, in_place)
     for layer, window in zip(shard.layers, shard.layer_windows):
         out = layer(hidden, attention_mask=masks[window], position_ids=positions, cache=cache,
-                    use_cache=True, position_embeddings=position_embeddings)
+                    use_cache=True, position_embeddings=position_embeddings, **extra)
         hidden = out[0] if isinstance(out, tuple) else out
     arena.commit(group)
     if shard.norm is not None:

@@ -77,8 +77,8 @@ class KVArena:
         if self.capacity > self.initial_capacity and longest * 4 <= self.capacity:
             self._resize(max(self.initial_capacity, _next_power_of_two(max(longest, 1)) * 2))
 
-    def view(self, group: CacheGroup) -> "StepCache":
-        return StepCache(self, group)
+    def view(self, group: CacheGroup, in_place: bool = False) -> "StepCache":
+        return StepCache(self, group, in_place)
 
     def _resize(self, capacity: int) -> None:
         keep = min(capacity, self.capacity)
@@ -105,8 +105,10 @@ class StepCache:
     """What a transformers attention module sees as its cache for one group: `update` writes the
     group's new keys/values into the arena and returns the keys/values the group attends over."""
 
-    def __init__(self, arena: KVArena, group: CacheGroup):
-        self.arena, self.group = arena, group
+    def __init__(self, arena: KVArena, group: CacheGroup, in_place: bool = False):
+        # in_place: a decode group's update() returns the whole arenas; stages.attention slices
+        # each row's own keys from them. Otherwise it returns padded keys for a masked kernel.
+        self.arena, self.group, self.in_place = arena, group, in_place
         slots = group.slots
         self.key_length = max(group.ends)
         self.contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
@@ -122,6 +124,8 @@ class StepCache:
             # key_states: [B, kv_heads, 1, head_dim] -> one position per row
             keys[self.slot_index, :, self.position_index] = key_states[:, :, 0]
             values[self.slot_index, :, self.position_index] = value_states[:, :, 0]
+            if self.in_place:
+                return keys, values
         else:
             slot, start = group.slots[0], group.starts[0]
             keys[slot, :, start:start + group.length] = key_states[0]

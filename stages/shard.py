@@ -15,6 +15,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from stages.attention import ATTENTION_NAME
 from stages.model_files import ModelDirError, ModelFiles
 from wire.spans import LayerRange
 
@@ -54,6 +55,11 @@ class StageShard(nn.Module):
         ]
 
     @property
+    def attends_in_place(self) -> bool:
+        """Decode rows attend over their own slots in place (no padding, no gather)."""
+        return self.config._attn_implementation == ATTENTION_NAME
+
+    @property
     def device(self) -> torch.device:
         return torch.device(self.spec.device)
 
@@ -82,8 +88,11 @@ def load_shard(files: ModelFiles, spec: ShardSpec) -> StageShard:
         raise ModelDirError(f"layer range {spec.layers} is beyond the model's {files.num_layers} layers")
     config = _runtime_config(files)
     dtype = DTYPES[spec.dtype]
+    attention = config._attn_implementation
+    config._attn_implementation = "sdpa"  # from_config checks the name against its own list
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    config._attn_implementation = attention  # modules read it from the shared config at run time
     base = skeleton.model
     embed = base.embed_tokens if spec.is_first else None
     layers = [base.layers[i] for i in spec.layers]
@@ -118,9 +127,10 @@ def load_shard(files: ModelFiles, spec: ShardSpec) -> StageShard:
 
 def _runtime_config(files: ModelFiles):
     config = files.config.__class__.from_dict(files.config.to_dict())
-    # Gemma2 caps attention logits, which sdpa cannot do; everything else runs on sdpa.
+    # Gemma2 caps attention logits, which neither SDPA nor layerbus's decode kernel does: it runs
+    # transformers' eager attention over padded, masked keys. Everything else runs stages.attention.
     needs_eager = getattr(config, "attn_logit_softcapping", None) is not None
-    config._attn_implementation = "eager" if needs_eager else "sdpa"
+    config._attn_implementation = "eager" if needs_eager else ATTENTION_NAME
     return config
 
 

@@ -154,7 +154,9 @@ class StageWorker:
         log.info("stage %s stopped", self.name)
         return exit_code
 
-    def request_stop(self, *_args) -> None:
+    def request_stop(self, signum=None, _frame=None) -> None:
+        if signum is not None:
+            log.info("stage %s: received %s, stopping", self.name, signal.Signals(signum).name)
         self.stopping = True
 
     # -- control plane --------------------------------------------------------------------------
@@ -174,6 +176,7 @@ class StageWorker:
             if message.kind == protocol.ASSIGN:
                 self._assign(message.header)
             elif message.kind == protocol.SHUTDOWN:
+                log.info("stage %s: shutdown requested by the broker", self.name)
                 self.stopping = True
             # heartbeats need nothing beyond last_heard
 

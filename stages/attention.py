@@ -1,0 +1,41 @@
+"""Decode attention without padding: each row attends over exactly its own cached keys.
+
+Registered with transformers' AttentionInterface as "layerbus", so the library's own attention
+modules (projections, RoPE, norms, biases) still run unchanged and only the kernel call differs.
+A decode micro-batch mixes sequences of very different lengths; padding them to the longest and
+masking made attention read up to twice the cache it needs and copy it when slots were not
+adjacent. Here each row reads its slot's keys in place, which is also exactly what `generate`
+computes for one sequence (SDPA with grouped-query attention and no mask). Prefill chunks and
+anything else go to transformers' SDPA path unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+ATTENTION_NAME = "layerbus"
+
+
+def layerbus_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """`layerbus_rows` (slot, cached length incl. the new token) per row marks a decode group: then
+    `key`/`value` are the layer's whole arenas [slots, kv_heads, capacity, head_dim] and
+    `query` is [rows, heads, 1, head_dim]."""
+    rows = kwargs.pop("layerbus_rows", None)
+    if rows is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    window = kwargs.get("sliding_window")
+    outputs = []
+    for row, (slot, length) in enumerate(rows):
+        first = max(0, length - window) if window else 0
+        outputs.append(F.scaled_dot_product_attention(
+            query[row:row + 1], key[slot:slot + 1, :, first:length], value[slot:slot + 1, :, first:length],
+            scale=scaling, enable_gqa=key.shape[1] != query.shape[1]))
+    # [rows, heads, 1, head_dim] -> [rows, 1, heads, head_dim], the layout attention modules expect
+    return torch.cat(outputs).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION_NAME, layerbus_attention)
