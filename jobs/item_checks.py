@@ -83,6 +83,8 @@ def check_id(value: object, key: str) -> tuple[str | None, list[str]]:
         return None, [f"{key} must be a string or an integer, got {type_name(value)} {show(value)}"]
     if not value.strip():
         return None, [f"{key} is blank: give each item a non-empty id"]
+    if "\x00" in value:
+        return None, [f"{key} contains a NUL character (\\u0000); remove it"]
     return value, []
 
 
@@ -103,6 +105,8 @@ def check_messages(value: object, key: str) -> tuple[list[dict] | None, list[str
             reasons.append(f"{where} has unknown key(s) {', '.join(extra)}; accepted: role, content")
         if message.get("role") not in MESSAGE_ROLES:
             reasons.append(f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}, got {show(message.get('role'))}")
+        if isinstance(message.get("content"), str) and "\x00" in message["content"]:
+            reasons.append(f"{where}.content contains a NUL character (\\u0000); remove it")
         if not isinstance(message.get("content"), str):
             reasons.append(
                 f"{where}.content must be a string (content-part arrays are not supported), "
@@ -119,6 +123,8 @@ def check_text(value: object, key: str) -> list[str]:
         return [f"{key} must be a string, got {type_name(value)} {show(value)}"]
     if not value.strip():
         return [f"{key} is empty"]
+    if "\x00" in value:  # PostgreSQL cannot store it, and no tokenizer means anything by it
+        return [f"{key} contains a NUL character (\\u0000); remove it"]
     return []
 
 

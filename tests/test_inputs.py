@@ -289,3 +289,16 @@ def test_valid_params(name, value, clean):
 def test_invalid_params_name_the_key_and_value(name, value):
     clean, reason = check_param(name, value, f"body.{name}")
     assert clean is None and reason.startswith(f"body.{name} must be")
+
+
+def test_nul_characters_are_refused_with_their_line(tmp_path):
+    """PostgreSQL cannot store NUL in text: such items are refused at submit, not at insert."""
+    from jobs.inputs import read_inputs
+
+    path = tmp_path / "nul.jsonl"
+    path.write_text('{"id": "a", "text": "fine"}\n{"id": "b", "text": "bad\\u0000text"}\n'
+                    '{"id": "c\\u0000", "text": "x"}\n')
+    result = read_inputs(path, "summarize")
+    assert [r.custom_id for r in result.records] == ["a"]
+    assert sorted(p.line for p in result.problems) == [2, 3]
+    assert all("NUL character" in p.message for p in result.problems)
