@@ -35,6 +35,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if not args.watch and _print_from_sqlite(args):
+        return EXIT_OK
     with open_store(args.db) as store:
         if args.watch:
             return _watch(store, args.job or _latest(store), args.json)
@@ -45,6 +47,26 @@ def main(args: argparse.Namespace) -> int:
         status = store.job_status(args.job)
         print(json.dumps(status_json(status), indent=2) if args.json else job_report(status))
         return EXIT_OK
+
+
+def _print_from_sqlite(args: argparse.Namespace) -> bool:
+    """Answer from a SQLite store without importing SQLAlchemy (most of this command's time);
+    False when that path cannot answer, and the full store (with its error messages) takes over."""
+    from storage.locations import default_db_url
+    from storage.sqlite_status import read_job_status, read_recent_jobs
+
+    url = args.db or default_db_url()
+    if args.job is None:
+        jobs = read_recent_jobs(url, args.limit)
+        if jobs is None:
+            return False
+        print(json.dumps([status_json(s) for s in jobs], indent=2) if args.json else jobs_table(jobs))
+        return True
+    status = read_job_status(url, args.job)
+    if status is None:
+        return False
+    print(json.dumps(status_json(status), indent=2) if args.json else job_report(status))
+    return True
 
 
 def _latest(store: JobStore) -> str:

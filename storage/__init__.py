@@ -1,23 +1,39 @@
 """The job store (jobs and items in SQLite or PostgreSQL) and the Parquet results of finished jobs.
 
-The store's names are re-exported here; results live in storage.results (importing it loads pyarrow,
-which processes that only claim and complete items do not need).
+The store's names are re-exported here, resolved on first use (PEP 562): `import storage.locations`
+or `storage.sqlite_status` then costs no SQLAlchemy import, which is most of `layerbus status`'s
+time. Results live in storage.results (importing it loads pyarrow).
 """
 
-from storage.engine import default_db_url, default_results_dir
-from storage.errors import StoreError
-from storage.records import ClaimedItem, InvalidItem, ItemResult, JobSettings, JobStatus, NewItem
-from storage.store import JobStore
+from __future__ import annotations
 
-__all__ = [
-    "ClaimedItem",
-    "InvalidItem",
-    "ItemResult",
-    "JobSettings",
-    "JobStatus",
-    "JobStore",
-    "NewItem",
-    "StoreError",
-    "default_db_url",
-    "default_results_dir",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "ClaimedItem": "storage.records",
+    "InvalidItem": "storage.records",
+    "ItemResult": "storage.records",
+    "JobSettings": "storage.records",
+    "JobStatus": "storage.records",
+    "NewItem": "storage.records",
+    "StoreError": "storage.errors",
+    "JobStore": "storage.store",
+    "default_db_url": "storage.locations",
+    "default_results_dir": "storage.locations",
+}
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from storage.errors import StoreError
+    from storage.locations import default_db_url, default_results_dir
+    from storage.records import ClaimedItem, InvalidItem, ItemResult, JobSettings, JobStatus, NewItem
+    from storage.store import JobStore
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'storage' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

@@ -3,7 +3,6 @@ PostgreSQL's connect timeout, and every way a URL can be wrong turned into a Sto
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
@@ -11,6 +10,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 
 from storage.errors import StoreError, mask_url
+from storage.locations import default_db_url, default_results_dir, layerbus_home  # noqa: F401 (re-exported)
 from storage.schema import Base
 
 # How long a SQLite writer waits for another process's write transaction before giving up.
@@ -23,25 +23,6 @@ READ_ONLY_OPTION = "layerbus_read_only"
 _CREATE_TABLES_LOCK = 0x6C617962  # "layb"
 
 _URL_EXAMPLES = "sqlite:////abs/path/layerbus.db or postgresql+psycopg://user:password@host:5432/dbname"
-
-
-def layerbus_home() -> Path:
-    """$LAYERBUS_HOME (default ~/.local/share/layerbus), created if missing."""
-    home = Path(os.environ.get("LAYERBUS_HOME") or Path.home() / ".local" / "share" / "layerbus")
-    home.mkdir(parents=True, exist_ok=True)
-    return home
-
-
-def default_db_url() -> str:
-    """The SQLite store used when no --db is given: $LAYERBUS_HOME/layerbus.db."""
-    return f"sqlite:///{layerbus_home() / 'layerbus.db'}"
-
-
-def default_results_dir() -> Path:
-    """Where final Parquet files go when no results folder is given: $LAYERBUS_HOME/results."""
-    path = layerbus_home() / "results"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def open_engine(url: str) -> Engine:

@@ -1,0 +1,78 @@
+"""`job_status` and `list_jobs` for a SQLite store on the standard library's sqlite3, read-only.
+
+`layerbus status` is what people poll while a job runs. Its query takes about 2 ms; importing
+SQLAlchemy takes about 240 ms. This module reads the same two things JobStore reads (the job row
+and per-state item totals) and builds the JobStatus with the same pure function, so both paths
+agree by construction (and a contract test holds them to it). Anything unusual (not a plain SQLite
+file URL, a missing file, a schema it does not know) returns None and the caller uses JobStore.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from datetime import datetime, timezone
+from pathlib import Path
+from urllib.parse import unquote
+
+from storage.records import JobStatus
+from storage.states import TIMESTAMP_COLUMNS
+from storage.status import StateAggregate, build_job_status
+
+_JOB_COLUMNS = ("id", "name", "task", "model", "status", "total_count", "results_path", "error", *TIMESTAMP_COLUMNS)
+_AGGREGATES = """
+    SELECT job_id, status, count(*), sum(CASE WHEN attempts > 0 THEN 1 ELSE 0 END),
+           coalesce(sum(prompt_tokens), 0), coalesce(sum(completion_tokens), 0)
+    FROM items WHERE job_id IN ({marks}) GROUP BY job_id, status"""
+
+
+def sqlite_file(url: str) -> Path | None:
+    """The database file of a plain `sqlite:///path` URL (no driver, no query string), else None."""
+    prefix = "sqlite:///"
+    if not url.startswith(prefix) or "?" in url:
+        return None
+    path = unquote(url[len(prefix):])
+    if not path or path == ":memory:":
+        return None
+    return Path(path).expanduser()
+
+
+def read_job_status(url: str, job_id: str, now: datetime | None = None) -> JobStatus | None:
+    statuses = _read(url, f"SELECT {', '.join(_JOB_COLUMNS)} FROM jobs WHERE id = ?", (job_id,), now)
+    return statuses[0] if statuses else None
+
+
+def read_recent_jobs(url: str, limit: int, now: datetime | None = None) -> list[JobStatus] | None:
+    query = f"SELECT {', '.join(_JOB_COLUMNS)} FROM jobs ORDER BY created_at DESC, id DESC LIMIT ?"
+    return _read(url, query, (limit,), now, allow_empty=True)
+
+
+def _read(url: str, query: str, params: tuple, now: datetime | None, allow_empty: bool = False):
+    path = sqlite_file(url)
+    if path is None or not path.is_file():
+        return None
+    try:
+        with sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0) as conn:
+            rows = [dict(zip(_JOB_COLUMNS, row)) for row in conn.execute(query, params)]
+            if not rows:
+                return [] if allow_empty else None
+            ids = [row["id"] for row in rows]
+            aggregates: dict[str, list[StateAggregate]] = {}
+            marks = ", ".join("?" * len(ids))
+            for job_id, status, count, ran, prompt, completion in conn.execute(_AGGREGATES.format(marks=marks), ids):
+                aggregates.setdefault(job_id, []).append(
+                    StateAggregate(status, int(count), int(ran), int(prompt), int(completion)))
+    except sqlite3.Error:  # locked beyond the timeout, another schema, not a database: the full store decides
+        return None
+    clock = now or datetime.now(timezone.utc)
+    for row in rows:
+        for column in TIMESTAMP_COLUMNS:
+            row[column] = _utc(row[column])
+    return [build_job_status(row, aggregates.get(row["id"], []), clock) for row in rows]
+
+
+def _utc(value: str | None) -> datetime | None:
+    # Stored as naive UTC text by storage.schema.UtcDateTime ("YYYY-MM-DD HH:MM:SS[.ffffff]").
+    if value is None:
+        return None
+    parsed = datetime.fromisoformat(value)
+    return parsed.replace(tzinfo=timezone.utc) if parsed.tzinfo is None else parsed.astimezone(timezone.utc)
