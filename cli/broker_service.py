@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from cli.errors import EXIT_FAILED, EXIT_OK, UsageError
 from cli.options import (
     add_cluster_options,
+    batching_from_args,
     add_db,
     add_model,
     add_verbose,
@@ -62,13 +63,12 @@ def main(args: argparse.Namespace) -> int:
     import zmq
 
     from broker.broker import Broker, BrokerConfig
-    from broker.scheduler import BatchingConfig
 
     model_dir = resolve_model(args.model)
     model_for_stages(model_dir, args.stages)
     config = BrokerConfig(str(model_dir), args.stages, control_bind=args.bind_control,
                           results_bind=args.bind_results, advertise_host=args.advertise, partition=args.partition,
-                          batching=BatchingConfig(num_slots=args.slots, max_context=args.max_context),
+                          batching=batching_from_args(args),
                           register_timeout_s=args.register_timeout)
     with open_store(args.db) as store:
         if args.job:

@@ -82,10 +82,27 @@ def add_cluster_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slots", metavar="N", type=non_negative_int, default=0,
                         help="sequences in flight at once (default: 0 = 32 per micro-batch, one micro-batch per "
                              "stage plus one)")
+    parser.add_argument("--micro-batch-size", metavar="N", type=positive_int, default=32,
+                        help="sequences per micro-batch when --slots is 0; decode reads every weight once per "
+                             "micro-batch step, so larger is faster until memory runs out (default: 32)")
+    parser.add_argument("--micro-batches", metavar="N", type=non_negative_int, default=0,
+                        help="micro-batches in flight (default: 0 = stages + 1, so every stage always has one)")
+    parser.add_argument("--max-step-tokens", metavar="N", type=positive_int, default=256,
+                        help="tokens per micro-batch step; long prompts are prefilled in chunks under it (default: 256)")
     parser.add_argument("--max-context", metavar="N", type=positive_int, default=2048,
                         help="prompt + generated tokens per item, capped by the model's limit (default: 2048)")
     parser.add_argument("--partition", choices=("balanced", "equal"), default="balanced",
                         help="split layers by compute cost (balanced) or by count (equal) (default: balanced)")
+
+
+def batching_from_args(args: argparse.Namespace):
+    """The BatchingConfig that --slots, --micro-batch-size, --micro-batches, --max-step-tokens and
+    --max-context describe."""
+    from broker.scheduler import BatchingConfig
+
+    return BatchingConfig(num_slots=args.slots, micro_batch_size=args.micro_batch_size,
+                          num_micro_batches=args.micro_batches, max_step_tokens=args.max_step_tokens,
+                          max_context=args.max_context)
 
 
 def open_store(url: str | None) -> JobStore:

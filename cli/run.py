@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from cli.errors import EXIT_FAILED, EXIT_OK, RunFailed, UsageError
 from cli.options import (
     add_cluster_options,
+    batching_from_args,
     add_job_options,
     add_verbose,
     model_for_stages,
@@ -78,12 +79,11 @@ def _run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.N
     from broker.control import ClusterError
     from broker.job_runner import run_job
     from broker.local_cluster import LocalCluster, LocalStageOptions
-    from broker.scheduler import BatchingConfig
     from storage.engine import layerbus_home
 
     log_dir = layerbus_home() / "logs" / job_id
     config = BrokerConfig(str(model_dir), args.stages, partition=args.partition,
-                          batching=BatchingConfig(num_slots=args.slots, max_context=args.max_context))
+                          batching=batching_from_args(args))
     options = LocalStageOptions(threads_per_stage=args.threads_per_stage, log_dir=log_dir)
     print(f"layerbus: running {job_id} on {args.stages} local stage(s); stage logs in {log_dir}", file=sys.stderr)
     try:
