@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM
 
 from stages.attention import ATTENTION_NAME
 from stages.model_files import ModelDirError, ModelFiles
+from stages.tensor_reader import TensorReader
 from wire.spans import LayerRange
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -107,15 +107,11 @@ def load_shard(files: ModelFiles, spec: ShardSpec) -> StageShard:
         names[layer] = f"model.layers.{index}"
     if norm is not None:
         names[norm] = "model.norm"
-    reader = _TensorReader(files)
+    reader = TensorReader(files.tensor_files, files.path)
     for module, prefix in names.items():
-        _materialize(module, prefix, reader, device, dtype, skeleton)
-        # Unmap the files after each module: pages read through a mapping count in this process's
-        # memory until unmapped, and kept for the whole load they would double its peak.
-        reader.close()
+        _materialize(module, prefix, reader, device, skeleton)
     if lm_head is not None:
-        lm_head = _load_head(lm_head, embed, files, reader, device, dtype)
-        reader.close()
+        lm_head = _load_head(lm_head, embed, files, reader, device)
     # inv_freq is a non-persistent buffer: it is not in the checkpoint and to_empty() left garbage,
     # so the rotary module is rebuilt on the real device, which computes it afresh.
     with torch.device(device):
@@ -134,48 +130,20 @@ def _runtime_config(files: ModelFiles):
     return config
 
 
-class _TensorReader:
-    """Opens each safetensors file once and hands out single tensors by checkpoint name."""
-
-    def __init__(self, files: ModelFiles):
-        self.files = files
-        self.handles = {}
-
-    def close(self) -> None:
-        for handle in self.handles.values():
-            handle.__exit__(None, None, None)
-        self.handles.clear()
-
-    def get(self, name: str) -> torch.Tensor:
-        path = self.files.tensor_files.get(name)
-        if path is None:
-            raise ModelDirError(f"{self.files.path}: tensor {name} is missing from the checkpoint")
-        if path not in self.handles:
-            try:
-                self.handles[path] = safe_open(path, framework="pt").__enter__()
-            except Exception as error:  # damaged or truncated file
-                raise ModelDirError(f"{path} is not a readable safetensors file: {error}") from None
-        return self.handles[path].get_tensor(name)
-
-
-def _materialize(module: nn.Module, prefix: str, reader: _TensorReader, device, dtype, skeleton) -> None:
+def _materialize(module: nn.Module, prefix: str, reader: TensorReader, device, skeleton) -> None:
     module.to_empty(device=device)
     # Non-persistent buffers (e.g. Gemma's embedding scale) are not in the checkpoint; the model's
     # own initializer knows their values. It also writes random weights, so it runs before loading.
     for sub in module.modules():
         if getattr(sub, "_non_persistent_buffers_set", None):
             skeleton._init_weights(sub)
-    state = module.state_dict(keep_vars=True)
     with torch.no_grad():
-        for key, target in state.items():
-            tensor = reader.get(f"{prefix}.{key}")
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ModelDirError(f"{prefix}.{key} has shape {tuple(tensor.shape)} in the checkpoint but the "
-                                    f"config implies {tuple(target.shape)}; config.json does not match the weights")
-            target.copy_(tensor.to(dtype=target.dtype if target.is_floating_point() else tensor.dtype))
+        for key, target in module.state_dict(keep_vars=True).items():
+            reader.read_into(f"{prefix}.{key}", target)
 
 
-def _load_head(lm_head: nn.Module, embed: nn.Module | None, files: ModelFiles, reader, device, dtype) -> nn.Module:
+def _load_head(lm_head: nn.Module, embed: nn.Module | None, files: ModelFiles, reader: TensorReader,
+               device) -> nn.Module:
     tied = getattr(files.config, "tie_word_embeddings", False) or not files.has_tensor("lm_head.weight")
     if tied and embed is not None:
         lm_head.weight = embed.weight  # one stage holds both ends: share, as transformers does
@@ -183,7 +151,7 @@ def _load_head(lm_head: nn.Module, embed: nn.Module | None, files: ModelFiles, r
     lm_head.to_empty(device=device)
     name = "model.embed_tokens.weight" if tied else "lm_head.weight"
     with torch.no_grad():
-        lm_head.weight.copy_(reader.get(name).to(dtype))
+        reader.read_into(name, lm_head.weight)
         if getattr(lm_head, "bias", None) is not None:
-            lm_head.bias.copy_(reader.get("lm_head.bias").to(dtype))
+            reader.read_into("lm_head.bias", lm_head.bias)
     return lm_head

@@ -89,7 +89,26 @@ def check_device(device: str, dtype: str) -> None:
 
 
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    """This process's peak resident memory. VmHWM belongs to the process's own address space;
+    getrusage's ru_maxrss would also carry the high-water mark of the parent that forked us,
+    which for a stage spawned by a process holding a model is that whole model."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: the best there is
+
+
+def reset_peak_rss() -> None:
+    """Restart the peak from the current size (Linux >= 4.0), so a load's peak is its own."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        pass
 
 
 def current_rss_bytes() -> int:
@@ -185,6 +204,7 @@ class StageWorker:
             protocol.require_fields(header, "assign", {"epoch": int, "model_dir": str, "layers": list,
                                                        "is_first": bool, "is_last": bool, "next_address": str,
                                                        "num_slots": int, "max_context": int})
+            reset_peak_rss()
             started, rss_before = time.monotonic(), current_rss_bytes()
             spec = ShardSpec(LayerRange.from_json(header["layers"]), header["is_first"], header["is_last"],
                              self.config.device, self.config.dtype)
