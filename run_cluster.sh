@@ -85,8 +85,12 @@ stop_all() {
     echo "run_cluster.sh: stopped (logs in $log_dir)" >&2
 }
 trap stop_all EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
+# A Ctrl-C reaches every process of the group at once, so a child may exit (and end `wait -n`)
+# before bash runs its trap: the traps only note the signal, and the exit status is chosen after
+# the wait, when any pending trap has run.
+got_signal=0
+trap 'got_signal=130' INT
+trap 'got_signal=143' TERM
 
 broker_args=(--stages "$(( stages + remote_stages ))" --bind-control "tcp://0.0.0.0:$port"
              --bind-results "tcp://0.0.0.0:$(( port + 1 ))")
@@ -110,5 +114,6 @@ echo "logs in $log_dir; submit jobs with: $layerbus submit INPUT --task ...${db:
 # Run until any process ends (a crash, or the broker giving up) or a signal arrives (the traps).
 status=0
 wait -n "${pids[@]}" || status=$?
+(( got_signal )) && exit "$got_signal"
 echo "run_cluster.sh: a process exited (status $status); stopping the others (see $log_dir)" >&2
 exit "$status"
