@@ -84,7 +84,7 @@ def main(args: argparse.Namespace) -> int:
         except Interrupted as interrupted:
             print(f"layerbus broker: {interrupted}: stopped; stages told to stop, items in flight requeued",
                   file=sys.stderr)
-            return EXIT_OK
+            return interrupted.exit_code  # 130 / 143, as for `layerbus run`
         finally:
             broker.close()
 

@@ -124,6 +124,7 @@ class StageWorker:
         self.config = config
         self.name = config.resolved_name()
         self.stopping = False
+        self.stopped_by_signal: int | None = None
         self.shard: StageShard | None = None
         self.arena: KVArena | None = None
         self.epoch = -1
@@ -171,11 +172,14 @@ class StageWorker:
         self._send_control(protocol.BYE, stats=self.stats.to_json())
         self.context.destroy(linger=0)
         log.info("stage %s stopped", self.name)
-        return exit_code
+        # 128 + signal, as shells report a process a signal stopped, so a supervisor (run_cluster.sh)
+        # can tell a Ctrl-C from a clean shutdown requested by the broker.
+        return 128 + self.stopped_by_signal if self.stopped_by_signal else exit_code
 
     def request_stop(self, signum=None, _frame=None) -> None:
         if signum is not None:
             log.info("stage %s: received %s, stopping", self.name, signal.Signals(signum).name)
+            self.stopped_by_signal = signum
         self.stopping = True
 
     # -- control plane --------------------------------------------------------------------------
