@@ -48,9 +48,12 @@ class SamplingParams:
                    seed=int(value["s"]))
 
 
-def choose_token(logits: torch.Tensor, params: SamplingParams, position: int) -> tuple[int, float]:
-    """Pick the token for `position` from float32 logits [vocab]; returns (token, its log-prob)."""
-    log_probs = torch.log_softmax(logits, dim=-1)
+def choose_token(logits: torch.Tensor, params: SamplingParams, position: int,
+                 log_probs: torch.Tensor | None = None) -> tuple[int, float]:
+    """Pick the token for `position` from float32 logits [vocab]; returns (token, its log-prob).
+    `log_probs` may be passed when the caller computed them for a whole batch at once."""
+    if log_probs is None:
+        log_probs = torch.log_softmax(logits, dim=-1)
     if params.greedy:
         token = int(torch.argmax(logits))
         return token, float(log_probs[token])

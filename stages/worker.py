@@ -325,9 +325,10 @@ class StageWorker:
         if emitting:
             # One head matmul for all emitting rows: the head is the largest weight a stage reads.
             logits = head_logits(self.shard, hidden[last_positions]).cpu()
-            for row, row_logits in zip(emitting, logits):
+            log_probs = torch.log_softmax(logits, dim=-1)  # one pass for the whole batch
+            for row, row_logits, row_log_probs in zip(emitting, logits, log_probs):
                 token, logprob = choose_token(row_logits, SamplingParams.from_json(row.sampling),
-                                              row.start + row.length)
+                                              row.start + row.length, row_log_probs)
                 tokens.append([row.slot, token, logprob])
         return {"tokens": tokens, "scores": scores}
 
