@@ -175,7 +175,7 @@ def smollm2_case(default_model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("num_stages", [2, 3])
+@pytest.mark.parametrize("num_stages", [1, 2, 3])
 def test_default_model_matches_transformers(smollm2_case, num_stages):
     model_dir, model, requests, references = smollm2_case
     results, _ = run_pipeline(model_dir, num_stages, requests, num_slots=4, max_step_tokens=64,
