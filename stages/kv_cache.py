@@ -135,7 +135,3 @@ class StepCache:
             rows = slice(first, first + len(group.slots))
             return keys[rows, :, :self.key_length], values[rows, :, :self.key_length]
         return keys[self.slot_index, :, :self.key_length], values[self.slot_index, :, :self.key_length]
-
-    # transformers' attention modules only call update(); these keep other callers informative.
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.key_length
