@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import zmq
 
@@ -44,8 +44,7 @@ class Broker:
             raise ValueError(f"{config.num_stages} stages for a model of {self.model.files.num_layers} layers: "
                              "every stage needs at least one layer; use fewer stages")
         self.max_context = min(config.batching.max_context, self.model.max_positions)
-        self.batching = BatchingConfig(**{**config.batching.__dict__, "max_context": self.max_context}
-                                       ).resolved(config.num_stages)
+        self.batching = replace(config.batching, max_context=self.max_context).resolved(config.num_stages)
         self.context = context or zmq.Context.instance()
         self.control = ControlPlane(self.context, config.control_bind)
         self.results = self.context.socket(zmq.PULL)

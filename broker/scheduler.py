@@ -10,7 +10,7 @@ token budget, so one prefill cannot stall the pipeline.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from broker.requests import GenerationRequest, GenerationResult
@@ -42,9 +42,8 @@ class BatchingConfig:
         micro_batches = self.num_micro_batches or num_stages + 1
         slots = self.num_slots or self.micro_batch_size * micro_batches
         micro_batches = max(1, min(micro_batches, slots))
-        return BatchingConfig(num_slots=slots, num_micro_batches=micro_batches,
-                              micro_batch_size=-(-slots // micro_batches), max_step_tokens=self.max_step_tokens,
-                              min_prefill_chunk=self.min_prefill_chunk, max_context=self.max_context)
+        return replace(self, num_slots=slots, num_micro_batches=micro_batches,
+                       micro_batch_size=-(-slots // micro_batches))
 
 
 @dataclass

@@ -248,7 +248,10 @@ class StageWorker:
         started = time.monotonic()
         try:
             message = self._validate(frames)
-        except WireError as error:
+        except Exception as error:  # noqa: BLE001 - whatever a hostile message trips, it is rejected, not fatal
+            if not isinstance(error, WireError):
+                log.exception("stage %s: validation raised %s (a bug to report)", self.name, type(error).__name__)
+                error = WireError(f"unreadable message ({type(error).__name__}: {error})")
             sender = _peer_address(frames[0])
             log.error("stage %s: rejected a message from %s: %s", self.name, sender, error)
             self.stats.rejected += 1
@@ -288,15 +291,17 @@ class StageWorker:
             raise WireError(f"'tokens' must be int64 [N], got {tensor.dtype} {list(tensor.shape)}")
         if name == "hidden" and (tensor.dim() != 2 or tensor.shape[1] != self.shard.config.hidden_size):
             raise WireError(f"'hidden' must be [N, {self.shard.config.hidden_size}], got {list(tensor.shape)}")
-        message.header["rows"] = protocol.rows_from_json(message.header["rows"])
-        if sum(row.length for row in message.header["rows"]) != tensor.shape[0]:
-            raise WireError(f"rows cover {sum(r.length for r in message.header['rows'])} positions, "
-                            f"tensor has {tensor.shape[0]}")
+        # The parsed rows travel beside the header; the header keeps the rows as they arrived, so a
+        # middle stage forwards them without encoding them again.
+        message.header["parsed_rows"] = protocol.rows_from_json(message.header["rows"])
+        covered = sum(row.length for row in message.header["parsed_rows"])
+        if covered != tensor.shape[0]:
+            raise WireError(f"rows cover {covered} positions, tensor has {tensor.shape[0]}")
         return message
 
     def _run(self, message: Message) -> list:
         header = message.header
-        rows: list[StepRow] = header["rows"]
+        rows: list[StepRow] = header["parsed_rows"]
         for slot in header["release"]:
             if isinstance(slot, int) and 0 <= slot < self.arena.num_slots:
                 self.arena.release(slot)
@@ -305,7 +310,7 @@ class StageWorker:
         self.stats.tokens += int(inputs.shape[0])
         out_header = {key: header[key] for key in ("mb", "step", "attempt", "epoch")}
         if not self.shard.spec.is_last:
-            out_header["rows"] = protocol.rows_to_json(rows)
+            out_header["rows"] = header["rows"]
             out_header["release"] = header["release"]
             return encode(dict(out_header, kind=protocol.STEP), {"hidden": hidden})
         return encode(dict(out_header, kind=protocol.RESULT, **self._choose(rows, hidden)))
