@@ -27,6 +27,7 @@ class BatchingConfig:
     max_step_tokens: int = 256  # tokens one micro-batch step may carry (decode rows + prefill chunks)
     min_prefill_chunk: int = 16  # a prefill advances at least this much per step, even in a full batch
     max_context: int = 2048  # prompt + generated tokens per sequence (capped by the model's own limit)
+    max_step_failures: int = 3  # a sequence whose step fails this many times alone fails with the stage's error
 
     def __post_init__(self) -> None:
         if self.num_slots < 0 or self.micro_batch_size < 1 or self.num_micro_batches < 0:
@@ -34,6 +35,8 @@ class BatchingConfig:
                              f"{self.num_slots=}, {self.micro_batch_size=}, {self.num_micro_batches=}")
         if self.max_step_tokens < 1 or self.min_prefill_chunk < 1:
             raise ValueError("max_step_tokens and min_prefill_chunk must be >= 1")
+        if self.max_step_failures < 1:
+            raise ValueError(f"max_step_failures must be >= 1, got {self.max_step_failures}")
         if self.max_context < 2:
             raise ValueError(f"max_context must be >= 2, got {self.max_context}")
 
@@ -57,10 +60,20 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
+    failures: int = 0  # steps with only this sequence that a stage failed to run
+    suspect: bool = False  # in a failed step: runs alone until a step with it succeeds
+
+    @property
+    def known(self) -> list[int]:
+        """The tokens whose keys/values the stages must hold before the next decode: the prompt, plus
+        every generated token but the last (which the next decode step feeds)."""
+        return self.request.prompt_ids + self.generated[:-1] if self.generated else self.request.prompt_ids
 
     @property
     def prefilling(self) -> bool:
-        return self.cached < len(self.request.prompt_ids)
+        """Still filling the stages' caches: the prompt at first, or all known tokens after a
+        recovery emptied them (see Scheduler.reset_caches)."""
+        return self.cached < len(self.request.prompt_ids) + max(len(self.generated) - 1, 0)
 
 
 @dataclass(frozen=True)
@@ -135,21 +148,45 @@ class Scheduler:
                 self.active[slot] = Sequence(self.waiting.popleft(), slot, admitted_at=now)
         released, self.pending_release[micro_batch] = self.pending_release[micro_batch], []
         sequences = [self.active[s] for s in self.slots_of[micro_batch] if s in self.active]
+        suspects = [seq for seq in sequences if seq.suspect]
+        if suspects:
+            # After a failed step, its sequences run one per step until each has passed one, so a
+            # sequence that fails alone is the one to blame (see fail_step).
+            sequences = suspects[:1]
         decoding = [seq for seq in sequences if not seq.prefilling]
         rows = [PlannedRow(seq.slot, seq.cached, [seq.generated[-1]], emit=True) for seq in decoding]
         budget = max(self.config.max_step_tokens - len(rows), self.config.min_prefill_chunk)
         for seq in sequences:
             if not seq.prefilling or budget <= 0:
                 continue
-            prompt = seq.request.prompt_ids
-            chunk = prompt[seq.cached:seq.cached + budget]
+            known = seq.known
+            chunk = known[seq.cached:seq.cached + budget]
             budget -= len(chunk)
-            targets = prompt[seq.cached + 1:seq.cached + 1 + len(chunk)] if seq.request.score_prompt else None
-            rows.append(PlannedRow(seq.slot, seq.cached, chunk, emit=seq.cached + len(chunk) == len(prompt),
+            end = seq.cached + len(chunk)
+            prompt = seq.request.prompt_ids
+            # Prompt scoring covers prompt positions only; a re-prefill after a recovery scores them again.
+            targets = prompt[seq.cached + 1:min(end, len(prompt)) + 1] if seq.request.score_prompt else None
+            targets = targets[:len(chunk)] if targets else None
+            # Only the first prefill ends with a new token: after a re-prefill, the last generated
+            # token is already known and the next decode step feeds it.
+            rows.append(PlannedRow(seq.slot, seq.cached, chunk, emit=end == len(known) and not seq.generated,
                                    targets=targets))
         if not rows and not released:
             return None
         return StepPlan(micro_batch, sorted(rows, key=lambda row: row.slot), released)
+
+    def reset_caches(self) -> int:
+        """The stages lost their caches (a re-plan): every active sequence re-prefills what it knows,
+        keeping its generated tokens. Returns the number of tokens to re-prefill."""
+        for releases in self.pending_release.values():
+            releases.clear()  # the new stages start with empty caches
+        total = 0
+        for seq in self.active.values():
+            seq.cached = 0
+            if seq.request.score_prompt:
+                seq.prompt_logprobs.clear()  # scored again, identically, during the re-prefill
+            total += len(seq.known)
+        return total
 
     # -- results ------------------------------------------------------------------------------
     def apply_result(self, plan: StepPlan, tokens: dict[int, tuple[int, float]], now: float,
@@ -160,6 +197,7 @@ class Scheduler:
         for row in plan.rows:
             seq = self.active[row.slot]
             seq.cached = row.start + len(row.tokens)
+            seq.suspect = False
             if row.targets:
                 seq.prompt_logprobs.extend((scores or {}).get(row.slot, []))
             if not row.emit:
@@ -173,9 +211,22 @@ class Scheduler:
         return finished
 
     def fail_step(self, plan: StepPlan, error: str, now: float) -> list[GenerationResult]:
-        """A stage could not run this step: its sequences end with the stage's error."""
-        return [self._finish(self.active[row.slot], "error", now, error) for row in plan.rows
-                if row.slot in self.active]
+        """A stage could not run this step. Its sequences become suspects and retry one per step, which
+        tells the culprit from its neighbours; a sequence that fails alone `max_step_failures` times
+        ends with the stage's error (a poison item), and the others go on."""
+        finished = []
+        for row in plan.rows:
+            seq = self.active.get(row.slot)
+            if seq is None:
+                continue
+            seq.suspect = True
+            if len(plan.rows) == 1:
+                seq.failures += 1
+                if seq.failures >= self.config.max_step_failures:
+                    finished.append(self._finish(seq, "error", now, f"{error} (failed alone {seq.failures} time(s))"))
+        # The failed step's released slots were not released on the stages past the failure.
+        self.pending_release[plan.micro_batch].extend(plan.released)
+        return finished
 
     def _finish_reason(self, seq: Sequence) -> str | None:
         if seq.generated[-1] in self.eos_ids:

@@ -333,22 +333,118 @@ def test_empty_prompt_is_an_error() -> None:
     assert scheduler.idle
 
 
-def test_fail_step_ends_the_step_sequences_with_the_error_and_frees_their_slots() -> None:
+def test_a_failed_step_makes_its_sequences_suspects_that_retry_one_per_step() -> None:
     scheduler, stages = make(num_slots=4, micro_batches=2), FakeStages()
     submit_all(scheduler, [request(f"r{i}", max_new_tokens=20) for i in range(5)])
     step(scheduler, stages, 0)
     step(scheduler, stages, 1)
     plan = scheduler.plan_step(0, 3.0)
-    failed = scheduler.fail_step(plan, "stage s1: RuntimeError: out of memory", 4.0)
-    assert sorted(r.request_id for r in failed) == ["r0", "r1"]
-    for result in failed:
-        assert (result.finish_reason, result.error) == ("error", "stage s1: RuntimeError: out of memory")
-        assert len(result.token_ids) == 1  # the token from the prefill step survives
-    assert sorted(scheduler.active) == [2, 3]
+    assert scheduler.fail_step(plan, "stage s1: RuntimeError: out of memory", 4.0) == []  # nobody blamed yet
+    assert [scheduler.active[slot].suspect for slot in (0, 1)] == [True, True]
+    retry = scheduler.plan_step(0, 5.0)
+    assert [(row.slot, row.start) for row in retry.rows] == [(0, plan.rows[0].start)]  # the same row, alone
+    scheduler.apply_result(retry, stages.run(retry), 5.0)
+    assert not scheduler.active[0].suspect and scheduler.active[1].suspect
+    assert [row.slot for row in scheduler.plan_step(0, 6.0).rows] == [1]
+
+
+def test_a_sequence_failing_alone_ends_with_the_stage_error_and_frees_its_slot() -> None:
+    config = BatchingConfig(num_slots=4, num_micro_batches=2, max_step_failures=1)
+    scheduler, stages = Scheduler(config, num_stages=1, eos_ids={EOS}, detokenize=detokenize), FakeStages()
+    submit_all(scheduler, [request(f"r{i}", max_new_tokens=20) for i in range(5)])
+    step(scheduler, stages, 0)
+    step(scheduler, stages, 1)
+    scheduler.active[1].suspect = True
+    plan = scheduler.plan_step(0, 3.0)
+    failed = scheduler.fail_step(plan, "stage s1: RuntimeError: bad input", 4.0)
+    assert [(r.request_id, r.finish_reason, r.error) for r in failed] == [
+        ("r1", "error", "stage s1: RuntimeError: bad input (failed alone 1 time(s))")]
+    assert len(failed[0].token_ids) == 1  # the token from the prefill step survives
     plan = scheduler.plan_step(0, 5.0)
-    assert plan.released == [0, 1]
-    assert scheduler.active[0].request.request_id == "r4"
-    assert [(row.slot, row.start) for row in plan.rows] == [(0, 0)]
+    assert plan.released == [1]
+    assert scheduler.active[1].request.request_id == "r4"
+
+
+@pytest.mark.parametrize("max_step_failures", [1, 2, 3])
+def test_a_poison_item_fails_after_bounded_attempts_and_the_rest_match_the_reference(max_step_failures: int) -> None:
+    config = BatchingConfig(num_slots=4, num_micro_batches=2, max_step_failures=max_step_failures)
+    scheduler, stages = Scheduler(config, num_stages=1, eos_ids={EOS}, detokenize=detokenize), FakeStages()
+    requests = [request(f"r{i}", prompt_len=3 + i % 4, max_new_tokens=12, first=1 + 5 * i) for i in range(9)]
+    requests.insert(4, request("poison", prompt_len=3, first=50))
+    submit_all(scheduler, requests)
+    results: dict[str, GenerationResult] = {}
+    failed_steps = 0
+    for i in range(10_000):
+        if scheduler.idle:
+            break
+        plan = scheduler.plan_step(i % 2, float(i))
+        if plan is None:
+            continue
+        if any(scheduler.active[row.slot].request.request_id == "poison" for row in plan.rows):
+            failed_steps += 1
+            finished = scheduler.fail_step(plan, "stage s0: ValueError: poisoned", float(i))
+        else:
+            finished = scheduler.apply_result(plan, stages.run(plan), float(i))
+        for result in finished:
+            assert result.request_id not in results
+            results[result.request_id] = result
+    assert sorted(results) == sorted(r.request_id for r in requests)
+    poison = results.pop("poison")
+    assert poison.finish_reason == "error"
+    assert poison.error == f"stage s0: ValueError: poisoned (failed alone {max_step_failures} time(s))"
+    assert failed_steps <= 1 + max_step_failures  # bounded: one step with neighbours, then alone
+    for req in requests:
+        if req.request_id in results:
+            assert (results[req.request_id].token_ids, results[req.request_id].finish_reason) == \
+                reference(req, 2048), req.request_id
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_losing_every_cache_at_random_steps_changes_no_output(seed: int) -> None:
+    """A re-plan empties the stages' caches: sequences re-prefill what they know and go on."""
+    rng = random.Random(seed)
+    scheduler = make(num_slots=6, micro_batches=3, max_step_tokens=rng.choice([5, 16, 64]), min_prefill_chunk=2)
+    stages = FakeStages()
+    requests = [request(f"r{i}", prompt_len=rng.randint(1, 30), max_new_tokens=rng.randint(1, 25),
+                        first=rng.randint(1, 90), score_prompt=rng.random() < 0.3) for i in range(14)]
+    submit_all(scheduler, requests)
+    results: dict[str, GenerationResult] = {}
+    resets = 0
+    for i in range(20_000):
+        if scheduler.idle:
+            break
+        if rng.random() < 0.05:
+            resets += 1
+            scheduler.reset_caches()
+            stages.history.clear()
+        plan = scheduler.plan_step(i % 3, float(i))
+        if plan is None:
+            continue
+        scores = {row.slot: [-float(t) for t in row.targets] for row in plan.rows if row.targets}
+        for result in scheduler.apply_result(plan, stages.run(plan), float(i), scores):
+            results[result.request_id] = result
+    assert resets > 0 and sorted(results) == sorted(r.request_id for r in requests)
+    for req in requests:
+        result = results[req.request_id]
+        assert (result.token_ids, result.finish_reason) == reference(req, 2048), req.request_id
+        if req.score_prompt:
+            assert result.prompt_logprobs == [-float(t) for t in req.prompt_ids[1:]], req.request_id
+
+
+def test_reset_caches_re_prefills_prompt_and_generated_tokens_without_emitting() -> None:
+    scheduler, stages = make(num_slots=2, micro_batches=1), FakeStages()
+    submit_all(scheduler, [request("a", prompt_len=4, max_new_tokens=10)])
+    for i in range(4):
+        step(scheduler, stages, 0, float(i))
+    seq = scheduler.active[0]
+    assert len(seq.generated) == 4 and seq.cached == 7
+    assert scheduler.reset_caches() == 7
+    plan = scheduler.plan_step(0, 5.0)
+    assert [(row.start, row.tokens, row.emit) for row in plan.rows] == [(0, seq.known, False)]
+    stages.history.clear()
+    scheduler.apply_result(plan, stages.run(plan), 5.0)
+    plan = scheduler.plan_step(0, 6.0)
+    assert [(row.start, row.tokens, row.emit) for row in plan.rows] == [(7, [seq.generated[-1]], True)]
 
 
 def test_released_slots_are_reported_once_on_their_own_micro_batch() -> None:
