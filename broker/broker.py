@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 
 import zmq
 
-from broker.control import ClusterError, ControlPlane, StageInfo
+from broker.control import ClusterError, ControlPlane, StageInfo, StageLost
 from broker.model_info import ModelInfo, load_tokenizer, read_model_info
 from broker.partition import balanced_partition, equal_partition, model_cost_from_config
 from broker.pipeline import ListSource, Pipeline, PipelineConfig, RequestSource, ResultSink, RunStats
@@ -71,30 +71,82 @@ class Broker:
             self._tokenizer = load_tokenizer(self.config.model_dir)
         return self._tokenizer
 
-    def plan_spans(self) -> list[LayerRange]:
-        n, p = self.model.files.num_layers, self.config.num_stages
+    def plan_spans(self, num_stages: int | None = None) -> list[LayerRange]:
+        n, p = self.model.files.num_layers, num_stages or self.config.num_stages
         if self.config.partition == "equal":
             return equal_partition(n, p)
         return balanced_partition(model_cost_from_config(self.model.files.config), p)
 
+    def plan_chain(self, stages: list[StageInfo]) -> tuple[list[StageInfo], list[LayerRange]]:
+        """The chain (which stages, in which order) and each one's span."""
+        chain = sorted(stages, key=lambda s: s.name)[:self.model.files.num_layers]  # stable order, reproducible logs
+        return chain, self.plan_spans(len(chain))
+
     def start(self) -> None:
         """Wait for the stages, give each its span, wait until all have loaded."""
         stages = self.control.wait_for_stages(self.config.num_stages, self.config.register_timeout_s)
-        self.chain = sorted(stages, key=lambda s: s.name)  # a stable chain order for reproducible logs
-        self.spans = self.plan_spans()
+        self.chain, self.spans = self.plan_chain(stages)
+        self._assign()
+        self.pipeline = Pipeline(self.context, self.control, self.chain, self.results, self.batching,
+                                 set(self.model.eos_ids), self._detokenize, self.config.pipeline,
+                                 recover=self.recover)
+
+    def _assign(self) -> None:
         log.info("placing %s: %s", self.model.path, ", ".join(f"{s.name} {span}" for s, span in zip(self.chain, self.spans)))
         self.control.assign(self.chain, self.spans, str(self.model.path), self.results_address,
-                            self.batching.num_slots, self.max_context, self.config.load_timeout_s)
-        self.pipeline = Pipeline(self.context, self.control, self.chain, self.results, self.batching,
-                                 set(self.model.eos_ids), self._detokenize, self.config.pipeline)
+                            self.batching.num_slots, self.max_context, self.config.load_timeout_s,
+                            liveness_window_s=self.config.pipeline.liveness_window_s)
+
+    def recover(self, lost: StageLost, should_stop=lambda: False, report=lambda *a, **k: None) -> list[StageInfo] | None:
+        """Re-plan over the stages still alive (spares and stages that registered since included),
+        load the new spans, and return the new chain; wait while no stage is left. Another stage lost
+        while loading is dropped too, and the plan made again. None when `should_stop` says so."""
+        self.control.mark_lost(lost.stage)
+        waiting_reported = False
+        while not should_stop():
+            candidates = [s for s in self.control.live_stages() if s.state != "failed"]
+            if not candidates:
+                if not waiting_reported:
+                    report("waiting", f"no stage left to hold {self.model.path.name}: waiting for one to register "
+                                      f"at {self.address} (`layerbus stage --broker {self.address}`)")
+                    waiting_reported = True
+                self.control.poll(200)
+                self.control.heartbeat(self.config.pipeline.heartbeat_interval_s)
+                continue
+            self.chain, self.spans = self.plan_chain(candidates)
+            try:
+                self._assign()
+                return self.chain
+            except StageLost as again:
+                self.control.mark_lost(again.stage)
+                report("stage_lost", f"{again} (while loading a new span)", stage=again.stage.name)
+            except ClusterError as error:  # a load failed: that stage is left out of the next plan
+                report("load_failed", str(error))
+        return None
 
     def _detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer().decode(token_ids, skip_special_tokens=True)
 
-    def run(self, source: RequestSource, sink: ResultSink, should_stop=lambda: False) -> RunStats:
+    def run(self, source: RequestSource, sink: ResultSink, should_stop=lambda: False, events=None) -> RunStats:
         if self.pipeline is None:
             raise ClusterError("the broker has not started: call start() first")
-        return self.pipeline.run(source, sink, should_stop)
+        return self.pipeline.run(source, sink, should_stop, events)
+
+    def keep_alive(self, seconds: float, report=lambda *a, **k: None) -> None:
+        """Between jobs: keep heartbeats going and re-plan when a stage is lost."""
+        deadline = self.control.clock() + seconds
+        while self.control.clock() < deadline:
+            self.control.poll(100)
+            self.control.heartbeat(self.config.pipeline.heartbeat_interval_s)
+            try:
+                gone = next((s for s in self.chain if s.state == "gone"), None)
+                if gone is not None:
+                    raise StageLost(gone, "it left (stopped or shut down)")
+                self.control.check_liveness(self.chain, self.config.pipeline.liveness_window_s,
+                                            self.config.pipeline.stuck_step_s)
+            except StageLost as lost:
+                report("stage_lost", str(lost), stage=lost.stage.name)
+                self.pipeline.use_chain(self.recover(lost, report=report))
 
     def generate(self, requests: list[GenerationRequest]) -> tuple[list[GenerationResult], RunStats]:
         """Run requests to the end; results come back in request order."""

@@ -10,6 +10,7 @@ from typing import Callable
 
 import zmq
 
+from stages.heartbeat import HEARTBEAT_IDENTITY_SUFFIX
 from wire import protocol
 from wire.frames import WireError, decode, encode
 from wire.spans import LayerRange
@@ -19,6 +20,14 @@ log = logging.getLogger("layerbus.broker")
 
 class ClusterError(RuntimeError):
     """The stages cannot serve: too few registered, a load failed, a stage went silent."""
+
+
+class StageLost(ClusterError):
+    """A stage stopped serving (silent past the liveness window, stuck, or gone): re-plan without it."""
+
+    def __init__(self, stage: "StageInfo", reason: str):
+        super().__init__(f"stage {stage.name} ({stage.host} pid {stage.pid}) lost: {reason}")
+        self.stage, self.reason = stage, reason
 
 
 @dataclass
@@ -43,6 +52,7 @@ class StageInfo:
     rss_before_load: int = 0  # its resident memory before loading the span
     stats: dict = field(default_factory=dict)
     error: str | None = None
+    busy_s: float = 0.0  # how long its current step or load had run at its last heartbeat
 
 
 @dataclass(frozen=True)
@@ -83,16 +93,31 @@ class ControlPlane:
             log.error("malformed control message from stage %r: %s", identity.decode(errors="replace"), error)
             return []
         header, kind, now = message.header, message.kind, self.clock()
-        if kind == protocol.REGISTER:
+        from_heartbeat_thread = identity.endswith(HEARTBEAT_IDENTITY_SUFFIX)
+        if from_heartbeat_thread:
+            identity = identity[:-len(HEARTBEAT_IDENTITY_SUFFIX)]
+        if kind == protocol.REGISTER and not from_heartbeat_thread:
             self._register(identity, header, now)
             return []
         stage = self.stages.get(identity)
         if stage is None:
-            log.warning("control message %r from unregistered stage %r ignored", kind, identity)
+            if not from_heartbeat_thread:  # heartbeats may arrive before the registration
+                log.warning("control message %r from unregistered stage %r ignored", kind, identity)
+            return []
+        if stage.state == "lost":
+            # Presumed dead and re-planned without, it speaks again (SIGCONT, a healed network). Its
+            # span belongs to an old epoch: tell it to drop it and register again as a spare.
+            log.warning("stage %s, presumed lost, is back: told to register again", stage.name)
+            stage.state = "reset"
+            self.send(stage, protocol.RESET)
             return []
         stage.last_seen = now
         if "stats" in header and isinstance(header["stats"], dict):
             stage.stats = header["stats"]
+        if isinstance(header.get("busy_s"), (int, float)):
+            stage.busy_s = float(header["busy_s"])
+        if from_heartbeat_thread:
+            return []
         if kind == protocol.READY and header.get("epoch") == self.epoch:
             stage.state = "ready"
             stage.param_bytes = int(header.get("param_bytes", 0))
@@ -139,7 +164,22 @@ class ControlPlane:
             self.last_heartbeat = now
 
     def live_stages(self) -> list[StageInfo]:
-        return [s for s in self.stages.values() if s.state != "gone"]
+        return [s for s in self.stages.values() if s.state not in ("gone", "lost", "reset")]
+
+    def mark_lost(self, stage: StageInfo) -> None:
+        """Serve no more steps through this stage; if it speaks again it is told to re-register."""
+        stage.state, stage.layers = "lost", None
+
+    def check_liveness(self, stages: list[StageInfo], window_s: float, stuck_s: float) -> None:
+        """Raise StageLost for the first stage silent for longer than `window_s`, or busy with one step
+        or load for longer than `stuck_s` (its heartbeats go on, its main loop does not)."""
+        now = self.clock()
+        for stage in stages:
+            silent = now - stage.last_seen
+            if silent > window_s:
+                raise StageLost(stage, f"silent for {silent:.1f} s (liveness window {window_s:g} s)")
+            if stage.busy_s > stuck_s:
+                raise StageLost(stage, f"stuck in one step or load for {stage.busy_s:.0f} s (limit {stuck_s:g} s)")
 
     def shutdown_all(self) -> None:
         for stage in self.live_stages():
@@ -156,8 +196,11 @@ class ControlPlane:
         return self.live_stages()[:count]
 
     def assign(self, chain: list[StageInfo], spans: list[LayerRange], model_dir: str, result_address: str,
-               num_slots: int, max_context: int, timeout_s: float) -> None:
-        """Give each stage of the chain its span and next hop; wait until all report READY."""
+               num_slots: int, max_context: int, timeout_s: float, liveness_window_s: float | None = None) -> None:
+        """Give each stage of the chain its span and next hop; wait until all report READY.
+
+        With `liveness_window_s`, a stage that dies while loading raises StageLost (its heartbeats
+        continue during a load, so a long load is not mistaken for a death)."""
         self.epoch += 1
         for i, (stage, span) in enumerate(zip(chain, spans)):
             next_address = chain[i + 1].data_address if i + 1 < len(chain) else result_address
@@ -176,3 +219,8 @@ class ControlPlane:
                 raise ClusterError(f"stages {waiting} did not finish loading within {timeout_s:.0f} s")
             self.poll(100)
             self.heartbeat(0.5)
+            if liveness_window_s is not None:
+                for stage in chain:
+                    if stage.state == "gone":
+                        raise StageLost(stage, "left while loading its layers")
+                self.check_liveness(chain, liveness_window_s, stuck_s=timeout_s)

@@ -42,7 +42,7 @@ class ProgressBar(Protocol):
 class Runner(Protocol):
     """What run_job needs of a started broker."""
 
-    def run(self, source: Any, sink: Any, should_stop: Callable[[], bool]) -> Any: ...
+    def run(self, source: Any, sink: Any, should_stop: Callable[[], bool], events: Callable[..., None] | None) -> Any: ...
 
     def tokenizer(self) -> Any: ...
 
@@ -256,8 +256,14 @@ def _run_rounds(store: JobStore, job_id: str, broker: Runner, writer: ResultWrit
             sink.flush_if_due()  # the pipeline calls this every loop: the sink's clock tick
             return watch()
 
+        def record(kind: str, message: str, duration_s: float | None = None, **_fields: Any) -> None:
+            try:  # the record of a recovery must never be what stops the job
+                store.add_job_event(job_id, kind, message, duration_s)
+            except Exception:  # noqa: BLE001
+                log.exception("job %s: could not record event %s", job_id, kind)
+
         try:
-            broker.run(source, sink, should_stop=should_stop)
+            broker.run(source, sink, should_stop=should_stop, events=record)
         finally:
             _hand_back(store, sink, source)
         status = store.job_status(job_id)

@@ -4,6 +4,15 @@ Each micro-batch has at most one step in flight. When its result comes back from
 the scheduler advances its sequences, finished ones are delivered, freed slots are refilled, and
 the micro-batch's next step goes straight back to stage 0. With more micro-batches than stages,
 every stage always has one to work on.
+
+Faults. Every step is stamped (epoch, step, attempt); a result that does not match what is in
+flight (late, duplicate, from before a re-plan) is discarded. A step not back after
+`step_timeout_s` is resent with the next attempt number (PUSH/PULL has no acknowledgements: a
+message queued to a peer that died is gone). A stage silent past the liveness window, stuck in one
+step, or gone is lost: the in-flight steps are dropped, `recover` re-plans over the stages left
+(waiting for one to join if they cannot hold the model) and they load their new spans; then every
+active sequence re-prefills its prompt and the tokens generated so far, and goes on. Generated
+tokens are kept, and sampling depends only on (seed, position), so outputs do not change.
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from typing import Callable, Protocol
 import torch
 import zmq
 
-from broker.control import ClusterError, ControlPlane, StageInfo
+from broker.control import ClusterError, ControlPlane, StageInfo, StageLost
 from broker.requests import GenerationRequest, GenerationResult
 from broker.scheduler import BatchingConfig, Scheduler, StepPlan
 from stages.forward import StepRow
@@ -43,10 +52,19 @@ class ResultSink(Protocol):
 class PipelineConfig:
     """Timing of the data-plane loop."""
 
-    heartbeat_interval_s: float = 0.5  # broker -> stage heartbeats
-    stage_timeout_s: float = 30.0  # a stage silent this long is declared dead
-    step_timeout_s: float = 300.0  # a step not back after this long has been lost on the way
+    heartbeat_interval_s: float = 0.5  # broker -> stage heartbeats (stages send theirs as often)
+    liveness_window_s: float = 5.0  # a stage silent this long (no heartbeat, no message) is lost
+    stuck_step_s: float = 300.0  # a stage whose heartbeats say one step has run this long is lost
+    step_timeout_s: float = 60.0  # a step not back after this long is resent (next attempt)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger results are rejected
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_interval_s < self.liveness_window_s:
+            raise ValueError(f"need 0 < heartbeat interval ({self.heartbeat_interval_s} s) < liveness window "
+                             f"({self.liveness_window_s} s): a live stage must get several heartbeats in per window")
+        if self.step_timeout_s <= 0 or self.stuck_step_s <= 0:
+            raise ValueError(f"step_timeout_s and stuck_step_s must be > 0, got {self.step_timeout_s}, "
+                             f"{self.stuck_step_s}")
 
 
 @dataclass
@@ -60,15 +78,24 @@ class RunStats:
     prompt_tokens: int = 0
     finished: int = 0
     errors: int = 0
+    resent: int = 0  # steps sent again after step_timeout_s or a failed send
+    discarded: int = 0  # late or duplicate results (from before a re-plan, or of an older attempt)
     stage_stats: dict[str, dict] = field(default_factory=dict)  # name -> the stage's last stats
+    recoveries: list[dict] = field(default_factory=list)  # one event per lost stage (see Pipeline._recover)
 
 
 @dataclass
 class _InFlight:
     plan: StepPlan
     step: int
+    attempt: int
     sent_at: float
 
+
+# recover(lost, should_stop, report) -> the new chain, loaded and ready, or None when asked to stop.
+Recover = Callable[[StageLost, Callable[[], bool], Callable[..., None]], "list[StageInfo] | None"]
+# report(kind, message, **fields): a fault-handling event (stage_lost, waiting, recovered, ...).
+EventSink = Callable[..., None]
 
 class ListSource:
     """A fixed list of requests (tests, benchmarks, `generate`)."""
@@ -91,20 +118,39 @@ class Pipeline:
     def __init__(self, context: zmq.Context, control: ControlPlane, chain: list[StageInfo],
                  results_socket: zmq.Socket, batching: BatchingConfig, eos_ids: set[int],
                  detokenize: Callable[[list[int]], str] | None = None,
-                 config: PipelineConfig = PipelineConfig(), clock: Callable[[], float] = time.monotonic):
+                 config: PipelineConfig = PipelineConfig(), clock: Callable[[], float] = time.monotonic,
+                 recover: Recover | None = None):
         self.control, self.chain, self.config, self.clock = control, chain, config, clock
         self.batching, self.eos_ids, self.detokenize = batching, eos_ids, detokenize
+        self.recover = recover  # None: a lost stage ends the run with ClusterError
         self.results = results_socket
-        self.push = context.socket(zmq.PUSH)
-        self.push.setsockopt(zmq.LINGER, 0)
-        self.push.connect(chain[0].data_address)
+        self.context = context
+        self.push: zmq.Socket | None = None
+        self._connect_first(chain[0].data_address)
         self.next_step = 0
+        self._awaiting_first_token: dict | None = None  # the recovery event waiting for its first new token
+
+    def use_chain(self, chain: list[StageInfo]) -> None:
+        """Send to a new chain (after a re-plan)."""
+        self.chain = chain
+        if chain[0].data_address != self.first_address:
+            self._connect_first(chain[0].data_address)
+
+    def _connect_first(self, address: str) -> None:
+        if self.push is not None:
+            self.push.close(linger=0)
+        self.push = self.context.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 0)
+        self.push.connect(address)
+        self.first_address = address
 
     def close(self) -> None:
         self.push.close(linger=0)
 
-    def run(self, source: RequestSource, sink: ResultSink, should_stop: Callable[[], bool] = lambda: False) -> RunStats:
-        """Serve requests from `source` until it is exhausted and nothing is in flight."""
+    def run(self, source: RequestSource, sink: ResultSink, should_stop: Callable[[], bool] = lambda: False,
+            events: EventSink | None = None) -> RunStats:
+        """Serve requests from `source` until it is exhausted and nothing is in flight. `events`
+        hears of every lost stage, wait and recovery (the job runner records them in the store)."""
         scheduler = Scheduler(self.batching, len(self.chain), self.eos_ids, self.detokenize)
         inflight: dict[int, _InFlight] = {}
         stats = RunStats()
@@ -112,6 +158,11 @@ class Pipeline:
         poller = zmq.Poller()
         poller.register(self.results, zmq.POLLIN)
         poller.register(self.control.socket, zmq.POLLIN)
+
+        def report(kind: str, message: str, **fields) -> None:
+            log.warning("%s: %s", kind, message)
+            if events is not None:
+                events(kind, message, **fields)
 
         def deliver(finished: list[GenerationResult]) -> None:
             if finished:
@@ -137,75 +188,131 @@ class Pipeline:
                         self._send(scheduler, mb, inflight)
             if not inflight and (stopping or (scheduler.idle and source.exhausted)):
                 break
-            for socket in dict(poller.poll(50)):
-                if socket is self.results:
-                    self._receive_results(scheduler, inflight, deliver, stats)
-                else:
-                    self._handle_control(scheduler, inflight, deliver)
-            self.control.heartbeat(self.config.heartbeat_interval_s)
-            self._check_liveness(inflight)
+            try:
+                for socket in dict(poller.poll(50)):
+                    if socket is self.results:
+                        self._receive_results(scheduler, inflight, deliver, stats, report)
+                    else:
+                        self._handle_control(scheduler, inflight, deliver, stats)
+                self.control.heartbeat(self.config.heartbeat_interval_s)
+                self._resend_overdue(scheduler, inflight, stats)
+                self.control.check_liveness(self.chain, self.config.liveness_window_s, self.config.stuck_step_s)
+            except StageLost as lost:
+                if not self._recover(scheduler, inflight, lost, should_stop, report, stats):
+                    break  # asked to stop while waiting for stages: the caller hands the items back
         stats.wall_s = self.clock() - started
         stats.broker_cpu_s = time.process_time() - cpu_started
         stats.stage_stats = {s.name: dict(s.stats) for s in self.chain}
         return stats
 
+    # -- sending -------------------------------------------------------------------------------
     def _send(self, scheduler: Scheduler, mb: int, inflight: dict[int, _InFlight]) -> None:
         plan = scheduler.plan_step(mb, self.clock())
         if plan is None:
             return
+        step = self.next_step
+        self.next_step += 1
+        self._transmit(scheduler, plan, step, 0)
+        inflight[mb] = _InFlight(plan, step, 0, self.clock())
+
+    def _transmit(self, scheduler: Scheduler, plan: StepPlan, step: int, attempt: int) -> None:
         rows, tokens = [], []
         for row in plan.rows:
             request = scheduler.active[row.slot].request
             rows.append(StepRow(row.slot, row.start, len(row.tokens), row.emit, request.sampling.to_json(),
                                 row.targets))
             tokens.extend(row.tokens)
-        step = self.next_step
-        self.next_step += 1
-        header = {"kind": protocol.STEP, "mb": mb, "step": step, "attempt": 0, "epoch": self.control.epoch,
-                  "rows": protocol.rows_to_json(rows), "release": plan.released}
+        header = {"kind": protocol.STEP, "mb": plan.micro_batch, "step": step, "attempt": attempt,
+                  "epoch": self.control.epoch, "rows": protocol.rows_to_json(rows), "release": plan.released}
         self.push.send_multipart(encode(header, {"tokens": torch.tensor(tokens, dtype=torch.int64)}), copy=False)
-        inflight[mb] = _InFlight(plan, step, self.clock())
 
-    def _receive_results(self, scheduler, inflight, deliver, stats) -> None:
+    def _resend(self, scheduler: Scheduler, current: _InFlight, stats: RunStats) -> None:
+        """Send a step again, same rows, next attempt: replaying a step rewrites the same cache positions."""
+        current.attempt += 1
+        current.sent_at = self.clock()
+        stats.resent += 1
+        self._transmit(scheduler, current.plan, current.step, current.attempt)
+
+    def _resend_overdue(self, scheduler: Scheduler, inflight: dict[int, _InFlight], stats: RunStats) -> None:
+        now = self.clock()
+        for mb, current in inflight.items():
+            if now - current.sent_at > self.config.step_timeout_s:
+                log.warning("step %d of micro-batch %d not back after %.0f s: sending attempt %d",
+                            current.step, mb, now - current.sent_at, current.attempt + 1)
+                self._resend(scheduler, current, stats)
+
+    # -- receiving -----------------------------------------------------------------------------
+    def _receive_results(self, scheduler, inflight, deliver, stats, report) -> None:
         while self.results.poll(0):
             frames = self.results.recv_multipart(copy=False)
             try:
                 message = decode(frames, self.config.max_message_bytes)
                 header = message.header
-                protocol.require_fields(header, "result", {"mb": int, "step": int, "tokens": list})
+                protocol.require_fields(header, "result", {"mb": int, "step": int, "attempt": int, "epoch": int,
+                                                           "tokens": list})
             except WireError as error:
                 log.error("rejected a result message: %s", error)
                 continue
             current = inflight.get(header["mb"])
-            if current is None or current.step != header["step"]:
-                log.warning("discarding a late or duplicate result for micro-batch %s step %s",
-                            header["mb"], header["step"])
+            if (current is None or header["epoch"] != self.control.epoch or current.step != header["step"]
+                    or current.attempt != header["attempt"]):
+                log.info("discarding a late or duplicate result: micro-batch %s step %s attempt %s epoch %s",
+                         header["mb"], header["step"], header["attempt"], header["epoch"])
+                stats.discarded += 1
                 continue
             del inflight[header["mb"]]
             stats.steps += 1
             tokens = {slot: (token, logprob) for slot, token, logprob in header["tokens"]}
             scores = {slot: values for slot, values in header.get("scores", [])}
             deliver(scheduler.apply_result(current.plan, tokens, self.clock(), scores))
+            if tokens and self._awaiting_first_token is not None:
+                event, self._awaiting_first_token = self._awaiting_first_token, None
+                event["first_token_s"] = round(self.clock() - event["started"], 3)
+                report("first_token", f"first new token {event['first_token_s']:.2f} s after the loss of "
+                                      f"{event['stage']}", stage=event["stage"], duration_s=event["first_token_s"])
             self._send(scheduler, header["mb"], inflight)
 
-    def _handle_control(self, scheduler, inflight, deliver) -> None:
+    def _handle_control(self, scheduler, inflight, deliver, stats) -> None:
+        chain_names = {stage.name for stage in self.chain}
         for event in self.control.poll(0):
             if event.kind == "failure" and isinstance(event.header.get("mb"), int):
                 current = inflight.get(event.header["mb"])
-                if current is not None and current.step == event.header.get("step"):
-                    del inflight[event.header["mb"]]
-                    error = f"stage {event.stage}: {event.header.get('error')}"
-                    deliver(scheduler.fail_step(current.plan, error, self.clock()))
-            elif event.kind == "bye":
-                raise ClusterError(f"stage {event.stage} left the pipeline while work was in flight")
+                if (current is None or current.step != event.header.get("step")
+                        or event.header.get("epoch") != self.control.epoch
+                        or event.header.get("attempt", current.attempt) != current.attempt):
+                    continue  # about a step already settled
+                if event.header.get("cause") == "send":
+                    self._resend(scheduler, current, stats)  # the next hop is the problem, not the items
+                    continue
+                del inflight[event.header["mb"]]
+                error = f"stage {event.stage}: {event.header.get('error')}"
+                deliver(scheduler.fail_step(current.plan, error, self.clock()))
+            elif event.kind == "bye" and event.stage in chain_names:
+                stage = next(s for s in self.chain if s.name == event.stage)
+                raise StageLost(stage, "it left the pipeline (stopped or shut down)")
 
-    def _check_liveness(self, inflight: dict[int, _InFlight]) -> None:
-        now = self.clock()
-        for mb, current in inflight.items():
-            if now - current.sent_at > self.config.step_timeout_s:
-                raise ClusterError(f"step {current.step} of micro-batch {mb} has not come back after "
-                                   f"{now - current.sent_at:.0f} s (stage logs say why)")
-        for stage in self.chain:
-            if now - stage.last_seen > self.config.stage_timeout_s:
-                raise ClusterError(f"stage {stage.name} ({stage.data_address}) silent for "
-                                   f"{now - stage.last_seen:.1f} s (limit {self.config.stage_timeout_s} s)")
+    # -- recovery ------------------------------------------------------------------------------
+    def _recover(self, scheduler: Scheduler, inflight: dict[int, _InFlight], lost: StageLost,
+                 should_stop: Callable[[], bool], report: EventSink, stats: RunStats) -> bool:
+        """Re-plan without the lost stage, then re-prefill every active sequence. False: stopping."""
+        if self.recover is None:
+            raise lost
+        started = self.clock()
+        self.control.mark_lost(lost.stage)
+        report("stage_lost", str(lost), stage=lost.stage.name)
+        inflight.clear()  # whatever was in flight is dropped; the re-prefill redoes it
+        chain = self.recover(lost, should_stop, report)
+        if chain is None:
+            return False
+        self.use_chain(chain)
+        tokens = scheduler.reset_caches()
+        took = self.clock() - started
+        event = {"stage": lost.stage.name, "reason": lost.reason, "started": started,
+                 "replan_s": round(took, 3), "reprefill_tokens": tokens,
+                 "chain": [f"{s.name} {s.layers}" for s in chain]}
+        stats.recoveries.append(event)
+        self._awaiting_first_token = event
+        report("recovered", f"re-planned without {lost.stage.name} in {took:.2f} s: "
+                            f"{', '.join(event['chain'])}; re-prefilling {tokens} tokens",
+               stage=lost.stage.name, duration_s=round(took, 3))
+        return True

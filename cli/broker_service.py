@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("layerbus.broker")
 
-IDLE_HEARTBEAT_S = 0.5  # while no job runs, stages still hear from the broker this often
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -114,7 +113,6 @@ def _serve(store: JobStore, broker: Broker, model_dir: Path, args: argparse.Name
             continue
         print(f"layerbus broker: running {job_id}", file=sys.stderr, flush=True)
         _report(run_job(store, job_id, broker, results_dir()))
-        _check_chain(broker)  # a job that failed because a stage left must not take the next job down too
 
 
 def next_job_for(store: JobStore, model_dir: Path, warned: set[str]) -> str | None:
@@ -142,26 +140,8 @@ def _same_model(job_model: str, model_dir: Path) -> bool:
 
 
 def _idle(broker: Broker, seconds: float) -> None:
-    """Keep the stages' heartbeats going while there is no job; stop if one leaves."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        broker.control.poll(100)
-        broker.control.heartbeat(IDLE_HEARTBEAT_S)
-        _check_chain(broker)
-
-
-def _check_chain(broker: Broker) -> None:
-    from broker.control import ClusterError
-
-    limit = broker.config.pipeline.stage_timeout_s
-    for stage in broker.chain:
-        if stage.state in ("gone", "failed"):
-            raise ClusterError(f"stage {stage.name} (layers {stage.layers}) is {stage.state}: restart it and "
-                               "this broker")
-        silent = time.monotonic() - stage.last_seen
-        if silent > limit:
-            raise ClusterError(f"stage {stage.name} (layers {stage.layers}) silent for {silent:.0f} s: restart it "
-                               "and this broker")
+    """Keep the stages' heartbeats going while there is no job; re-plan if one is lost."""
+    broker.keep_alive(seconds)
 
 
 def _report(status: JobStatus) -> None:

@@ -21,6 +21,7 @@ import torch
 import zmq
 
 from stages.forward import StepRow, head_logits, run_step
+from stages.heartbeat import HeartbeatThread, busy_for
 from stages.kv_cache import KVArena
 from stages.model_files import open_model_dir
 from stages.sampling import SamplingParams, choose_token, target_log_probs
@@ -137,6 +138,11 @@ class StageWorker:
         self.data_in.setsockopt(zmq.LINGER, 0)
         self.data_out: zmq.Socket | None = None
         self.next_address: str | None = None
+        self.busy_since: float | None = None  # when the running step or load began (None: idle)
+        self.heartbeats: HeartbeatThread | None = None
+        # Testing only: a step whose input tokens contain this id raises, as a poison item would.
+        fail_on = os.environ.get("LAYERBUS_FAIL_ON_TOKEN", "")
+        self.fail_on_token = int(fail_on) if fail_on.strip().lstrip("-").isdigit() else None
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -145,10 +151,11 @@ class StageWorker:
         self.data_in.bind(self.config.bind)
         data_address = self.config.advertise or self.data_in.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.control.connect(self.config.broker)
-        self._send_control(protocol.REGISTER, name=self.name, device=self.config.device, dtype=self.config.dtype,
-                           threads=torch.get_num_threads(), memory_budget=self.config.memory_budget,
-                           data_address=data_address, pid=os.getpid(), host=socket.gethostname())
-        log.info("stage %s registered with %s, receiving on %s", self.name, self.config.broker, data_address)
+        self.data_address = data_address
+        self._register()
+        self.heartbeats = HeartbeatThread(self.context, self.config.broker, self.name.encode(),
+                                          self.config.heartbeat_interval_s, self._heartbeat_fields)
+        self.heartbeats.start()
         self.last_heard = time.monotonic()
         exit_code = 0
         poller = zmq.Poller()
@@ -162,13 +169,12 @@ class StageWorker:
             if self.data_in in events and not self.stopping:
                 self._serve_one()
             now = time.monotonic()
-            if now - self.last_sent >= self.config.heartbeat_interval_s:
-                self._send_control(protocol.HEARTBEAT, stats=self.stats.to_json())
             if now - self.last_heard > self.config.broker_timeout_s:
                 log.error("stage %s: broker %s silent for %.1f s; exiting", self.name, self.config.broker,
                           now - self.last_heard)
                 exit_code = 3
                 break
+        self.heartbeats.stop()
         self._send_control(protocol.BYE, stats=self.stats.to_json())
         self.context.destroy(linger=0)
         log.info("stage %s stopped", self.name)
@@ -183,9 +189,18 @@ class StageWorker:
         self.stopping = True
 
     # -- control plane --------------------------------------------------------------------------
+    def _register(self) -> None:
+        self._send_control(protocol.REGISTER, name=self.name, device=self.config.device, dtype=self.config.dtype,
+                           threads=torch.get_num_threads(), memory_budget=self.config.memory_budget,
+                           data_address=self.data_address, pid=os.getpid(), host=socket.gethostname())
+        log.info("stage %s registered with %s, receiving on %s", self.name, self.config.broker, self.data_address)
+
+    def _heartbeat_fields(self) -> dict:
+        """Called from the heartbeat thread: reads the main loop's state, changes nothing."""
+        return {"stats": self.stats.to_json(), "busy_s": round(busy_for(self.busy_since), 3), "epoch": self.epoch}
+
     def _send_control(self, kind: str, **fields) -> None:
         self.control.send_multipart(encode(dict(fields, kind=kind)), copy=False)
-        self.last_sent = time.monotonic()
 
     def _drain_control(self) -> None:
         while self.control.poll(0):
@@ -198,6 +213,12 @@ class StageWorker:
                 continue
             if message.kind == protocol.ASSIGN:
                 self._assign(message.header)
+            elif message.kind == protocol.RESET:
+                # The broker presumed this stage dead (it went silent) and re-planned without it: drop
+                # the span, whose steps belong to a finished epoch, and offer this stage again.
+                log.warning("stage %s: the broker re-planned without this stage; registering again", self.name)
+                self.shard, self.arena, self.epoch = None, None, -1
+                self._register()
             elif message.kind == protocol.SHUTDOWN:
                 log.info("stage %s: shutdown requested by the broker", self.name)
                 self.stopping = True
@@ -210,6 +231,7 @@ class StageWorker:
                                                        "num_slots": int, "max_context": int})
             reset_peak_rss()
             started, rss_before = time.monotonic(), current_rss_bytes()
+            self.busy_since = started
             spec = ShardSpec(LayerRange.from_json(header["layers"]), header["is_first"], header["is_last"],
                              self.config.device, self.config.dtype)
             self.shard, self.arena, self.epoch = None, None, -1  # drop the old span before loading the new one
@@ -230,6 +252,8 @@ class StageWorker:
         except Exception as error:  # any load failure is reported with its text; the stage stays up
             log.exception("stage %s: assignment failed", self.name)
             self._send_control(protocol.FAILURE, epoch=header.get("epoch"), error=f"{type(error).__name__}: {error}")
+        finally:
+            self.busy_since = None
 
     def _connect_next(self, address: str) -> None:
         if self.data_out is not None and address == self.next_address:
@@ -245,7 +269,13 @@ class StageWorker:
     # -- data plane -----------------------------------------------------------------------------
     def _serve_one(self) -> None:
         frames = self.data_in.recv_multipart(copy=False)
-        started = time.monotonic()
+        started = self.busy_since = time.monotonic()
+        try:
+            self._serve(frames, started)
+        finally:
+            self.busy_since = None
+
+    def _serve(self, frames, started: float) -> None:
         try:
             message = self._validate(frames)
         except Exception as error:  # noqa: BLE001 - whatever a hostile message trips, it is rejected, not fatal
@@ -263,12 +293,14 @@ class StageWorker:
         except Exception as error:  # the step failed here; the broker decides what happens to its items
             log.exception("stage %s: step %s of micro-batch %s failed", self.name, header["step"], header["mb"])
             self._send_control(protocol.FAILURE, epoch=self.epoch, step=header["step"], mb=header["mb"],
-                               error=f"{type(error).__name__}: {error}")
+                               attempt=header["attempt"], cause="step", error=f"{type(error).__name__}: {error}")
             return
         try:
             self.data_out.send_multipart(reply, copy=False)
         except zmq.Again:
+            # Not the items' fault: the next stage is gone or stuck. The broker resends once it knows.
             self._send_control(protocol.FAILURE, epoch=self.epoch, step=header["step"], mb=header["mb"],
+                               attempt=header["attempt"], cause="send",
                                error=f"send to {self.next_address} timed out after {self.config.send_timeout_s} s")
         self.stats.busy_s += time.monotonic() - started
         self.stats.steps += 1
@@ -306,6 +338,8 @@ class StageWorker:
             if isinstance(slot, int) and 0 <= slot < self.arena.num_slots:
                 self.arena.release(slot)
         inputs = next(iter(message.tensors.values()))
+        if self.fail_on_token is not None and self.shard.spec.is_first and bool((inputs == self.fail_on_token).any()):
+            raise ValueError(f"LAYERBUS_FAIL_ON_TOKEN: token {self.fail_on_token} in this step (a test's poison item)")
         hidden = run_step(self.shard, self.arena, rows, inputs)
         self.stats.tokens += int(inputs.shape[0])
         out_header = {key: header[key] for key in ("mb", "step", "attempt", "epoch")}

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from broker.control import ControlPlane
+from stages.heartbeat import HEARTBEAT_IDENTITY_SUFFIX
 from wire import protocol
 from wire.frames import Message, decode, encode
 
@@ -47,7 +48,9 @@ class FakeBroker:
         if not self.router.poll(int(timeout_s * 1000)):
             return None
         frames = self.router.recv_multipart(copy=False)
-        self.identity = bytes(frames[0].buffer)
+        identity = bytes(frames[0].buffer)
+        if not identity.endswith(HEARTBEAT_IDENTITY_SUFFIX):  # the heartbeat thread's socket receives nothing
+            self.identity = identity
         message = decode(frames[1:])
         self.seen.append(message.kind)
         return message

@@ -9,10 +9,12 @@ Data plane (PUSH/PULL, broker -> stage 0 -> ... -> last stage -> broker):
 Control plane (DEALER at each stage, ROUTER at the broker), headers only:
   stage -> broker: register {name, device, dtype, threads, memory_budget, data_address, pid, host}
                    ready {epoch, layers, param_bytes, load_s, peak_rss}
-                   heartbeat {stats}     failure {error, epoch, step?, mb?}
+                   heartbeat {stats, busy_s, epoch} (from the stage's heartbeat socket, identity
+                   + "\0heartbeat")     failure {error, epoch, step?, mb?, attempt?, cause: step|send}
                    rejected {sender, error} (a malformed data message was dropped)   bye {}
   broker -> stage: assign {epoch, model_dir, layers, is_first, is_last, next_address, num_slots,
                    max_context}     heartbeat {}     shutdown {}
+                   reset {} (you were presumed dead: drop your span and register again)
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from stages.forward import StepRow
 from wire.frames import WireError
 
 # Control-plane kinds.
-REGISTER, ASSIGN, READY, HEARTBEAT, FAILURE, REJECTED, SHUTDOWN, BYE = (
-    "register", "assign", "ready", "heartbeat", "failure", "rejected", "shutdown", "bye")
+REGISTER, ASSIGN, READY, HEARTBEAT, FAILURE, REJECTED, SHUTDOWN, BYE, RESET = (
+    "register", "assign", "ready", "heartbeat", "failure", "rejected", "shutdown", "bye", "reset")
 # Data-plane kinds.
 STEP, RESULT = "step", "result"
 
