@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +14,7 @@ from cli.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from cli.options import add_db, add_verbose, open_store, positive_int
 
 if TYPE_CHECKING:
-    from storage import JobStatus, JobStore
+    from storage import JobEvent, JobStatus, JobStore
 
 FINAL_STATES = ("completed", "failed", "cancelled")
 WATCH_INTERVAL_S = 2.0
@@ -22,7 +23,9 @@ WATCH_INTERVAL_S = 2.0
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("status", help="show recent jobs, or one job's progress",
                                    description="Without JOB: a table of recent jobs. With JOB: counts by state, "
-                                               "tokens, tokens/s, ETA, timestamps and the results path.")
+                                               "tokens, tokens/s, ETA, timestamps, the results path and the "
+                                               "job's events (stages lost, re-plans, recoveries and how long "
+                                               "they took).")
     parser.add_argument("job", metavar="JOB", nargs="?", help="job id (job_...)")
     parser.add_argument("--json", action="store_true", help="print JSON (one object per refresh with --watch)")
     parser.add_argument("--watch", action="store_true",
@@ -45,7 +48,7 @@ def main(args: argparse.Namespace) -> int:
             print(json.dumps([status_json(s) for s in jobs], indent=2) if args.json else jobs_table(jobs))
             return EXIT_OK
         status = store.job_status(args.job)
-        print(json.dumps(status_json(status), indent=2) if args.json else job_report(status))
+        _print_job(status, store.job_events(args.job), args.json)
         return EXIT_OK
 
 
@@ -53,7 +56,7 @@ def _print_from_sqlite(args: argparse.Namespace) -> bool:
     """Answer from a SQLite store without importing SQLAlchemy (most of this command's time);
     False when that path cannot answer, and the full store (with its error messages) takes over."""
     from storage.locations import default_db_url
-    from storage.sqlite_status import read_job_status, read_recent_jobs
+    from storage.sqlite_status import read_job_events, read_job_status, read_recent_jobs
 
     url = args.db or default_db_url()
     if args.job is None:
@@ -65,8 +68,15 @@ def _print_from_sqlite(args: argparse.Namespace) -> bool:
     status = read_job_status(url, args.job)
     if status is None:
         return False
-    print(json.dumps(status_json(status), indent=2) if args.json else job_report(status))
+    events = read_job_events(url, args.job)
+    if events is None:
+        return False
+    _print_job(status, events, args.json)
     return True
+
+
+def _print_job(status: JobStatus, events: Sequence[JobEvent], as_json: bool) -> None:
+    print(json.dumps(status_json(status, events), indent=2) if as_json else job_report(status, events))
 
 
 def _latest(store: JobStore) -> str:
@@ -83,9 +93,10 @@ def _watch(store: JobStore, job_id: str, as_json: bool) -> int:
     try:
         while True:
             status = store.job_status(job_id)
+            events = store.job_events(job_id)
             if redraw:
                 sys.stdout.write("\x1b[H\x1b[2J")  # cursor home, clear screen
-            print(json.dumps(status_json(status)) if as_json else job_report(status), flush=True)
+            print(json.dumps(status_json(status, events)) if as_json else job_report(status, events), flush=True)
             if status.status in FINAL_STATES:
                 return EXIT_OK if status.status == "completed" else EXIT_FAILED
             if not redraw and not as_json:
@@ -95,8 +106,9 @@ def _watch(store: JobStore, job_id: str, as_json: bool) -> int:
         return EXIT_INTERRUPTED
 
 
-def status_json(status: JobStatus) -> dict[str, Any]:
-    return {
+def status_json(status: JobStatus, events: Sequence[JobEvent] | None = None) -> dict[str, Any]:
+    """The JSON of one job; `events` (one job's view, not the jobs table) adds an "events" list."""
+    out = {
         "id": status.job_id,
         "name": status.name,
         "task": status.task,
@@ -113,9 +125,13 @@ def status_json(status: JobStatus) -> dict[str, Any]:
         "results_path": status.results_path,
         "error": status.error,
     }
+    if events is not None:
+        out["events"] = [{"at": _iso(e.at), "kind": e.kind, "message": e.message, "duration_s": e.duration_s}
+                         for e in events]
+    return out
 
 
-def job_report(status: JobStatus) -> str:
+def job_report(status: JobStatus, events: Sequence[JobEvent] = ()) -> str:
     rate = f" ({status.tokens_per_s:.1f} tok/s)" if status.tokens_per_s is not None else ""
     lines = [
         ("job", f"{status.job_id}" + (f" ({status.name})" if status.name else "")),
@@ -134,7 +150,21 @@ def job_report(status: JobStatus) -> str:
     if status.error:
         lines.append(("error", status.error))
     width = max(len(label) for label, _ in lines)
-    return "\n".join(f"{label:<{width}}  {value}" for label, value in lines)
+    table = "\n".join(f"{label:<{width}}  {value}" for label, value in lines)
+    return f"{table}\n\nevents (UTC)\n{events_table(events)}" if events else table
+
+
+def events_table(events: Sequence[JobEvent]) -> str:
+    """One line per event: time, kind, message and how long it took; a message's later lines are indented."""
+    width = max(len(e.kind) for e in events)
+    lines = []
+    for event in events:
+        took = f" (took {event.duration_s:.2f} s)" if event.duration_s is not None else ""
+        first, *rest = event.message.splitlines() or [""]
+        lead = f"{_clock(event.at)}  {event.kind:<{width}}  "
+        lines.append(f"{lead}{first}{took}".rstrip())
+        lines += [" " * len(lead) + line for line in rest]
+    return "\n".join(lines)
 
 
 def jobs_table(jobs: list[JobStatus]) -> str:

@@ -1,4 +1,4 @@
-"""The job store (jobs and items in SQLite or PostgreSQL) and the Parquet results of finished jobs.
+"""The job store (jobs, items and job events in SQLite or PostgreSQL) and the Parquet results of finished jobs.
 
 The store's names are re-exported here, resolved on first use (PEP 562): `import storage.locations`
 or `storage.sqlite_status` then costs no SQLAlchemy import, which is most of `layerbus status`'s
@@ -14,6 +14,7 @@ _EXPORTS = {
     "ClaimedItem": "storage.records",
     "InvalidItem": "storage.records",
     "ItemResult": "storage.records",
+    "JobEvent": "storage.records",
     "JobSettings": "storage.records",
     "JobStatus": "storage.records",
     "NewItem": "storage.records",
@@ -27,7 +28,7 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from storage.errors import StoreError
     from storage.locations import default_db_url, default_results_dir
-    from storage.records import ClaimedItem, InvalidItem, ItemResult, JobSettings, JobStatus, NewItem
+    from storage.records import ClaimedItem, InvalidItem, ItemResult, JobEvent, JobSettings, JobStatus, NewItem
     from storage.store import JobStore
 
 

@@ -54,11 +54,14 @@ def open_engine(url: str) -> Engine:
 
 
 def create_tables(engine: Engine, url: str) -> None:
-    """Create the jobs and items tables if missing; connection failures become StoreError naming `url`."""
+    """Create the store's tables that are missing; connection failures become StoreError naming `url`.
+
+    A store made by an older layerbus gains the tables added since (create_all skips existing ones).
+    """
     try:
         # Most opens find the tables there: checking first spares SQLite a write lock per open.
         with engine.execution_options(**{READ_ONLY_OPTION: True}).connect() as conn:
-            if {"jobs", "items"} <= set(inspect(conn).get_table_names()):
+            if set(Base.metadata.tables) <= set(inspect(conn).get_table_names()):
                 return
         with engine.begin() as conn:
             if engine.dialect.name == "postgresql":

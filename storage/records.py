@@ -163,3 +163,17 @@ class JobStatus:
     results_path: str | None
     # Why the job failed, when it did.
     error: str | None
+
+
+@dataclass(frozen=True)
+class JobEvent:
+    """One thing that happened to a job while it ran (a stage lost, a re-plan, a recovery), as status shows it."""
+
+    # When it happened, UTC; for a span of time (a recovery), when it ended.
+    at: datetime
+    # What kind of event: stage_lost, waiting, recovered, first_token, load_failed, replanned, resumed, ...
+    kind: str
+    # What happened, in words.
+    message: str
+    # How long it took, in seconds, when the event is a span of time; None otherwise.
+    duration_s: float | None

@@ -1,4 +1,4 @@
-"""The job store's two tables, `jobs` and `items`, as SQLAlchemy declarative models.
+"""The job store's tables, `jobs`, `items` and `job_events`, as SQLAlchemy declarative models.
 
 Users query these tables with plain SQL (see storage/SCHEMA.md), so they stay flat: text states,
 JSON as text, one timestamp column per job state. Timestamps are UTC: `timestamptz` on PostgreSQL,
@@ -125,5 +125,22 @@ class Item(Base):
     finished_at: Mapped[datetime | None]  # entered completed, failed or cancelled
 
 
+class JobEventRow(Base):
+    """One thing that happened to a running job and how long it took: a stage lost, a re-plan, a recovery."""
+
+    __tablename__ = "job_events"
+    # Reads are "the last N events of this job in order": a prefix scan of this index, newest first.
+    __table_args__ = (Index("job_events_job_id_id", "job_id", "id"),)
+
+    # Auto-assigned in insertion order, so it orders events that share a timestamp.
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer(), "sqlite"), primary_key=True)
+    job_id: Mapped[str] = mapped_column(String(32), ForeignKey("jobs.id", ondelete="CASCADE"))
+    at: Mapped[datetime]  # when it happened (for a recovery: when it ended)
+    kind: Mapped[str] = mapped_column(String(32))  # stage_lost, waiting, recovered, first_token, replanned, ...
+    message: Mapped[str]  # what happened, in words, naming stages, layers and times
+    duration_s: Mapped[float | None] = mapped_column(Float)  # how long it took, when it is a span of time
+
+
 jobs = Job.__table__
 items = Item.__table__
+job_events = JobEventRow.__table__

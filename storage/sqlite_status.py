@@ -1,10 +1,11 @@
-"""`job_status` and `list_jobs` for a SQLite store on the standard library's sqlite3, read-only.
+"""`job_status`, `list_jobs` and `job_events` for a SQLite store on the standard library's sqlite3, read-only.
 
 `layerbus status` is what people poll while a job runs. Its query takes about 2 ms; importing
 SQLAlchemy takes about 240 ms. This module reads the same two things JobStore reads (the job row
 and per-state item totals) and builds the JobStatus with the same pure function, so both paths
 agree by construction (and a contract test holds them to it). Anything unusual (not a plain SQLite
-file URL, a missing file, a schema it does not know) returns None and the caller uses JobStore.
+file URL, a missing file, a schema it does not know) returns None and the caller uses JobStore;
+a store made before the job_events table existed has no events to show, which is not unusual.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import unquote
 
-from storage.records import JobStatus
+from storage.events import DEFAULT_EVENT_LIMIT, events_oldest_first
+from storage.records import JobEvent, JobStatus
 from storage.states import TIMESTAMP_COLUMNS
 from storage.status import StateAggregate, build_job_status
 
@@ -23,6 +25,8 @@ _AGGREGATES = """
     SELECT job_id, status, count(*), sum(CASE WHEN attempts > 0 THEN 1 ELSE 0 END),
            coalesce(sum(prompt_tokens), 0), coalesce(sum(completion_tokens), 0)
     FROM items WHERE job_id IN ({marks}) GROUP BY job_id, status"""
+_EVENTS = "SELECT at, kind, message, duration_s FROM job_events WHERE job_id = ? ORDER BY id DESC LIMIT ?"
+_HAS_EVENTS_TABLE = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'job_events'"
 
 
 def sqlite_file(url: str) -> Path | None:
@@ -46,12 +50,36 @@ def read_recent_jobs(url: str, limit: int, now: datetime | None = None) -> list[
     return _read(url, query, (limit,), now, allow_empty=True)
 
 
-def _read(url: str, query: str, params: tuple, now: datetime | None, allow_empty: bool = False):
+def read_job_events(url: str, job_id: str, limit: int = DEFAULT_EVENT_LIMIT) -> list[JobEvent] | None:
+    """The job's last `limit` events, oldest first, as JobStore.job_events returns them; None when this
+    path cannot answer. Call it for a job read_job_status found: an unknown job just has no events here."""
+    connect = _connect(url)
+    if connect is None:
+        return None
+    try:
+        with connect() as conn:
+            if conn.execute(_HAS_EVENTS_TABLE).fetchone() is None:
+                return []  # a store older than the table; JobStore.open adds it
+            rows = conn.execute(_EVENTS, (job_id, limit)).fetchall()
+    except sqlite3.Error:
+        return None
+    return events_oldest_first((_utc(at), kind, message, duration) for at, kind, message, duration in rows)
+
+
+def _connect(url: str):
+    """A function opening the store read-only, or None when `url` is not an existing SQLite file."""
     path = sqlite_file(url)
     if path is None or not path.is_file():
         return None
+    return lambda: sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
+
+
+def _read(url: str, query: str, params: tuple, now: datetime | None, allow_empty: bool = False):
+    connect = _connect(url)
+    if connect is None:
+        return None
     try:
-        with sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0) as conn:
+        with connect() as conn:
             rows = [dict(zip(_JOB_COLUMNS, row)) for row in conn.execute(query, params)]
             if not rows:
                 return [] if allow_empty else None

@@ -19,9 +19,11 @@ from sqlalchemy.exc import IntegrityError
 
 from storage.engine import READ_ONLY_OPTION, create_tables, open_engine
 from storage.errors import StoreError, mask_url
-from storage.records import ClaimedItem, InvalidItem, ItemResult, JobSettings, JobStatus, NewItem
+from storage.events import DEFAULT_EVENT_LIMIT, event_row, events_oldest_first
+from storage.records import ClaimedItem, InvalidItem, ItemResult, JobEvent, JobSettings, JobStatus, NewItem
 from storage.rows import RESULT_COLUMNS, claimed_item, duplicate_message, invalid_item_row, new_item_row, result_params
 from storage.schema import items as items_table
+from storage.schema import job_events as events_table
 from storage.schema import jobs as jobs_table
 from storage.states import (
     CANCELLABLE_JOB_STATES,
@@ -36,6 +38,7 @@ from storage.status import StateAggregate, build_job_status
 # Column collections, to keep query expressions short.
 ITEM = items_table.c
 JOB = jobs_table.c
+EVENT = events_table.c
 # Rows per page when streaming results, and ids per IN (...) list (SQLite allows 32,766 parameters).
 _PAGE = 1000
 
@@ -262,6 +265,18 @@ class JobStore:
             self._job_field(conn, job_id, JOB.id)
             conn.execute(update(jobs_table).where(JOB.id == job_id).values(results_path=str(path)))
 
+    def add_job_event(
+        self, job_id: str, kind: str, message: str, duration_s: float | None = None, now: datetime | None = None
+    ) -> None:
+        """Record what happened to a job (kind e.g. stage_lost, recovered) for `layerbus status`.
+
+        Messages beyond storage.events.MAX_EVENT_MESSAGE_CHARS are cut; duration_s is how long it took, if a span.
+        """
+        row = event_row(job_id, kind, message, duration_s, _utc(now))
+        with self._write() as conn:
+            self._job_field(conn, job_id, JOB.id)
+            conn.execute(insert(events_table), row)
+
     # --- reading ----------------------------------------------------------------------------------
 
     def job_status(self, job_id: str, now: datetime | None = None) -> JobStatus:
@@ -281,6 +296,20 @@ class JobStore:
             ).mappings().all()
             aggregates = self._aggregates(conn, [r["id"] for r in rows])
         return [build_job_status(r, aggregates.get(r["id"], []), _utc(now)) for r in rows]
+
+    def job_events(self, job_id: str, limit: int = DEFAULT_EVENT_LIMIT) -> list[JobEvent]:
+        """The job's last `limit` events, oldest first."""
+        if limit < 1:
+            raise ValueError(f"job_events needs limit >= 1, got {limit=}")
+        with self._read() as conn:
+            self._job_field(conn, job_id, JOB.id)
+            query = (
+                select(EVENT.at, EVENT.kind, EVENT.message, EVENT.duration_s)
+                .where(EVENT.job_id == job_id)
+                .order_by(EVENT.id.desc())
+                .limit(limit)
+            )
+            return events_oldest_first(conn.execute(query))
 
     def latest_job_id(self) -> str | None:
         with self._read() as conn:

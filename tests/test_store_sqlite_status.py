@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from storage import InvalidItem, ItemResult, JobSettings, JobStore, NewItem
-from storage.sqlite_status import read_job_status, read_recent_jobs, sqlite_file
+from storage.sqlite_status import read_job_events, read_job_status, read_recent_jobs, sqlite_file
 
 T0 = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc)
 
@@ -26,6 +26,8 @@ def make_store(tmp_path: Path) -> tuple[str, list[str]]:
         store.complete_items([ItemResult(c.item_id, "out", "stop", 7, 3 + k, 0.5, None if k % 3 else "boom")
                               for k, c in enumerate(claimed[:4])], now=T0 + timedelta(minutes=6))
         store.cancel_job(ids[2], now=T0 + timedelta(minutes=7))
+        store.add_job_event(ids[0], "stage_lost", "stage stage-1 lost", now=T0 + timedelta(minutes=6, seconds=1))
+        store.add_job_event(ids[0], "recovered", "decoding again", 2.5, now=T0 + timedelta(minutes=6, seconds=3))
     return url, ids
 
 
@@ -35,6 +37,9 @@ def test_sqlite_read_path_matches_the_store(tmp_path):
     with JobStore.open(url) as store:
         for job_id in ids:
             assert read_job_status(url, job_id, now) == store.job_status(job_id, now)
+            assert read_job_events(url, job_id) == store.job_events(job_id)
+            assert read_job_events(url, job_id, 1) == store.job_events(job_id, 1)
+        assert len(store.job_events(ids[0])) == 2
         assert read_recent_jobs(url, 2, now) == store.list_jobs(2, now)
     assert read_job_status(url, "job_missing", now) is None  # the full store words the error
 
