@@ -1,5 +1,7 @@
 """A broker in this process plus N stage processes on this machine: for `layerbus run`, tests and
-benchmarks. Every process it starts is stopped on exit: SIGTERM, a bounded wait, then SIGKILL."""
+benchmarks. Every process it starts is stopped on exit: SIGTERM, a bounded wait, then SIGKILL; and on
+Linux the kernel sends them SIGTERM if this process dies without exiting (kill -9), so a killed broker
+leaves no stages behind to compete with the one that resumes its job."""
 
 from __future__ import annotations
 
@@ -70,7 +72,7 @@ class LocalCluster:
             # A new process group, so a Ctrl-C at the terminal reaches the broker alone and the
             # broker stops its stages in order.
             self.processes.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
-                                                   start_new_session=True))
+                                                   start_new_session=True, preexec_fn=_die_with_parent))
 
     def close(self, timeout_s: float = 10.0) -> None:
         if self.broker is not None:
@@ -93,3 +95,16 @@ class LocalCluster:
         for handle in self.log_files:
             handle.close()
         self.processes, self.log_files = [], []
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: ask Linux for SIGTERM when the parent dies (prctl PR_SET_PDEATHSIG)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # without it, orphaned stages still exit once the broker has been silent for --broker-timeout
