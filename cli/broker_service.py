@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,6 +18,7 @@ from cli.options import (
     add_verbose,
     model_for_stages,
     open_store,
+    pipeline_from_args,
     positive_int,
     resolve_model,
     results_dir,
@@ -67,7 +67,7 @@ def main(args: argparse.Namespace) -> int:
     model_for_stages(model_dir, args.stages)
     config = BrokerConfig(str(model_dir), args.stages, control_bind=args.bind_control,
                           results_bind=args.bind_results, advertise_host=args.advertise, partition=args.partition,
-                          batching=batching_from_args(args),
+                          batching=batching_from_args(args), pipeline=pipeline_from_args(args),
                           register_timeout_s=args.register_timeout)
     with open_store(args.db) as store:
         if args.job:

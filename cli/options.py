@@ -37,6 +37,13 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
 def seed(text: str) -> int:
     value = int(text)
     if not 0 <= value < 2**63:
@@ -93,6 +100,12 @@ def add_cluster_options(parser: argparse.ArgumentParser) -> None:
                         help="prompt + generated tokens per item, capped by the model's limit (default: 2048)")
     parser.add_argument("--partition", choices=("balanced", "equal"), default="balanced",
                         help="split layers by compute cost (balanced) or by count (equal) (default: balanced)")
+    parser.add_argument("--liveness-window", metavar="S", type=positive_float, default=5.0,
+                        help="a stage silent this many seconds is lost: the broker re-plans without it and the "
+                             "job goes on (default: 5; stages heartbeat every 0.5 s, even mid-step)")
+    parser.add_argument("--max-step-failures", metavar="N", type=positive_int, default=3,
+                        help="an item whose step fails this many times alone fails with the stage's error, and "
+                             "the job goes on (default: 3)")
 
 
 def batching_from_args(args: argparse.Namespace):
@@ -102,7 +115,17 @@ def batching_from_args(args: argparse.Namespace):
 
     return BatchingConfig(num_slots=args.slots, micro_batch_size=args.micro_batch_size,
                           num_micro_batches=args.micro_batches, max_step_tokens=args.max_step_tokens,
-                          max_context=args.max_context)
+                          max_context=args.max_context, max_step_failures=args.max_step_failures)
+
+
+def pipeline_from_args(args: argparse.Namespace):
+    """The PipelineConfig that --liveness-window describes."""
+    from broker.pipeline import PipelineConfig
+
+    if args.liveness_window <= 1.0:
+        raise UsageError(f"--liveness-window {args.liveness_window}: stages heartbeat every 0.5 s, so the window must "
+                         "be over 1 s (a few heartbeats) or live stages would be declared lost")
+    return PipelineConfig(liveness_window_s=args.liveness_window)
 
 
 def open_store(url: str | None) -> JobStore:

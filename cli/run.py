@@ -17,6 +17,7 @@ from cli.options import (
     model_for_stages,
     non_negative_int,
     open_store,
+    pipeline_from_args,
     positive_int,
     resolve_model,
     results_dir,
@@ -64,7 +65,8 @@ def main(args: argparse.Namespace) -> int:
         status = store.job_status(job_id)
         if status.status not in FINAL_STATES:  # a finished job needs no cluster
             status = _run_locally(store, job_id, model_dir, args)
-    print(job_report(status))
+        events = store.job_events(job_id)
+    print(job_report(status, events))
     if status.status != "completed":
         print(f"layerbus: job {job_id} is {status.status}" + (f": {status.error}" if status.error else ""),
               file=sys.stderr)
@@ -83,7 +85,7 @@ def _run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.N
 
     log_dir = layerbus_home() / "logs" / job_id
     config = BrokerConfig(str(model_dir), args.stages, partition=args.partition,
-                          batching=batching_from_args(args))
+                          batching=batching_from_args(args), pipeline=pipeline_from_args(args))
     options = LocalStageOptions(threads_per_stage=args.threads_per_stage, log_dir=log_dir)
     print(f"layerbus: running {job_id} on {args.stages} local stage(s); stage logs in {log_dir}", file=sys.stderr)
     try:

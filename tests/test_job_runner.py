@@ -59,7 +59,7 @@ class ScriptedBroker:
     def tokenizer(self):
         return self._tokenizer
 
-    def run(self, source, sink, should_stop):
+    def run(self, source, sink, should_stop, events=None):
         round_number = 0
         while not source.exhausted and not should_stop():
             batch = source.fetch(self.batch)
@@ -234,7 +234,7 @@ def test_a_job_whose_items_all_failed_is_completed(store, tokenizer, tmp_path):
     job_id = queue_job(store, 3)
 
     class FailingBroker(ScriptedBroker):
-        def run(self, source, sink, should_stop):
+        def run(self, source, sink, should_stop, events=None):
             while not source.exhausted:
                 sink.deliver([GenerationResult(r.request_id, [], "error", len(r.prompt_ids), error="too long")
                               for r in source.fetch(2)])
@@ -265,3 +265,17 @@ def test_a_job_stopped_while_finalizing_is_finalized_on_resume(store, tokenizer,
 
     assert status.status == "completed" and broker.requests == []
     assert sorted(r["custom_id"] for r in final_rows(status.results_path)) == [f"doc-{i}" for i in range(4)]
+
+
+def test_recovery_events_of_a_run_are_recorded_in_the_store(store, tokenizer, tmp_path):
+    job_id = queue_job(store, 2)
+
+    class RecoveringBroker(ScriptedBroker):
+        def run(self, source, sink, should_stop, events=None):
+            events("stage_lost", "stage stage-1 lost: silent for 5.1 s (liveness window 5 s)", stage="stage-1")
+            events("recovered", "re-planned without stage-1 in 1.20 s", stage="stage-1", duration_s=1.2)
+            return super().run(source, sink, should_stop, events)
+
+    status = run_job(store, job_id, RecoveringBroker(tokenizer), tmp_path, poll_cancel_s=0)
+    assert status.status == "completed"
+    assert [(e.kind, e.duration_s) for e in store.job_events(job_id)] == [("stage_lost", None), ("recovered", 1.2)]
