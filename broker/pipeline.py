@@ -82,6 +82,9 @@ class RunStats:
     discarded: int = 0  # late or duplicate results (from before a re-plan, or of an older attempt)
     stage_stats: dict[str, dict] = field(default_factory=dict)  # name -> the stage's last stats
     recoveries: list[dict] = field(default_factory=list)  # one event per lost stage (see Pipeline._recover)
+    # (clock, new tokens so far) after every step that emitted tokens: throughput over any window.
+    progress: list[tuple[float, int]] = field(default_factory=list)
+    source_exhausted_at: float | None = None  # clock when the last request was taken from the source
 
 
 @dataclass
@@ -178,6 +181,8 @@ class Pipeline:
             if wanted > 0 and not source.exhausted:
                 now = self.clock()
                 deliver([r for r in (scheduler.submit(req, now) for req in source.fetch(wanted)) if r])
+                if source.exhausted and stats.source_exhausted_at is None:
+                    stats.source_exhausted_at = self.clock()
 
         while True:
             stopping = should_stop()
@@ -265,6 +270,9 @@ class Pipeline:
             tokens = {slot: (token, logprob) for slot, token, logprob in header["tokens"]}
             scores = {slot: values for slot, values in header.get("scores", [])}
             deliver(scheduler.apply_result(current.plan, tokens, self.clock(), scores))
+            if tokens:
+                emitted = (stats.progress[-1][1] if stats.progress else 0) + len(tokens)
+                stats.progress.append((self.clock(), emitted))
             if tokens and self._awaiting_first_token is not None:
                 event, self._awaiting_first_token = self._awaiting_first_token, None
                 event["first_token_s"] = round(self.clock() - event["started"], 3)
