@@ -223,6 +223,8 @@ def run_job(store: JobStore, job_id: str, broker: Runner, results_dir: Path, pro
     requeued = store.requeue_in_flight(job_id)
     if requeued:
         log.info("job %s: requeued %d item(s) left in progress by an earlier run", job_id, requeued)
+        store.add_job_event(job_id, "resumed", f"{requeued} item(s) left in progress by an earlier run (a killed "
+                                               "broker) went back to the queue; committed items are kept")
     if status.status == "queued":
         _try_set_status(store, job_id, "in_progress")
     settings = store.job_settings(job_id)
