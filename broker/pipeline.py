@@ -295,6 +295,9 @@ class Pipeline:
                 del inflight[event.header["mb"]]
                 error = f"stage {event.stage}: {event.header.get('error')}"
                 deliver(scheduler.fail_step(current.plan, error, self.clock()))
+            elif event.kind == "failure" and event.stage in chain_names:  # not about a step: the stage is down
+                stage = next(s for s in self.chain if s.name == event.stage)
+                raise StageLost(stage, f"it reported: {event.header.get('error')}")
             elif event.kind == "bye" and event.stage in chain_names:
                 stage = next(s for s in self.chain if s.name == event.stage)
                 raise StageLost(stage, "it left the pipeline (stopped or shut down)")

@@ -157,23 +157,16 @@ class StageWorker:
                                           self.config.heartbeat_interval_s, self._heartbeat_fields)
         self.heartbeats.start()
         self.last_heard = time.monotonic()
-        exit_code = 0
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)
         poller.register(self.data_in, zmq.POLLIN)
-        while not self.stopping:
-            timeout_ms = int(self.config.heartbeat_interval_s * 1000)
-            events = dict(poller.poll(timeout_ms))
-            if self.control in events:
-                self._drain_control()
-            if self.data_in in events and not self.stopping:
-                self._serve_one()
-            now = time.monotonic()
-            if now - self.last_heard > self.config.broker_timeout_s:
-                log.error("stage %s: broker %s silent for %.1f s; exiting", self.name, self.config.broker,
-                          now - self.last_heard)
-                exit_code = 3
-                break
+        try:
+            exit_code = self._loop(poller)
+        except Exception as error:  # a bug or a broken device: say what it was before going
+            log.exception("stage %s: stopping on an unexpected error", self.name)
+            self._send_control(protocol.FAILURE, epoch=self.epoch, fatal=True,
+                               error=f"stage stopped: {type(error).__name__}: {error}")
+            exit_code = 1
         self.heartbeats.stop()
         self._send_control(protocol.BYE, stats=self.stats.to_json())
         self.context.destroy(linger=0)
@@ -181,6 +174,20 @@ class StageWorker:
         # 128 + signal, as shells report a process a signal stopped, so a supervisor (run_cluster.sh)
         # can tell a Ctrl-C from a clean shutdown requested by the broker.
         return 128 + self.stopped_by_signal if self.stopped_by_signal else exit_code
+
+    def _loop(self, poller: zmq.Poller) -> int:
+        while not self.stopping:
+            timeout_ms = int(self.config.heartbeat_interval_s * 1000)
+            events = dict(poller.poll(timeout_ms))
+            if self.control in events:
+                self._drain_control()
+            if self.data_in in events and not self.stopping:
+                self._serve_one()
+            silent = time.monotonic() - self.last_heard
+            if silent > self.config.broker_timeout_s:
+                log.error("stage %s: broker %s silent for %.1f s; exiting", self.name, self.config.broker, silent)
+                return 3
+        return 0
 
     def request_stop(self, signum=None, _frame=None) -> None:
         if signum is not None:
