@@ -10,12 +10,15 @@ import zmq
 from broker.control import ClusterError, ControlPlane, StageInfo
 from broker.model_info import ModelInfo, load_tokenizer, read_model_info
 from broker.partition import balanced_partition, equal_partition, model_cost_from_config
+from broker.placement import Plan, PlanOptions, StageProfile
+from broker.profiling import ProfilingConfig
 from broker.pipeline import ListSource, Pipeline, PipelineConfig, RequestSource, ResultSink, RunStats
 from broker.requests import GenerationRequest, GenerationResult
 from broker.scheduler import BatchingConfig
 from wire.spans import LayerRange
 
 log = logging.getLogger("layerbus.broker")
+PARTITIONS = ("planned", "balanced", "equal")
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,9 @@ class BrokerConfig:
     control_bind: str = "tcp://127.0.0.1:*"  # ROUTER for registration/heartbeats ("*" = any port)
     results_bind: str = "tcp://127.0.0.1:*"  # PULL where the last stage returns tokens
     advertise_host: str | None = None  # host name stages on other machines use for results_bind
-    partition: str = "balanced"  # "balanced" (by per-token cost, head included) or "equal" (layer count)
+    partition: str = "planned"  # "planned" (profiled stages, broker.placement), "balanced" (by FLOPs) or "equal"
+    plan_options: PlanOptions = field(default_factory=PlanOptions)  # workload mix, reserve, reordering
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     register_timeout_s: float = 120.0  # wait this long for num_stages to register
@@ -36,8 +41,8 @@ class BrokerConfig:
 
 class Broker:
     def __init__(self, config: BrokerConfig, context: zmq.Context | None = None):
-        if config.partition not in ("balanced", "equal"):
-            raise ValueError(f"partition {config.partition!r} is not 'balanced' or 'equal'")
+        if config.partition not in PARTITIONS:
+            raise ValueError(f"partition {config.partition!r} is not one of {', '.join(PARTITIONS)}")
         self.config = config
         self.model: ModelInfo = read_model_info(config.model_dir)
         if config.num_stages > self.model.files.num_layers:
@@ -53,6 +58,8 @@ class Broker:
         self.results_address = self._advertised(self.results.getsockopt(zmq.LAST_ENDPOINT).decode())
         self.chain: list[StageInfo] = []
         self.spans: list[LayerRange] = []
+        self.plan: Plan | None = None  # the placement in use ("planned"), with its predicted step times
+        self.profiles: list[StageProfile] = []  # every registered stage's profile ("planned"), for re-planning
         self.pipeline: Pipeline | None = None
         self._tokenizer = None
 
@@ -81,7 +88,13 @@ class Broker:
         """Wait for the stages, give each its span, wait until all have loaded."""
         stages = self.control.wait_for_stages(self.config.num_stages, self.config.register_timeout_s)
         self.chain = sorted(stages, key=lambda s: s.name)  # a stable chain order for reproducible logs
-        self.spans = self.plan_spans()
+        if self.config.partition == "planned":
+            from broker.planned_start import plan_chain
+
+            self.profiles, self.plan, self.chain = plan_chain(self, self.chain)
+            self.spans = self.plan.spans
+        else:
+            self.spans = self.plan_spans()
         log.info("placing %s: %s", self.model.path, ", ".join(f"{s.name} {span}" for s, span in zip(self.chain, self.spans)))
         self.control.assign(self.chain, self.spans, str(self.model.path), self.results_address,
                             self.batching.num_slots, self.max_context, self.config.load_timeout_s)
@@ -94,7 +107,14 @@ class Broker:
     def run(self, source: RequestSource, sink: ResultSink, should_stop=lambda: False) -> RunStats:
         if self.pipeline is None:
             raise ClusterError("the broker has not started: call start() first")
-        return self.pipeline.run(source, sink, should_stop)
+        before = {s.name: dict(s.stats) for s in self.chain}
+        stats = self.pipeline.run(source, sink, should_stop)
+        if self.plan is not None:
+            from broker.plan_report import step_time_report
+
+            for line in step_time_report(self.plan, before, stats.stage_stats):
+                log.info("%s", line)
+        return stats
 
     def generate(self, requests: list[GenerationRequest]) -> tuple[list[GenerationResult], RunStats]:
         """Run requests to the end; results come back in request order."""

@@ -48,6 +48,7 @@ class StageConfig:
     broker_timeout_s: float = 15.0  # exit when the broker has been silent this long
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger data messages are rejected
     send_timeout_s: float = 60.0  # a send blocked this long (next stage gone) is reported
+    emulate_speed: float = 1.0  # emulation: run at this fraction of the real speed (sleeps the rest)
 
     def resolved_name(self) -> str:
         return self.name or f"{socket.gethostname()}-{os.getpid()}"
@@ -147,6 +148,7 @@ class StageWorker:
         self.control.connect(self.config.broker)
         self._send_control(protocol.REGISTER, name=self.name, device=self.config.device, dtype=self.config.dtype,
                            threads=torch.get_num_threads(), memory_budget=self.config.memory_budget,
+                           emulate_speed=self.config.emulate_speed,
                            data_address=data_address, pid=os.getpid(), host=socket.gethostname())
         log.info("stage %s registered with %s, receiving on %s", self.name, self.config.broker, data_address)
         self.last_heard = time.monotonic()
@@ -198,6 +200,10 @@ class StageWorker:
                 continue
             if message.kind == protocol.ASSIGN:
                 self._assign(message.header)
+            elif message.kind == protocol.PROFILE:
+                self._send_control(protocol.PROFILE_RESULT, **self._profile(message.header))
+            elif message.kind == protocol.PROBE:
+                self._send_control(protocol.PROBE_ECHO, seq=message.header.get("seq"))
             elif message.kind == protocol.SHUTDOWN:
                 log.info("stage %s: shutdown requested by the broker", self.name)
                 self.stopping = True
@@ -230,6 +236,16 @@ class StageWorker:
         except Exception as error:  # any load failure is reported with its text; the stage stays up
             log.exception("stage %s: assignment failed", self.name)
             self._send_control(protocol.FAILURE, epoch=header.get("epoch"), error=f"{type(error).__name__}: {error}")
+
+    def _profile(self, header: dict) -> dict:
+        from stages.profile import ProfileRequest, profile_stage
+
+        try:
+            return profile_stage(ProfileRequest.from_header(header), self.config.device, self.config.dtype,
+                                 torch.get_num_threads(), self.config.emulate_speed, self.config.memory_budget)
+        except Exception as error:  # reported to the broker, which cannot plan without it; the stage stays up
+            log.exception("stage %s: profiling failed", self.name)
+            return {"error": f"{type(error).__name__}: {error}"}
 
     def _connect_next(self, address: str) -> None:
         if self.data_out is not None and address == self.next_address:
@@ -265,6 +281,8 @@ class StageWorker:
             self._send_control(protocol.FAILURE, epoch=self.epoch, step=header["step"], mb=header["mb"],
                                error=f"{type(error).__name__}: {error}")
             return
+        if self.config.emulate_speed < 1.0:  # emulation: a device this much slower would still be computing
+            time.sleep((1.0 / self.config.emulate_speed - 1.0) * (time.monotonic() - started))
         try:
             self.data_out.send_multipart(reply, copy=False)
         except zmq.Again:

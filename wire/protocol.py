@@ -11,8 +11,13 @@ Control plane (DEALER at each stage, ROUTER at the broker), headers only:
                    ready {epoch, layers, param_bytes, load_s, peak_rss}
                    heartbeat {stats}     failure {error, epoch, step?, mb?}
                    rejected {sender, error} (a malformed data message was dropped)   bye {}
+                   profile_result {layer_decode_s, layer_prefill_s, embed_s, head_s, step_overhead_s,
+                   memory_budget, micro_batch_size, prefill_tokens, cached} or {error}
+                   probe_echo {seq}
   broker -> stage: assign {epoch, model_dir, layers, is_first, is_last, next_address, num_slots,
                    max_context}     heartbeat {}     shutdown {}
+                   profile {model_dir, micro_batch_size, kv_length, prefill_tokens}
+                   probe {seq} + tensor "payload" (link probe: echoed at once)
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from wire.frames import WireError
 # Control-plane kinds.
 REGISTER, ASSIGN, READY, HEARTBEAT, FAILURE, REJECTED, SHUTDOWN, BYE = (
     "register", "assign", "ready", "heartbeat", "failure", "rejected", "shutdown", "bye")
+# Placement: the broker asks each stage to measure itself, and times its link with echoed probes.
+PROFILE, PROFILE_RESULT, PROBE, PROBE_ECHO = "profile", "profile_result", "probe", "probe_echo"
 # Data-plane kinds.
 STEP, RESULT = "step", "result"
 
