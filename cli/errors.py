@@ -54,4 +54,5 @@ _HEAVY_USER_ERRORS = {
     "stages.default_model": ("DefaultModelError",),
     "stages.gguf_import": ("GGUFImportError",),
     "broker.placement": ("PlacementError",),
+    "broker.cluster_file": ("ClusterFileError",),
 }
