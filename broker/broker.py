@@ -10,12 +10,15 @@ import zmq
 from broker.control import ClusterError, ControlPlane, StageInfo, StageLost
 from broker.model_info import ModelInfo, load_tokenizer, read_model_info
 from broker.partition import balanced_partition, equal_partition, model_cost_from_config
+from broker.placement import Plan, PlanOptions, StageProfile
+from broker.profiling import ProfilingConfig
 from broker.pipeline import ListSource, Pipeline, PipelineConfig, RequestSource, ResultSink, RunStats
 from broker.requests import GenerationRequest, GenerationResult
 from broker.scheduler import BatchingConfig
 from wire.spans import LayerRange
 
 log = logging.getLogger("layerbus.broker")
+PARTITIONS = ("planned", "balanced", "equal")
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,9 @@ class BrokerConfig:
     control_bind: str = "tcp://127.0.0.1:*"  # ROUTER for registration/heartbeats ("*" = any port)
     results_bind: str = "tcp://127.0.0.1:*"  # PULL where the last stage returns tokens
     advertise_host: str | None = None  # host name stages on other machines use for results_bind
-    partition: str = "balanced"  # "balanced" (by per-token cost, head included) or "equal" (layer count)
+    partition: str = "planned"  # "planned" (profiled stages, broker.placement), "balanced" (by FLOPs) or "equal"
+    plan_options: PlanOptions = field(default_factory=PlanOptions)  # workload mix, reserve, reordering
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     register_timeout_s: float = 120.0  # wait this long for num_stages to register
@@ -36,8 +41,8 @@ class BrokerConfig:
 
 class Broker:
     def __init__(self, config: BrokerConfig, context: zmq.Context | None = None):
-        if config.partition not in ("balanced", "equal"):
-            raise ValueError(f"partition {config.partition!r} is not 'balanced' or 'equal'")
+        if config.partition not in PARTITIONS:
+            raise ValueError(f"partition {config.partition!r} is not one of {', '.join(PARTITIONS)}")
         self.config = config
         self.model: ModelInfo = read_model_info(config.model_dir)
         if config.num_stages > self.model.files.num_layers:
@@ -53,6 +58,8 @@ class Broker:
         self.results_address = self._advertised(self.results.getsockopt(zmq.LAST_ENDPOINT).decode())
         self.chain: list[StageInfo] = []
         self.spans: list[LayerRange] = []
+        self.plan: Plan | None = None  # the placement in use ("planned"), with its predicted step times
+        self.profiles: list[StageProfile] = []  # every registered stage's profile ("planned"), for re-planning
         self.pipeline: Pipeline | None = None
         self._tokenizer = None
 
@@ -72,14 +79,23 @@ class Broker:
         return self._tokenizer
 
     def plan_spans(self, num_stages: int | None = None) -> list[LayerRange]:
+        """The "balanced" or "equal" split over `num_stages` (default: the configured count)."""
         n, p = self.model.files.num_layers, num_stages or self.config.num_stages
         if self.config.partition == "equal":
             return equal_partition(n, p)
         return balanced_partition(model_cost_from_config(self.model.files.config), p)
 
     def plan_chain(self, stages: list[StageInfo]) -> tuple[list[StageInfo], list[LayerRange]]:
-        """The chain (which stages, in which order) and each one's span."""
-        chain = sorted(stages, key=lambda s: s.name)[:self.model.files.num_layers]  # stable order, reproducible logs
+        """The chain (which stages, in which order) and each one's span. "planned" profiles the stages
+        it has no profile of yet and may leave some out (they stay registered, as spares); it raises
+        PlacementError when the stages cannot hold the model."""
+        stages = sorted(stages, key=lambda s: s.name)  # a stable chain order for reproducible logs
+        if self.config.partition == "planned":
+            from broker.planned_start import plan_chain
+
+            self.profiles, self.plan, chain = plan_chain(self, stages, self.profiles)
+            return chain, self.plan.spans
+        chain = stages[:self.model.files.num_layers]
         return chain, self.plan_spans(len(chain))
 
     def start(self) -> None:
@@ -99,26 +115,37 @@ class Broker:
 
     def recover(self, lost: StageLost, should_stop=lambda: False, report=lambda *a, **k: None) -> list[StageInfo] | None:
         """Re-plan over the stages still alive (spares and stages that registered since included),
-        load the new spans, and return the new chain; wait while no stage is left. Another stage lost
-        while loading is dropped too, and the plan made again. None when `should_stop` says so."""
+        load the new spans, and return the new chain. While they cannot hold the model (none left, or
+        too little memory), wait for a stage to register. Another stage lost while loading is dropped
+        too, and the plan made again. None when `should_stop` says so."""
+        from broker.placement import PlacementError
+
         self.control.mark_lost(lost.stage)
-        waiting_reported = False
+        self.profiles = [p for p in self.profiles if p.name != lost.stage.name]  # a re-registered one is measured anew
+        waiting_for: str | None = None
         while not should_stop():
             candidates = [s for s in self.control.live_stages() if s.state != "failed"]
-            if not candidates:
-                if not waiting_reported:
-                    report("waiting", f"no stage left to hold {self.model.path.name}: waiting for one to register "
-                                      f"at {self.address} (`layerbus stage --broker {self.address}`)")
-                    waiting_reported = True
-                self.control.poll(200)
-                self.control.heartbeat(self.config.pipeline.heartbeat_interval_s)
+            try:
+                if not candidates:
+                    raise PlacementError("no stage is left")
+                self.chain, self.spans = self.plan_chain(candidates)
+            except PlacementError as why:
+                reason = (f"the stages left cannot hold {self.model.path.name} ({why}); waiting for a stage to "
+                          f"register at {self.address} (`layerbus stage --broker {self.address}`)")
+                if reason != waiting_for:
+                    report("waiting", reason)
+                    waiting_for = reason
+                known = len(self.control.stages)
+                while len(self.control.stages) == known and not should_stop():  # until someone registers
+                    self.control.poll(200)
+                    self.control.heartbeat(self.config.pipeline.heartbeat_interval_s)
                 continue
-            self.chain, self.spans = self.plan_chain(candidates)
             try:
                 self._assign()
                 return self.chain
             except StageLost as again:
                 self.control.mark_lost(again.stage)
+                self.profiles = [p for p in self.profiles if p.name != again.stage.name]
                 report("stage_lost", f"{again} (while loading a new span)", stage=again.stage.name)
             except ClusterError as error:  # a load failed: that stage is left out of the next plan
                 report("load_failed", str(error))
@@ -130,7 +157,14 @@ class Broker:
     def run(self, source: RequestSource, sink: ResultSink, should_stop=lambda: False, events=None) -> RunStats:
         if self.pipeline is None:
             raise ClusterError("the broker has not started: call start() first")
-        return self.pipeline.run(source, sink, should_stop, events)
+        before = {s.name: dict(s.stats) for s in self.chain}
+        stats = self.pipeline.run(source, sink, should_stop, events)
+        if self.plan is not None and not stats.recoveries:  # after a re-plan the stats span two plans
+            from broker.plan_report import step_time_report
+
+            for line in step_time_report(self.plan, before, stats.stage_stats):
+                log.info("%s", line)
+        return stats
 
     def keep_alive(self, seconds: float, report=lambda *a, **k: None) -> None:
         """Between jobs: keep heartbeats going and re-plan when a stage is lost."""

@@ -59,7 +59,7 @@ class StageInfo:
 class ControlEvent:
     """Something the pipeline loop must act on."""
 
-    kind: str  # failure, rejected, bye
+    kind: str  # failure, rejected, bye, profile_result, probe_echo
     stage: str
     header: dict
 
@@ -135,6 +135,8 @@ class ControlPlane:
         elif kind == protocol.BYE:
             stage.state = "gone"
             return [ControlEvent("bye", stage.name, header)]
+        elif kind in (protocol.PROFILE_RESULT, protocol.PROBE_ECHO):  # read by broker.profiling
+            return [ControlEvent(kind, stage.name, header)]
         return []
 
     def _register(self, identity: bytes, header: dict, now: float) -> None:

@@ -28,6 +28,7 @@ class LocalStageOptions:
     dtype: str = "float32"
     log_dir: Path | None = None  # one log file per stage (None = inherit this process's stderr)
     extra_args: tuple[str, ...] = ()  # passed to every `python -m stages`
+    stage_args: tuple[tuple[str, ...], ...] = ()  # passed to stage i only (e.g. --emulate-speed 0.33)
     env: dict[str, str] = field(default_factory=dict)  # added to each stage's environment
 
 
@@ -42,8 +43,7 @@ class LocalCluster:
 
     def __enter__(self) -> "LocalCluster":
         try:
-            self.broker = Broker(self.config)
-            self._spawn_stages()
+            self.spawn()
             self.broker.start()
         except BaseException:
             self.close()
@@ -52,6 +52,12 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def spawn(self) -> Broker:
+        """The broker and the stage processes, without starting the broker (which places the model)."""
+        self.broker = Broker(self.config)
+        self._spawn_stages()
+        return self.broker
 
     def threads_per_stage(self) -> int:
         if self.options.threads_per_stage:
@@ -63,7 +69,8 @@ class LocalCluster:
         for i in range(self.config.num_stages):
             command = [sys.executable, "-m", "stages", "--broker", self.broker.address, "--name", f"stage-{i}",
                        "--threads", str(self.threads_per_stage()), "--device", self.options.device,
-                       "--dtype", self.options.dtype, *self.options.extra_args]
+                       "--dtype", self.options.dtype, *self.options.extra_args,
+                       *(self.options.stage_args[i] if i < len(self.options.stage_args) else ())]
             stderr = None
             if self.options.log_dir is not None:
                 self.options.log_dir.mkdir(parents=True, exist_ok=True)

@@ -53,4 +53,6 @@ _HEAVY_USER_ERRORS = {
     "stages.model_files": ("ModelDirError",),
     "stages.default_model": ("DefaultModelError",),
     "stages.gguf_import": ("GGUFImportError",),
+    "broker.placement": ("PlacementError",),
+    "broker.cluster_file": ("ClusterFileError",),
 }

@@ -84,8 +84,8 @@ def add_job_options(parser: argparse.ArgumentParser) -> None:
                         help="queue the valid items and record invalid ones as failed (default: refuse the input)")
 
 
-def add_cluster_options(parser: argparse.ArgumentParser) -> None:
-    """How the broker batches and splits the model (`run`, `broker`)."""
+def add_cluster_options(parser: argparse.ArgumentParser, partition: bool = True) -> None:
+    """How the broker batches and splits the model (`run`, `broker`, and without --partition `plan`)."""
     parser.add_argument("--slots", metavar="N", type=non_negative_int, default=0,
                         help="sequences in flight at once (default: 0 = 32 per micro-batch, one micro-batch per "
                              "stage plus one)")
@@ -98,8 +98,10 @@ def add_cluster_options(parser: argparse.ArgumentParser) -> None:
                         help="tokens per micro-batch step; long prompts are prefilled in chunks under it (default: 256)")
     parser.add_argument("--max-context", metavar="N", type=positive_int, default=2048,
                         help="prompt + generated tokens per item, capped by the model's limit (default: 2048)")
-    parser.add_argument("--partition", choices=("balanced", "equal"), default="balanced",
-                        help="split layers by compute cost (balanced) or by count (equal) (default: balanced)")
+    if partition:
+        parser.add_argument("--partition", choices=("planned", "balanced", "equal"), default="planned",
+                            help="planned: the stages profile themselves and layers follow their speed and memory "
+                                 "(see `layerbus plan`); balanced: by FLOPs; equal: by count (default: planned)")
     parser.add_argument("--liveness-window", metavar="S", type=positive_float, default=5.0,
                         help="a stage silent this many seconds is lost: the broker re-plans without it and the "
                              "job goes on (default: 5; stages heartbeat every 0.5 s, even mid-step)")

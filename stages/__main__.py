@@ -4,9 +4,37 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 
 from stages.worker import StageConfig, run_stage
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def byte_size(text: str) -> int:
+    """'1500000', '300MB', '1.5GiB' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes or a number with a unit "
+                                         f"(KB, MB, GB, KiB, MiB, GiB), e.g. 300MB or 1.5GiB")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a memory budget must be at least 1 byte")
+    return value
+
+
+def speed_fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: --emulate-speed is a fraction of the real speed, 0 < F <= 1")
+    return value
 
 
 def add_stage_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,7 +47,12 @@ def add_stage_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda:N or mps (default: cpu)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    parser.add_argument("--memory-budget", type=int, default=None, help="bytes for weights + KV cache")
+    parser.add_argument("--memory-budget", type=byte_size, default=None, metavar="SIZE",
+                        help="memory this stage may fill (weights, KV cache, workspace), in bytes or with a unit: "
+                             "300MB, 1.5GiB (default: the device's free memory); also emulates a smaller device")
+    parser.add_argument("--emulate-speed", type=speed_fraction, default=1.0, metavar="F",
+                        help="emulation: run at F (0 < F <= 1) of the real speed by sleeping after each step; "
+                             "the stage's profile sees the same slowdown (default: 1)")
     parser.add_argument("--broker-timeout", type=float, default=15.0,
                         help="exit when the broker is silent this many seconds (default: 15)")
 
@@ -27,7 +60,8 @@ def add_stage_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> StageConfig:
     return StageConfig(broker=args.broker, name=args.name, bind=args.bind, advertise=args.advertise,
                        device=args.device, dtype=args.dtype, threads=args.threads,
-                       memory_budget=args.memory_budget, broker_timeout_s=args.broker_timeout)
+                       memory_budget=args.memory_budget, broker_timeout_s=args.broker_timeout,
+                       emulate_speed=args.emulate_speed)
 
 
 def main(argv: list[str] | None = None) -> int:

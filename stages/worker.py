@@ -49,6 +49,7 @@ class StageConfig:
     broker_timeout_s: float = 15.0  # exit when the broker has been silent this long
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger data messages are rejected
     send_timeout_s: float = 60.0  # a send blocked this long (next stage gone) is reported
+    emulate_speed: float = 1.0  # emulation: run at this fraction of the real speed (sleeps the rest)
 
     def resolved_name(self) -> str:
         return self.name or f"{socket.gethostname()}-{os.getpid()}"
@@ -199,6 +200,7 @@ class StageWorker:
     def _register(self) -> None:
         self._send_control(protocol.REGISTER, name=self.name, device=self.config.device, dtype=self.config.dtype,
                            threads=torch.get_num_threads(), memory_budget=self.config.memory_budget,
+                           emulate_speed=self.config.emulate_speed,
                            data_address=self.data_address, pid=os.getpid(), host=socket.gethostname())
         log.info("stage %s registered with %s, receiving on %s", self.name, self.config.broker, self.data_address)
 
@@ -226,6 +228,10 @@ class StageWorker:
                 log.warning("stage %s: the broker re-planned without this stage; registering again", self.name)
                 self.shard, self.arena, self.epoch = None, None, -1
                 self._register()
+            elif message.kind == protocol.PROFILE:
+                self._send_control(protocol.PROFILE_RESULT, **self._profile(message.header))
+            elif message.kind == protocol.PROBE:
+                self._send_control(protocol.PROBE_ECHO, seq=message.header.get("seq"))
             elif message.kind == protocol.SHUTDOWN:
                 log.info("stage %s: shutdown requested by the broker", self.name)
                 self.stopping = True
@@ -261,6 +267,16 @@ class StageWorker:
             self._send_control(protocol.FAILURE, epoch=header.get("epoch"), error=f"{type(error).__name__}: {error}")
         finally:
             self.busy_since = None
+
+    def _profile(self, header: dict) -> dict:
+        from stages.profile import ProfileRequest, profile_stage
+
+        try:
+            return profile_stage(ProfileRequest.from_header(header), self.config.device, self.config.dtype,
+                                 torch.get_num_threads(), self.config.emulate_speed, self.config.memory_budget)
+        except Exception as error:  # reported to the broker, which cannot plan without it; the stage stays up
+            log.exception("stage %s: profiling failed", self.name)
+            return {"error": f"{type(error).__name__}: {error}"}
 
     def _connect_next(self, address: str) -> None:
         if self.data_out is not None and address == self.next_address:
@@ -302,6 +318,8 @@ class StageWorker:
             self._send_control(protocol.FAILURE, epoch=self.epoch, step=header["step"], mb=header["mb"],
                                attempt=header["attempt"], cause="step", error=f"{type(error).__name__}: {error}")
             return
+        if self.config.emulate_speed < 1.0:  # emulation: a device this much slower would still be computing
+            time.sleep((1.0 / self.config.emulate_speed - 1.0) * (time.monotonic() - started))
         try:
             self.data_out.send_multipart(reply, copy=False)
         except zmq.Again:

@@ -12,9 +12,14 @@ Control plane (DEALER at each stage, ROUTER at the broker), headers only:
                    heartbeat {stats, busy_s, epoch} (from the stage's heartbeat socket, identity
                    + "\0heartbeat")     failure {error, epoch, step?, mb?, attempt?, cause: step|send}
                    rejected {sender, error} (a malformed data message was dropped)   bye {}
+                   profile_result {layer_decode_s, layer_prefill_s, embed_s, head_s, step_overhead_s,
+                   memory_budget, micro_batch_size, prefill_tokens, cached} or {error}
+                   probe_echo {seq}
   broker -> stage: assign {epoch, model_dir, layers, is_first, is_last, next_address, num_slots,
                    max_context}     heartbeat {}     shutdown {}
                    reset {} (you were presumed dead: drop your span and register again)
+                   profile {model_dir, micro_batch_size, kv_length, prefill_tokens}
+                   probe {seq} + tensor "payload" (link probe: echoed at once)
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from wire.frames import WireError
 # Control-plane kinds.
 REGISTER, ASSIGN, READY, HEARTBEAT, FAILURE, REJECTED, SHUTDOWN, BYE, RESET = (
     "register", "assign", "ready", "heartbeat", "failure", "rejected", "shutdown", "bye", "reset")
+# Placement: the broker asks each stage to measure itself, and times its link with echoed probes.
+PROFILE, PROFILE_RESULT, PROBE, PROBE_ECHO = "profile", "profile_result", "probe", "probe_echo"
 # Data-plane kinds.
 STEP, RESULT = "step", "result"
 

@@ -1,0 +1,79 @@
+"""Plans as people read them: the placement table beside the equal split, why each device leaves
+memory unused (`--explain`), and predicted against measured step times once a job has run."""
+
+from __future__ import annotations
+
+from broker.placement import Plan, SplitEstimate, StagePlacement
+
+
+def size(value: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{int(value)} B"
+
+
+def format_split(title: str, split: SplitEstimate) -> list[str]:
+    lines = [f"{title}: {split.tokens_per_s:.1f} tok/s predicted, bubble {split.bubble:.0%}, "
+             f"pace {1000 * split.step_s:.2f} ms/step" + ("" if split.fits else "  (DOES NOT FIT in memory)"),
+             f"  {'stage':<14} {'layers':<10} {'n':>3}  {'ends':<10} {'weights':>10} {'KV cache':>10} "
+             f"{'ms/step':>8}  {'memory used / budget':>24}"]
+    for s in split.stages:
+        ends = "+".join(part for part, held in (("embed", s.is_first), ("head", s.is_last)) if held) or "-"
+        over = "" if s.fits else f"  over by {size(-s.free_bytes)}"
+        lines.append(f"  {s.name:<14} {str(s.layers):<10} {len(s.layers):>3}  {ends:<10} {size(s.weight_bytes):>10} "
+                     f"{size(s.kv_bytes):>10} {1000 * s.step_s:>8.2f}  "
+                     f"{size(s.used_bytes):>11} / {size(s.memory_budget):<10}{over}")
+    return lines
+
+
+def format_plan(plan: Plan) -> str:
+    shapes = plan.shapes
+    lines = [f"placement for {shapes.num_slots} slots x {shapes.max_context} tokens, micro-batches of "
+             f"{shapes.micro_batch_size} ({shapes.num_micro_batches} in flight), "
+             f"{plan.options.prompt_tokens_per_new_token:g} prompt tokens per new token"]
+    lines += format_split("planned", plan.chosen)
+    if plan.left_out:
+        lines.append(f"  left out (would only slow the chain): {', '.join(plan.left_out)}")
+    if plan.equal is not None:
+        lines += format_split("equal split", plan.equal)
+        if plan.equal.tokens_per_s > 0:
+            lines.append(f"planned / equal: {plan.tokens_per_s / plan.equal.tokens_per_s:.2f}x predicted tokens/s")
+    return "\n".join(lines)
+
+
+def explain_stage(stage: StagePlacement, plan: Plan) -> str:
+    """Why this stage holds what it holds and leaves the rest of its memory unused."""
+    parts = (f"{stage.name}: budget {size(stage.memory_budget)} = weights {size(stage.weight_bytes)} + KV cache "
+             f"{size(stage.kv_bytes)} + workspace {size(stage.workspace_bytes)} + reserve "
+             f"{size(stage.reserve_bytes)} + free {size(stage.free_bytes)}")
+    if stage.free_bytes < stage.layer_bytes:
+        why = (f"memory-bound: one more layer needs {size(stage.layer_bytes)} (weights + its KV cache for "
+               f"{plan.shapes.num_slots} slots x {plan.shapes.max_context} tokens), {size(stage.free_bytes)} is free")
+    elif stage.step_s + stage.layer_s > plan.step_s:
+        why = (f"compute-bound: one more layer would take it to {1000 * (stage.step_s + stage.layer_s):.2f} ms/step, "
+               f"past the pace of {1000 * plan.step_s:.2f} ms")
+    else:
+        why = "could hold more: the contiguous split gives the extra layers to a stage where they cost no more"
+    return f"{parts}\n    {why}"
+
+
+def format_explain(plan: Plan) -> str:
+    lines = ["why each stage leaves memory unused:"]
+    lines += ["  " + explain_stage(stage, plan) for stage in plan.stages]
+    for name in plan.left_out:
+        lines.append(f"  {name}: left out: any layers on it would make it slower than the chosen chain's pace")
+    return "\n".join(lines)
+
+
+def step_time_report(plan: Plan, before: dict[str, dict], after: dict[str, dict]) -> list[str]:
+    """Per stage: predicted against measured seconds per step (from the stages' busy_s/steps stats)."""
+    lines = []
+    for stage in plan.stages:
+        start, end = before.get(stage.name, {}), after.get(stage.name, {})
+        steps = end.get("steps", 0) - start.get("steps", 0)
+        busy = end.get("busy_s", 0.0) - start.get("busy_s", 0.0)
+        measured = f"{1000 * busy / steps:.2f} ms over {steps} steps" if steps > 0 else "no steps"
+        lines.append(f"stage {stage.name} {stage.layers}: predicted {1000 * stage.step_s:.2f} ms/step, "
+                     f"measured {measured}")
+    return lines

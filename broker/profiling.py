@@ -1,0 +1,101 @@
+"""The broker's side of placement: ask each registered stage to profile itself, time each stage's
+link with echoed probes, and turn the answers into `StageProfile`s for the planner.
+
+Stages are profiled one after another, not at once: stages sharing a machine would otherwise slow
+each other down and each would measure a device busier than it will be. A stage's link is timed
+between the broker and the stage (a probe of one step's activations against an empty one); that
+stands in for its link to the next stage, which is exact on one machine or one switch and an
+approximation across a routed network.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from broker.control import ClusterError, ControlPlane, StageInfo
+from broker.placement import ModelMemory, StageProfile
+from wire import protocol
+
+log = logging.getLogger("layerbus.broker")
+
+MAX_PROBE_BYTES = 512 << 10  # control messages are capped at 1 MiB
+
+
+@dataclass(frozen=True)
+class ProfilingConfig:
+    """How the broker measures its stages."""
+
+    kv_length: int = 0  # cached tokens per decode row while timing (0 = min(256, max_context // 2))
+    probe_rounds: int = 7  # echoes per probe size; the median counts
+    timeout_s: float = 300.0  # one stage's profile must arrive within this
+
+
+def collect_profiles(control: ControlPlane, stages: list[StageInfo], model_dir: str, model: ModelMemory,
+                     micro_batch_size: int, max_step_tokens: int, max_context: int,
+                     config: ProfilingConfig = ProfilingConfig()) -> list[StageProfile]:
+    """One StageProfile per stage, in the order given."""
+    kv_length = config.kv_length or min(256, max_context // 2)
+    request = {"model_dir": model_dir, "micro_batch_size": micro_batch_size, "kv_length": kv_length,
+               "prefill_tokens": max_step_tokens}
+    probe_bytes = min(MAX_PROBE_BYTES, (micro_batch_size + max_step_tokens) * model.activation_bytes_per_token)
+    profiles = []
+    for stage in stages:
+        started = time.monotonic()
+        control.send(stage, protocol.PROFILE, **request)
+        result = _await(control, stage, protocol.PROFILE_RESULT, config.timeout_s, lambda header: True)
+        if "error" in result:
+            raise ClusterError(f"stage {stage.name} could not profile itself: {result['error']}")
+        bandwidth, latency = probe_link(control, stage, probe_bytes, config.probe_rounds)
+        profile = StageProfile(
+            name=stage.name, layer_decode_s=float(result["layer_decode_s"]),
+            layer_prefill_s=float(result["layer_prefill_s"]), embed_s=float(result["embed_s"]),
+            head_s=float(result["head_s"]), step_overhead_s=float(result.get("step_overhead_s", 0.0)),
+            memory_budget=int(result["memory_budget"]), link_bandwidth=bandwidth, link_latency_s=latency,
+            micro_batch_size=int(result["micro_batch_size"]), prefill_tokens=int(result["prefill_tokens"]),
+            device=stage.device)
+        log.info("stage %s profile (%s, %.1f s): layer %.2f ms/decode step, %.2f ms/prefill chunk, head %.2f ms, "
+                 "budget %.0f MiB, link %.0f MB/s + %.0f us", stage.name,
+                 "cached" if result.get("cached") else "measured", time.monotonic() - started,
+                 1000 * profile.layer_decode_s, 1000 * profile.layer_prefill_s, 1000 * profile.head_s,
+                 profile.memory_budget / 2**20, bandwidth / 1e6, 1e6 * latency)
+        profiles.append(profile)
+    return profiles
+
+
+def probe_link(control: ControlPlane, stage: StageInfo, payload_bytes: int, rounds: int) -> tuple[float, float]:
+    """(bytes/s, one-way latency s) from echo round trips of an empty probe and a payload probe."""
+    payload = torch.zeros(payload_bytes, dtype=torch.uint8)
+    empty, full = [], []
+    for seq in range(2 * rounds):
+        send_payload = seq % 2 == 1
+        started = time.perf_counter()
+        control.socket.send_multipart([stage.identity, *_probe_frames(seq, payload if send_payload else None)],
+                                      copy=False)
+        _await(control, stage, protocol.PROBE_ECHO, 10.0, lambda header, seq=seq: header.get("seq") == seq)
+        (full if send_payload else empty).append(time.perf_counter() - started)
+    small, large = statistics.median(empty), statistics.median(full)
+    # Loopback can time a payload no slower than nothing; 1 us keeps the estimate finite and huge.
+    return payload_bytes / max(large - small, 1e-6), small / 2
+
+
+def _probe_frames(seq: int, payload: torch.Tensor | None) -> list:
+    from wire.frames import encode
+
+    return encode({"kind": protocol.PROBE, "seq": seq}, {"payload": payload} if payload is not None else None)
+
+
+def _await(control: ControlPlane, stage: StageInfo, kind: str, timeout_s: float, accept) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for event in control.poll(50):
+            if event.kind == kind and event.stage == stage.name and accept(event.header):
+                return event.header
+            if event.kind == "bye" and event.stage == stage.name:
+                raise ClusterError(f"stage {stage.name} left while the broker waited for its {kind}")
+        control.heartbeat(0.5)
+    raise ClusterError(f"stage {stage.name} sent no {kind} within {timeout_s:.0f} s")

@@ -1,0 +1,152 @@
+"""`layerbus plan`: how the model would be placed, for a cluster described in a file (`--cluster`) or
+for N local stages that profile themselves (`--stages N`, with emulated speeds and budgets)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from cli.errors import EXIT_OK, UsageError
+from cli.options import (
+    add_cluster_options,
+    add_model,
+    add_verbose,
+    batching_from_args,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    resolve_model,
+)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan", help="show how the model's layers would be placed on a cluster",
+        description="Plan the placement of the model's layers: per stage its layers, weight and KV bytes and "
+                    "predicted ms per step; the predicted tokens/s and bubble, beside the equal split's. For a "
+                    "cluster described in a file (--cluster, JSON or TOML, see the README) or for N local stages "
+                    "that profile themselves (--stages N).")
+    add_model(parser, "Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--cluster", metavar="FILE", help="cluster description (.json or .toml)")
+    source.add_argument("--stages", metavar="N", type=positive_int, help="start N local stages and profile them")
+    parser.add_argument("--threads-per-stage", metavar="N", type=non_negative_int, default=0,
+                        help="local stages: torch threads each (default: the cores shared evenly)")
+    parser.add_argument("--emulate-speed", metavar="F", nargs="+", default=[],
+                        help="local stages: emulated speed of stage 0, 1, ... (0 < F <= 1; missing = 1)")
+    parser.add_argument("--memory-budget", metavar="SIZE", nargs="+", default=[],
+                        help="local stages: memory budget of stage 0, 1, ... (300MB, 1.5GiB; '-' = free memory)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="the stages' dtype (default: float32)")
+    parser.add_argument("--prompt-ratio", metavar="R", type=non_negative_float, default=1.0,
+                        help="prompt tokens per generated token in the workload (default: 1)")
+    parser.add_argument("--keep-order", action="store_true", help="keep the stages in the given order")
+    parser.add_argument("--keep-all", action="store_true", help="give every stage layers, even a slow one")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--explain", action="store_true",
+                        help="show per stage why it does not use all its memory (weights, KV, workspace, reserve)")
+    add_cluster_options(parser, partition=False)
+    add_verbose(parser)
+    parser.set_defaults(handler=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from broker.model_info import read_model_info
+    from broker.model_memory import model_memory
+    from broker.placement import PlanOptions, Shapes, plan_placement
+    from broker.plan_report import format_explain, format_plan
+
+    if args.cluster and (args.emulate_speed or args.memory_budget or args.threads_per_stage):
+        raise UsageError("--emulate-speed, --memory-budget and --threads-per-stage are for local --stages; "
+                         "describe the devices in the --cluster file instead")
+    model_dir = resolve_model(args.model)
+    info = read_model_info(model_dir)
+    batching = batching_from_args(args)
+    memory = model_memory(info.files, args.dtype)
+    options = PlanOptions(prompt_tokens_per_new_token=args.prompt_ratio, allow_reorder=not args.keep_order,
+                          allow_drop=not args.keep_all)
+    if args.cluster:
+        from broker.cluster_file import read_cluster_file
+        from broker.partition import model_cost_from_config
+
+        from dataclasses import replace
+
+        batching = replace(batching, max_context=min(batching.max_context, info.max_positions))
+        count = _count_stages(args.cluster)
+        shapes = Shapes.from_batching(batching, count)
+        profiles = read_cluster_file(args.cluster, model_cost_from_config(info.files.config), shapes)
+    else:
+        profiles, shapes = _local_profiles(model_dir, memory, batching, args)
+    plan = plan_placement(profiles, memory, shapes, options)
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=2))
+    else:
+        print(format_plan(plan))
+        if args.explain:
+            print(format_explain(plan))
+    return EXIT_OK
+
+
+def _count_stages(path: str) -> int:
+    """The number of stages in the file, for the batching defaults (slots scale with stages); a
+    broken file is reported properly by read_cluster_file."""
+    from broker.cluster_file import ClusterFileError, _parse
+    from pathlib import Path
+
+    try:
+        stages = _parse(Path(path), Path(path).read_text()).get("stages")
+    except (OSError, ClusterFileError):
+        return 1
+    return len(stages) if isinstance(stages, list) and stages else 1
+
+
+def _local_profiles(model_dir, memory, batching, args):
+    from broker.broker import BrokerConfig
+    from broker.local_cluster import LocalCluster, LocalStageOptions
+    from broker.placement import Shapes
+    from broker.profiling import collect_profiles
+
+    if len(args.emulate_speed) > args.stages or len(args.memory_budget) > args.stages:
+        raise UsageError(f"--emulate-speed/--memory-budget list more values than --stages {args.stages}")
+    stage_args = []
+    for i in range(args.stages):
+        extra = ["--dtype", args.dtype]
+        if i < len(args.emulate_speed):
+            extra += ["--emulate-speed", _check_speed(args.emulate_speed[i])]
+        if i < len(args.memory_budget) and args.memory_budget[i] != "-":
+            extra += ["--memory-budget", _check_size(args.memory_budget[i])]
+        stage_args.append(tuple(extra))
+    config = BrokerConfig(str(model_dir), args.stages, batching=batching)
+    cluster = LocalCluster(config, LocalStageOptions(threads_per_stage=args.threads_per_stage,
+                                                     stage_args=tuple(stage_args)))
+    try:
+        broker = cluster.spawn()
+        stages = sorted(broker.control.wait_for_stages(args.stages, 120.0), key=lambda s: s.name)
+        print(f"layerbus plan: profiling {args.stages} local stage(s)...", file=sys.stderr, flush=True)
+        profiles = collect_profiles(broker.control, stages, str(model_dir), memory,
+                                    broker.batching.micro_batch_size, broker.batching.max_step_tokens,
+                                    broker.max_context)
+        return profiles, Shapes.from_batching(broker.batching, args.stages)
+    finally:
+        cluster.close()
+
+
+def _check_speed(text: str) -> str:
+    from stages.__main__ import speed_fraction
+
+    try:
+        speed_fraction(text)
+    except argparse.ArgumentTypeError as error:
+        raise UsageError(f"--emulate-speed: {error}") from None
+    return text
+
+
+def _check_size(text: str) -> str:
+    from stages.__main__ import byte_size
+
+    try:
+        byte_size(text)
+    except argparse.ArgumentTypeError as error:
+        raise UsageError(f"--memory-budget: {error}") from None
+    return text

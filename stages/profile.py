@@ -1,0 +1,229 @@
+"""A stage measuring itself for the placement planner: on its own device, dtype and threads, the
+time of one decoder layer for a decode step and for a prefill chunk, the embedding and LM-head
+costs, and its memory budget.
+
+It times the very code that serves steps (`load_shard`, `run_step`, `head_logits`) on the model's
+first layers. Results are cached as JSON under $LAYERBUS_HOME/profiles, keyed by everything they
+depend on, so a restarted stage answers at once; the memory budget is read afresh every time.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import logging
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from stages.forward import StepRow, head_logits, run_step
+from stages.kv_cache import KVArena
+from stages.model_files import open_model_dir
+from stages.shard import ShardSpec, StageShard, load_shard
+from wire import protocol
+from wire.frames import WireError
+from wire.spans import LayerRange
+
+log = logging.getLogger("layerbus.stage")
+
+PROFILE_VERSION = 1  # bump when what is measured changes: older cache files are then ignored
+TIMING_FIELDS = ("layer_decode_s", "layer_prefill_s", "embed_s", "head_s", "step_overhead_s")
+
+
+@dataclass(frozen=True)
+class ProfileRequest:
+    """What the broker asks a stage to measure (the PROFILE message's fields)."""
+
+    model_dir: str  # the model to time (its first layers, embedding and head)
+    micro_batch_size: int  # decode rows per step
+    kv_length: int  # cached tokens each decode row attends over (a representative length)
+    prefill_tokens: int  # tokens of one prefill chunk
+
+    @classmethod
+    def from_header(cls, header: dict) -> "ProfileRequest":
+        protocol.require_fields(header, "profile", {"model_dir": str, "micro_batch_size": int, "kv_length": int,
+                                                    "prefill_tokens": int})
+        request = cls(header["model_dir"], header["micro_batch_size"], header["kv_length"], header["prefill_tokens"])
+        if min(request.micro_batch_size, request.prefill_tokens) < 1 or request.kv_length < 0:
+            raise WireError(f"profile shapes must be positive, got {request}")
+        return request
+
+
+def profile_stage(request: ProfileRequest, device: str, dtype: str, threads: int, emulate_speed: float = 1.0,
+                  memory_budget: int | None = None, cache_dir: Path | None = None) -> dict:
+    """The PROFILE_RESULT fields: timings (from the cache when this exact setup was measured before,
+    slowed by the emulated speed), the memory budget and the shapes they were measured at."""
+    files = open_model_dir(request.model_dir)
+    key = _cache_key(files.path, request, device, dtype, threads, emulate_speed)
+    path = (cache_dir or _default_cache_dir()) / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}.json"
+    timings, cached = _read_cache(path, key), True
+    if timings is None:
+        cached = False
+        started = time.monotonic()
+        measured = measure_timings(files, request, device, dtype)
+        # An emulated device runs at a fraction of the real speed (the worker sleeps the rest), so
+        # its profile is the measured time divided by that fraction.
+        timings = {name: value / emulate_speed for name, value in measured.items()}
+        _write_cache(path, key, timings)
+        log.info("profiled %s on %s/%s in %.1f s: %s", files.path.name, device, dtype, time.monotonic() - started,
+                 ", ".join(f"{k} {1000 * v:.2f} ms" for k, v in timings.items()))
+    return dict(timings, memory_budget=memory_budget if memory_budget is not None else free_memory_bytes(device),
+                micro_batch_size=request.micro_batch_size, prefill_tokens=request.prefill_tokens, cached=cached)
+
+
+def measure_timings(files, request: ProfileRequest, device: str, dtype: str) -> dict[str, float]:
+    """Median times of the serving code on the first one or two layers (random inputs, real weights)."""
+    held = min(2, files.num_layers)
+    full = load_shard(files, ShardSpec(LayerRange(0, held), True, True, device, dtype))
+    config = full.config
+
+    def middle(count: int) -> StageShard:  # the same modules without the ends, as a middle stage runs them
+        return StageShard(ShardSpec(LayerRange(0, count), False, False, device, dtype), config, None,
+                          list(full.layers)[:count], None, None, full.rotary_emb)
+
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    rows = request.micro_batch_size
+    arena = KVArena(list(range(held)), rows, kv_heads, head_dim, full.dtype, full.device,
+                    max(request.kv_length + 1, request.prefill_tokens))
+    generator = torch.Generator().manual_seed(0)
+    hidden_rows = torch.randn(rows, config.hidden_size, generator=generator).to(full.dtype)
+    hidden_chunk = torch.randn(request.prefill_tokens, config.hidden_size, generator=generator).to(full.dtype)
+    decode_rows = [StepRow(slot, request.kv_length, 1) for slot in range(rows)]
+    prefill_rows = [StepRow(0, 0, request.prefill_tokens)]
+    arena.lengths = [request.kv_length] * rows
+    sync = _synchronizer(full.device)
+
+    def decode(shard: StageShard) -> Callable[[], object]:
+        return lambda: run_step(shard, arena, decode_rows, hidden_rows)
+
+    def prefill(shard: StageShard) -> Callable[[], object]:
+        return lambda: run_step(shard, arena, prefill_rows, hidden_chunk)
+
+    shards = {count: middle(count) for count in sorted({1, held})}
+    decode_times = {count: _median_time(decode(shard), sync) for count, shard in shards.items()}
+    prefill_times = {count: _median_time(prefill(shard), sync) for count, shard in shards.items()}
+    arena.lengths = [request.kv_length] * rows  # the prefill rewound slot 0
+    layer_decode = _per_layer(decode_times, held)
+    layer_prefill = _per_layer(prefill_times, held)
+    token_ids = torch.randint(0, config.vocab_size, (rows, 1), generator=generator).to(full.device)
+    normed = hidden_rows.to(full.device)
+
+    def head() -> object:
+        logits = head_logits(full, full.norm(normed))
+        return torch.log_softmax(logits, dim=-1).argmax(dim=-1)
+
+    with torch.inference_mode():
+        embed = _median_time(lambda: full.embed_tokens(token_ids), sync)
+        head_s = _median_time(head, sync)
+    timings = {"layer_decode_s": layer_decode, "layer_prefill_s": layer_prefill, "embed_s": embed,
+               "head_s": head_s, "step_overhead_s": max(0.0, decode_times[1] - layer_decode)}
+    del full, shards, arena
+    gc.collect()
+    return timings
+
+
+def _per_layer(times: dict[int, float], held: int) -> float:
+    # t(k) = overhead + k x layer: the difference of two layer counts cancels the fixed cost per step.
+    if held > 1 and times[held] > times[1]:
+        return (times[held] - times[1]) / (held - 1)
+    return times[1]
+
+
+def _median_time(run: Callable[[], object], sync: Callable[[], None], min_reps: int = 5,
+                 max_reps: int = 25, budget_s: float = 0.6) -> float:
+    for _ in range(2):  # warm-up: allocator, caches, lazy kernels
+        run()
+    sync()
+    samples, started = [], time.perf_counter()
+    while len(samples) < min_reps or (len(samples) < max_reps and time.perf_counter() - started < budget_s):
+        begin = time.perf_counter()
+        run()
+        sync()
+        samples.append(time.perf_counter() - begin)
+    return statistics.median(samples)
+
+
+def _synchronizer(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    if device.type == "mps":
+        return torch.mps.synchronize
+    return lambda: None
+
+
+def free_memory_bytes(device: str) -> int:
+    """Memory this stage could fill now: free device memory on a GPU, available RAM on a CPU."""
+    parsed = torch.device(device)
+    if parsed.type == "cuda":
+        return int(torch.cuda.mem_get_info(parsed)[0])
+    if parsed.type == "mps":
+        return int(torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory())
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def device_description(device: str) -> str:
+    parsed = torch.device(device)
+    if parsed.type == "cuda":
+        return torch.cuda.get_device_name(parsed)
+    if parsed.type == "cpu":
+        try:
+            with open("/proc/cpuinfo") as cpuinfo:
+                for line in cpuinfo:
+                    if line.startswith("model name"):
+                        return line.split(":", 1)[1].strip()
+        except OSError:
+            pass
+    return parsed.type
+
+
+def _cache_key(model_path: Path, request: ProfileRequest, device: str, dtype: str, threads: int,
+               emulate_speed: float) -> dict:
+    config_text = (model_path / "config.json").read_bytes()
+    return {"version": PROFILE_VERSION, "device": device, "device_name": device_description(device),
+            "model": str(model_path.resolve()), "config_sha256": hashlib.sha256(config_text).hexdigest(),
+            "dtype": dtype, "threads": threads, "emulate_speed": emulate_speed, "torch": torch.__version__,
+            "shapes": asdict(request) | {"model_dir": None}}
+
+
+def _default_cache_dir() -> Path:
+    from storage.locations import layerbus_home
+
+    return layerbus_home() / "profiles"
+
+
+def _read_cache(path: Path, key: dict) -> dict[str, float] | None:
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # none yet, or unreadable: measure again
+    timings = stored.get("timings") if isinstance(stored, dict) else None
+    if stored.get("key") != key or not isinstance(timings, dict) or set(timings) != set(TIMING_FIELDS):
+        return None
+    if not all(isinstance(v, (int, float)) and v >= 0 for v in timings.values()):
+        return None
+    return {name: float(timings[name]) for name in TIMING_FIELDS}
+
+
+def _write_cache(path: Path, key: dict, timings: dict[str, float]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps({"key": key, "timings": timings, "measured_at": time.time()}, indent=1))
+        os.replace(temporary, path)
+    except OSError as error:  # a read-only home only costs a re-measurement next time
+        log.warning("could not cache the profile in %s: %s", path, error)

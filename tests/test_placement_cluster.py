@@ -1,0 +1,96 @@
+"""Planned placement end to end: real stage processes profile themselves (emulated speeds and memory
+budgets included), the broker places the model from those profiles, and the job still runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from broker.broker import BrokerConfig
+from broker.model_memory import model_memory
+from broker.local_cluster import LocalCluster, LocalStageOptions
+from broker.requests import GenerationRequest
+from broker.scheduler import BatchingConfig
+from stages.model_files import open_model_dir
+from stages.profile import ProfileRequest, profile_stage
+
+
+def test_slow_stage_gets_fewer_layers_end_to_end(tiny_models, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("LAYERBUS_HOME", str(tmp_path))  # profiles are measured afresh, not read from a cache
+    model_dir = tiny_models("llama", num_hidden_layers=8, hidden_size=128, intermediate_size=512)
+    config = BrokerConfig(str(model_dir), 2, batching=BatchingConfig(num_slots=8, max_context=64))
+    # stage-0 runs at a fifth of its real speed: it must end up with fewer layers than stage-1.
+    options = LocalStageOptions(threads_per_stage=1, stage_args=(("--emulate-speed", "0.2"), ()),
+                                env={"LAYERBUS_HOME": str(tmp_path)})
+    with LocalCluster(config, options) as cluster:
+        broker = cluster.broker
+        plan = broker.plan
+        assert plan is not None and len(broker.profiles) == 2
+        slow = next(p for p in broker.profiles if p.name == "stage-0")
+        fast = next(p for p in broker.profiles if p.name == "stage-1")
+        assert slow.layer_decode_s > 2 * fast.layer_decode_s, (slow, fast)  # the profile sees the slowdown
+        layers = {stage.name: len(span) for stage, span in zip(broker.chain, broker.spans)}
+        assert set(layers) == {"stage-0", "stage-1"}
+        assert layers["stage-0"] < layers["stage-1"], layers
+        assert [s.layers for s in broker.chain] == broker.spans  # the stages were told the planned spans
+        requests = [GenerationRequest(f"r{i}", [1, 5 + i, 9, 12], max_new_tokens=4) for i in range(6)]
+        results, stats = broker.generate(requests)
+    assert all(r.error is None and len(r.token_ids) >= 1 for r in results)
+    cached = list((tmp_path / "profiles").glob("*.json"))
+    assert len(cached) == 2 and all("timings" in json.loads(p.read_text()) for p in cached)
+
+
+def test_memory_budget_caps_a_stage_end_to_end(tiny_models, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("LAYERBUS_HOME", str(tmp_path))
+    model_dir = tiny_models("llama", num_hidden_layers=8, hidden_size=128, intermediate_size=512)
+    batching = BatchingConfig(num_slots=8, max_context=64, max_step_tokens=32)
+    memory = model_memory(open_model_dir(model_dir))
+    kv_per_layer = memory.kv_bytes_per_token * 8 * 64
+    workspace = memory.workspace_bytes(32, 8, 64, is_last=False)
+    # Room for two middle layers with their KV cache (and the 5% reserve), not three.
+    budget = int((2 * (memory.layer_weight_bytes[0] + kv_per_layer) + workspace) / 0.95) + 1000
+    config = BrokerConfig(str(model_dir), 3, batching=batching)
+    options = LocalStageOptions(threads_per_stage=1, stage_args=((), ("--memory-budget", str(budget)), ()),
+                                env={"LAYERBUS_HOME": str(tmp_path)})
+    with LocalCluster(config, options) as cluster:
+        plan = cluster.broker.plan
+        small = next(s for s in plan.stages if s.name == "stage-1")
+        assert small.memory_budget == budget and small.used_bytes <= budget
+        assert 1 <= len(small.layers) <= 2
+        assert sum(len(s.layers) for s in plan.stages) == 8
+
+
+def test_profile_cache_is_reused_and_keyed_by_speed(tiny_models, tmp_path) -> None:
+    request = ProfileRequest(str(tiny_models("llama")), micro_batch_size=4, kv_length=16, prefill_tokens=16)
+    first = profile_stage(request, "cpu", "float32", 1, cache_dir=tmp_path)
+    again = profile_stage(request, "cpu", "float32", 1, cache_dir=tmp_path)
+    slower = profile_stage(request, "cpu", "float32", 1, emulate_speed=0.5, cache_dir=tmp_path)
+    assert not first["cached"] and again["cached"] and not slower["cached"]
+    assert again["layer_decode_s"] == first["layer_decode_s"]
+    (tmp_path / "junk.json").write_text("not json")
+    for path in tmp_path.glob("*.json"):
+        path.write_text("{broken")
+    assert not profile_stage(request, "cpu", "float32", 1, cache_dir=tmp_path)["cached"]  # a bad file is re-measured
+    assert profile_stage(request, "cpu", "float32", 1, memory_budget=12345, cache_dir=tmp_path)["memory_budget"] == 12345
+
+
+@pytest.mark.parametrize("text, expected", [("1500", 1500), ("300MB", 300_000_000), ("1.5GiB", 1.5 * 2**30),
+                                            ("64 KiB", 65536)])
+def test_memory_budget_sizes(text: str, expected: float) -> None:
+    from stages.__main__ import byte_size
+
+    assert byte_size(text) == int(expected)
+
+
+@pytest.mark.parametrize("argv, message", [(["--memory-budget", "3 bananas"], "is not a size"),
+                                           (["--emulate-speed", "0"], "0 < F <= 1"),
+                                           (["--emulate-speed", "1.5"], "0 < F <= 1"),
+                                           (["--emulate-speed", "-0.3"], "0 < F <= 1")])
+def test_stage_flags_reject_bad_values(argv, message, capsys) -> None:
+    from stages.__main__ import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--broker", "tcp://127.0.0.1:1", *argv])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err

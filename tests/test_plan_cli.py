@@ -1,0 +1,85 @@
+"""`layerbus plan --cluster FILE`: the printed and JSON plans, and one clear message per bad file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cli.main import main
+
+CLUSTER_TOML = """
+reference_gflops = 10
+[[stages]]
+name = "fast"
+speed = 3.0
+memory = "64MiB"
+[[stages]]
+name = "slow"
+speed = 1.0
+memory = "64MiB"
+link_bandwidth = "1GB"
+"""
+
+
+@pytest.fixture()
+def model_dir(tiny_models):
+    return tiny_models("llama", num_hidden_layers=8)
+
+
+def run_plan(capsys, model_dir, *argv) -> tuple[int, str, str]:
+    code = main(["plan", "--model", str(model_dir), "--max-context", "64", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_from_a_toml_file_prints_both_splits_and_explains(tmp_path, capsys, model_dir) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text(CLUSTER_TOML)
+    code, out, _ = run_plan(capsys, model_dir, "--cluster", str(path), "--explain")
+    assert code == 0
+    assert "planned:" in out and "equal split:" in out and "tok/s predicted" in out
+    assert "why each stage leaves memory unused" in out and "reserve" in out
+
+
+def test_plan_json_gives_the_slow_stage_fewer_layers(tmp_path, capsys, model_dir) -> None:
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"stages": [{"name": "fast", "speed": 3, "memory": 2**26},
+                                           {"name": "slow", "speed": 1, "memory": "64MiB"}]}))
+    code, out, _ = run_plan(capsys, model_dir, "--cluster", str(path), "--json", "--prompt-ratio", "0")
+    assert code == 0
+    plan = json.loads(out)
+    layers = {s["name"]: s["num_layers"] for s in plan["chosen"]["stages"]}
+    assert layers["slow"] < layers["fast"] and sum(layers.values()) == 8
+    assert plan["chosen"]["tokens_per_s"] >= plan["equal"]["tokens_per_s"]
+
+
+BAD_FILES = {
+    "unknown field": ('{"stages": [{"name": "a", "speed": 1, "memory": 1000000, "sped": 2}]}', "unknown field(s) ['sped']"),
+    "negative speed": ('{"stages": [{"name": "a", "speed": -1, "memory": 1000000}]}', "speed must be > 0"),
+    "no memory": ('{"stages": [{"name": "a", "speed": 1}]}', "'memory' is required"),
+    "speed and times": ('{"stages": [{"name": "a", "speed": 1, "layer_decode_ms": 2, "memory": 10}]}', "not both"),
+    "bad size": ('{"stages": [{"name": "a", "speed": 1, "memory": "lots"}]}', "is not a size"),
+    "not json": ("stages = [", "is not valid JSON"),
+    "no stages": ('{"stages": []}', "non-empty 'stages' list"),
+    "duplicate names": ('{"stages": [{"name": "a", "speed": 1, "memory": 10}, {"name": "a", "speed": 1, "memory": 10}]}',
+                        "unique"),
+    "too small": ('{"stages": [{"name": "a", "speed": 1, "memory": 1000}]}', "bytes"),
+}
+
+
+@pytest.mark.parametrize("text, message", BAD_FILES.values(), ids=BAD_FILES.keys())
+def test_bad_cluster_files_get_one_clear_message(tmp_path, capsys, model_dir, text: str, message: str) -> None:
+    path = tmp_path / "cluster.json"
+    path.write_text(text)
+    code, out, err = run_plan(capsys, model_dir, "--cluster", str(path))
+    assert code == 2
+    assert message in err and "Traceback" not in err
+
+
+def test_bad_toml_and_missing_file(tmp_path, capsys, model_dir) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text("[[stages]\nname=")
+    assert run_plan(capsys, model_dir, "--cluster", str(path))[2].count("is not valid TOML") == 1
+    code, _, err = run_plan(capsys, model_dir, "--cluster", str(tmp_path / "missing.toml"))
+    assert code == 2 and "cannot read cluster file" in err
