@@ -105,7 +105,7 @@ class Broker:
         self._assign()
         self.pipeline = Pipeline(self.context, self.control, self.chain, self.results, self.batching,
                                  set(self.model.eos_ids), self._detokenize, self.config.pipeline,
-                                 recover=self.recover)
+                                 recover=self.recover, rebalance=self.rebalance)
 
     def _assign(self) -> None:
         log.info("placing %s: %s", self.model.path, ", ".join(f"{s.name} {span}" for s, span in zip(self.chain, self.spans)))
@@ -150,6 +150,22 @@ class Broker:
             except ClusterError as error:  # a load failed: that stage is left out of the next plan
                 report("load_failed", str(error))
         return None
+
+    def rebalance(self, slowed: dict[str, float], report=lambda *a, **k: None) -> list[StageInfo] | None:
+        """A stage runs `factor` times slower than it did: plan again with its profile slowed as much,
+        and move layers if the new plan is at least `drift.min_gain` faster than the placement in use
+        (re-loading spans and re-prefilling cost something). Returns the new chain, or None."""
+        if self.plan is None:  # "balanced" and "equal" have no measured profiles to re-plan from
+            return None
+        from broker.planned_start import replan_slowed
+
+        plan = replan_slowed(self, slowed)
+        if plan is None:
+            return None
+        by_name = {stage.name: stage for stage in self.control.live_stages()}
+        self.plan, self.chain, self.spans = plan, [by_name[name] for name in plan.order], plan.spans
+        self._assign()
+        return self.chain
 
     def _detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer().decode(token_ids, skip_special_tokens=True)

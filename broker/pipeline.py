@@ -26,6 +26,7 @@ import torch
 import zmq
 
 from broker.control import ClusterError, ControlPlane, StageInfo, StageLost
+from broker.drift import DriftConfig, DriftWatch
 from broker.requests import GenerationRequest, GenerationResult
 from broker.scheduler import BatchingConfig, Scheduler, StepPlan
 from stages.forward import StepRow
@@ -57,6 +58,7 @@ class PipelineConfig:
     stuck_step_s: float = 300.0  # a stage whose heartbeats say one step has run this long is lost
     step_timeout_s: float = 60.0  # a step not back after this long is resent (next attempt)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger results are rejected
+    drift: DriftConfig = field(default_factory=DriftConfig)  # when a slowed stage has layers moved off it
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_interval_s < self.liveness_window_s:
@@ -97,6 +99,8 @@ class _InFlight:
 
 # recover(lost, should_stop, report) -> the new chain, loaded and ready, or None when asked to stop.
 Recover = Callable[[StageLost, Callable[[], bool], Callable[..., None]], "list[StageInfo] | None"]
+# rebalance({stage: slowdown factor}, report) -> a new chain, loaded and ready, or None: no better plan.
+Rebalance = Callable[[dict, Callable[..., None]], "list[StageInfo] | None"]
 # report(kind, message, **fields): a fault-handling event (stage_lost, waiting, recovered, ...).
 EventSink = Callable[..., None]
 
@@ -122,16 +126,19 @@ class Pipeline:
                  results_socket: zmq.Socket, batching: BatchingConfig, eos_ids: set[int],
                  detokenize: Callable[[list[int]], str] | None = None,
                  config: PipelineConfig = PipelineConfig(), clock: Callable[[], float] = time.monotonic,
-                 recover: Recover | None = None):
+                 recover: Recover | None = None, rebalance: Rebalance | None = None):
         self.control, self.chain, self.config, self.clock = control, chain, config, clock
         self.batching, self.eos_ids, self.detokenize = batching, eos_ids, detokenize
         self.recover = recover  # None: a lost stage ends the run with ClusterError
+        self.rebalance = rebalance  # None: a slowed stage keeps its layers
+        self.drift = DriftWatch(config.drift)
         self.results = results_socket
         self.context = context
         self.push: zmq.Socket | None = None
         self._connect_first(chain[0].data_address)
         self.next_step = 0
         self._awaiting_first_token: dict | None = None  # the recovery event waiting for its first new token
+        self._replay_event: dict | None = None  # the recovery event waiting for its re-prefill to end
 
     def use_chain(self, chain: list[StageInfo]) -> None:
         """Send to a new chain (after a re-plan)."""
@@ -161,6 +168,7 @@ class Pipeline:
         poller = zmq.Poller()
         poller.register(self.results, zmq.POLLIN)
         poller.register(self.control.socket, zmq.POLLIN)
+        self.drift.restart(self.clock(), self._stage_stats())
 
         def report(kind: str, message: str, **fields) -> None:
             log.warning("%s: %s", kind, message)
@@ -202,6 +210,7 @@ class Pipeline:
                 self.control.heartbeat(self.config.heartbeat_interval_s)
                 self._resend_overdue(scheduler, inflight, stats)
                 self.control.check_liveness(self.chain, self.config.liveness_window_s, self.config.stuck_step_s)
+                self._watch_speed(scheduler, inflight, report, stats)
             except StageLost as lost:
                 if not self._recover(scheduler, inflight, lost, should_stop, report, stats):
                     break  # asked to stop while waiting for stages: the caller hands the items back
@@ -273,11 +282,17 @@ class Pipeline:
             if tokens:
                 emitted = (stats.progress[-1][1] if stats.progress else 0) + len(tokens)
                 stats.progress.append((self.clock(), emitted))
+            if self._replay_event is not None and not scheduler.replaying:
+                event, self._replay_event = self._replay_event, None
+                event["reprefill_s"] = round(self.clock() - event["started"], 3)
+                report("reprefilled", f"every sequence's cache rebuilt ({event['reprefill_tokens']} tokens) "
+                                      f"{event['reprefill_s']:.2f} s after the re-plan began",
+                       duration_s=event["reprefill_s"])
             if tokens and self._awaiting_first_token is not None:
                 event, self._awaiting_first_token = self._awaiting_first_token, None
                 event["first_token_s"] = round(self.clock() - event["started"], 3)
-                report("first_token", f"first new token {event['first_token_s']:.2f} s after the loss of "
-                                      f"{event['stage']}", stage=event["stage"], duration_s=event["first_token_s"])
+                report("first_token", f"first new token {event['first_token_s']:.2f} s after the re-plan began "
+                                      f"({event['stage']})", stage=event["stage"], duration_s=event["first_token_s"])
             self._send(scheduler, header["mb"], inflight)
 
     def _handle_control(self, scheduler, inflight, deliver, stats) -> None:
@@ -303,6 +318,33 @@ class Pipeline:
                 raise StageLost(stage, "it left the pipeline (stopped or shut down)")
 
     # -- recovery ------------------------------------------------------------------------------
+    def _stage_stats(self) -> dict[str, dict]:
+        return {stage.name: stage.stats for stage in self.chain}
+
+    def _watch_speed(self, scheduler: Scheduler, inflight: dict[int, _InFlight], report: EventSink,
+                     stats: RunStats) -> None:
+        """Move layers off a stage that has slowed well below its measured normal (see broker.drift)."""
+        slowed = self.drift.observe(self.clock(), self._stage_stats())
+        if not slowed or self.rebalance is None:
+            return
+        started = self.clock()
+        described = ", ".join(f"{name} {factor:.1f}x slower" for name, factor in slowed.items())
+        chain = self.rebalance(slowed, report)
+        if chain is None:
+            report("slowed", f"{described} than its normal, but no other placement is faster: layers stay")
+        else:
+            inflight.clear()  # the new epoch's stages drop these; the re-prefill redoes them
+            self.use_chain(chain)
+            tokens = scheduler.reset_caches()
+            took = self.clock() - started
+            event = {"stage": ",".join(slowed), "reason": described, "started": started, "replan_s": round(took, 3),
+                     "reprefill_tokens": tokens, "chain": [f"{s.name} {s.layers}" for s in chain]}
+            stats.recoveries.append(event)
+            self._awaiting_first_token = self._replay_event = event
+            report("rebalanced", f"{described} than its normal: re-planned in {took:.2f} s: {', '.join(event['chain'])}; "
+                                 f"re-prefilling {tokens} tokens", duration_s=round(took, 3))
+        self.drift.restart(self.clock(), self._stage_stats())
+
     def _recover(self, scheduler: Scheduler, inflight: dict[int, _InFlight], lost: StageLost,
                  should_stop: Callable[[], bool], report: EventSink, stats: RunStats) -> bool:
         """Re-plan without the lost stage, then re-prefill every active sequence. False: stopping."""
@@ -316,13 +358,14 @@ class Pipeline:
         if chain is None:
             return False
         self.use_chain(chain)
+        self.drift.restart(self.clock(), self._stage_stats())
         tokens = scheduler.reset_caches()
         took = self.clock() - started
         event = {"stage": lost.stage.name, "reason": lost.reason, "started": started,
                  "replan_s": round(took, 3), "reprefill_tokens": tokens,
                  "chain": [f"{s.name} {s.layers}" for s in chain]}
         stats.recoveries.append(event)
-        self._awaiting_first_token = event
+        self._awaiting_first_token = self._replay_event = event
         report("recovered", f"re-planned without {lost.stage.name} in {took:.2f} s: "
                             f"{', '.join(event['chain'])}; re-prefilling {tokens} tokens",
                stage=lost.stage.name, duration_s=round(took, 3))

@@ -1,14 +1,17 @@
-"""The broker's start-up with a planned placement: profile the registered stages, plan, order the
-chain. Kept apart from broker.py so the planning steps read in one place."""
+"""The broker's planned placements: at start-up (profile the registered stages, plan, order the
+chain), after a lost stage (the survivors' profiles are reused), and when a stage has slowed (its
+profile is slowed by the measured factor and the plan is made again). Kept apart from broker.py so
+the planning steps read in one place."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from broker.control import StageInfo
 from broker.model_memory import model_memory
-from broker.placement import Plan, PlacementError, StageProfile, plan_placement
+from broker.placement import Plan, PlacementError, StageProfile, estimate_split, plan_placement
 from broker.plan_report import format_plan
 from broker.profiling import collect_profiles
 
@@ -41,3 +44,35 @@ def plan_chain(broker: Broker, stages: list[StageInfo],
         log.info("%s", line)
     by_name = {stage.name: stage for stage in stages}
     return profiles, plan, [by_name[name] for name in plan.order]
+
+
+def slowed_profile(profile: StageProfile, factor: float) -> StageProfile:
+    """The profile of the same stage running `factor` times slower (links unchanged)."""
+    return replace(profile, layer_decode_s=profile.layer_decode_s * factor,
+                   layer_prefill_s=profile.layer_prefill_s * factor, embed_s=profile.embed_s * factor,
+                   head_s=profile.head_s * factor, step_overhead_s=profile.step_overhead_s * factor)
+
+
+def replan_slowed(broker: Broker, slowed: dict[str, float]) -> Plan | None:
+    """The plan for the stages as they run now, if it beats the placement in use by
+    `drift.min_gain`; None otherwise. The slowed stages' profiles stay slowed for later plans."""
+    broker.profiles = [slowed_profile(p, slowed[p.name]) if p.name in slowed else p for p in broker.profiles]
+    memory = model_memory(broker.model.files, broker.chain[0].dtype)
+    by_name = {profile.name: profile for profile in broker.profiles}
+    live = {stage.name for stage in broker.control.live_stages()}
+    current = estimate_split([by_name[s.name] for s in broker.chain], broker.spans, memory, broker.batching,
+                             broker.config.plan_options)
+    try:
+        plan = plan_placement([p for p in broker.profiles if p.name in live], memory, broker.batching,
+                              broker.config.plan_options)
+    except PlacementError:
+        return None
+    gain = 1 - plan.step_s / current.step_s
+    log.info("slowed %s: placement in use %.1f ms per step, best plan %.1f ms (%.0f%% faster)",
+             slowed, current.step_s * 1e3, plan.step_s * 1e3, gain * 100)
+    unchanged = plan.spans == broker.spans and plan.order == [stage.name for stage in broker.chain]
+    if gain < broker.config.pipeline.drift.min_gain or unchanged:
+        return None
+    for line in format_plan(plan).splitlines():
+        log.info("%s", line)
+    return plan

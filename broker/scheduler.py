@@ -115,6 +115,7 @@ class Scheduler:
         self.waiting: deque[GenerationRequest] = deque()
         self.active: dict[int, Sequence] = {}  # slot -> sequence
         self.pending_release: dict[int, list[int]] = {j: [] for j in range(self.num_micro_batches)}
+        self.replaying: set[int] = set()  # slots still re-prefilling after reset_caches
 
     # -- queue --------------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, now: float) -> GenerationResult | None:
@@ -181,6 +182,7 @@ class Scheduler:
         for releases in self.pending_release.values():
             releases.clear()  # the new stages start with empty caches
         total = 0
+        self.replaying = set(self.active)
         for seq in self.active.values():
             seq.cached = 0
             if seq.request.score_prompt:
@@ -198,6 +200,8 @@ class Scheduler:
             seq = self.active[row.slot]
             seq.cached = row.start + len(row.tokens)
             seq.suspect = False
+            if not seq.prefilling:
+                self.replaying.discard(row.slot)
             if row.targets:
                 seq.prompt_logprobs.extend((scores or {}).get(row.slot, []))
             if not row.emit:
@@ -248,6 +252,7 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: str, now: float, error: str | None = None) -> GenerationResult:
         del self.active[seq.slot]
+        self.replaying.discard(seq.slot)
         self.pending_release[self._micro_batch_of(seq.slot)].append(seq.slot)
         request = seq.request
         return GenerationResult(

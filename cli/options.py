@@ -105,6 +105,10 @@ def add_cluster_options(parser: argparse.ArgumentParser, partition: bool = True)
     parser.add_argument("--liveness-window", metavar="S", type=positive_float, default=5.0,
                         help="a stage silent this many seconds is lost: the broker re-plans without it and the "
                              "job goes on (default: 5; stages heartbeat every 0.5 s, even mid-step)")
+    parser.add_argument("--slowdown-threshold", metavar="F", type=non_negative_float, default=2.0,
+                        help="with --partition planned, a stage running F times slower than its measured normal "
+                             "(relative to the others, 2 windows of 5 s in a row) has layers moved off it; "
+                             "0 = never (default: 2)")
     parser.add_argument("--max-step-failures", metavar="N", type=positive_int, default=3,
                         help="an item whose step fails this many times alone fails with the stage's error, and "
                              "the job goes on (default: 3)")
@@ -121,13 +125,20 @@ def batching_from_args(args: argparse.Namespace):
 
 
 def pipeline_from_args(args: argparse.Namespace):
-    """The PipelineConfig that --liveness-window describes."""
+    """The PipelineConfig that --liveness-window and --slowdown-threshold describe."""
     from broker.pipeline import PipelineConfig
 
     if args.liveness_window <= 1.0:
         raise UsageError(f"--liveness-window {args.liveness_window}: stages heartbeat every 0.5 s, so the window must "
                          "be over 1 s (a few heartbeats) or live stages would be declared lost")
-    return PipelineConfig(liveness_window_s=args.liveness_window)
+    from broker.drift import DriftConfig
+
+    threshold = args.slowdown_threshold
+    if threshold and threshold <= 1.0:
+        raise UsageError(f"--slowdown-threshold {threshold}: a stage is slowed when it runs F > 1 times slower than its "
+                         "normal; use e.g. 2, or 0 to never move layers off a slowed stage")
+    drift = DriftConfig(threshold=threshold) if threshold else DriftConfig(enabled=False)
+    return PipelineConfig(liveness_window_s=args.liveness_window, drift=drift)
 
 
 def open_store(url: str | None) -> JobStore:

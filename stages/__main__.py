@@ -37,6 +37,18 @@ def speed_fraction(text: str) -> float:
     return value
 
 
+def slowdown(text: str) -> tuple[int, float]:
+    steps, _, fraction = text.partition(":")
+    try:
+        parsed = int(steps), float(fraction)
+    except ValueError:
+        parsed = (-1, float("nan"))
+    if parsed[0] < 0 or not 0 < parsed[1] <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: --emulate-slowdown is STEPS:F, e.g. 200:0.25 (after 200 "
+                                         "steps, run at a quarter of the speed)")
+    return parsed
+
+
 def add_stage_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--broker", required=True, help="the broker's control endpoint, e.g. tcp://10.0.0.5:5555")
     parser.add_argument("--name", default="", help="unique stage name (default: host-pid)")
@@ -53,6 +65,9 @@ def add_stage_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--emulate-speed", type=speed_fraction, default=1.0, metavar="F",
                         help="emulation: run at F (0 < F <= 1) of the real speed by sleeping after each step; "
                              "the stage's profile sees the same slowdown (default: 1)")
+    parser.add_argument("--emulate-slowdown", type=slowdown, default=None, metavar="STEPS:F",
+                        help="emulation: after serving STEPS steps, run at F of the --emulate-speed pace, as a "
+                             "throttling card would (its profile, taken before, does not see it)")
     parser.add_argument("--broker-timeout", type=float, default=15.0,
                         help="exit when the broker is silent this many seconds (default: 15)")
 
@@ -61,7 +76,7 @@ def config_from_args(args: argparse.Namespace) -> StageConfig:
     return StageConfig(broker=args.broker, name=args.name, bind=args.bind, advertise=args.advertise,
                        device=args.device, dtype=args.dtype, threads=args.threads,
                        memory_budget=args.memory_budget, broker_timeout_s=args.broker_timeout,
-                       emulate_speed=args.emulate_speed)
+                       emulate_speed=args.emulate_speed, emulate_slowdown=args.emulate_slowdown)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,6 +50,7 @@ class StageConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger data messages are rejected
     send_timeout_s: float = 60.0  # a send blocked this long (next stage gone) is reported
     emulate_speed: float = 1.0  # emulation: run at this fraction of the real speed (sleeps the rest)
+    emulate_slowdown: tuple[int, float] | None = None  # emulation: (after this many steps, speed x this)
 
     def resolved_name(self) -> str:
         return self.name or f"{socket.gethostname()}-{os.getpid()}"
@@ -268,6 +269,12 @@ class StageWorker:
         finally:
             self.busy_since = None
 
+    def _emulated_speed(self) -> float:
+        slowdown = self.config.emulate_slowdown
+        if slowdown is not None and self.stats.steps >= slowdown[0]:
+            return self.config.emulate_speed * slowdown[1]
+        return self.config.emulate_speed
+
     def _profile(self, header: dict) -> dict:
         from stages.profile import ProfileRequest, profile_stage
 
@@ -318,8 +325,9 @@ class StageWorker:
             self._send_control(protocol.FAILURE, epoch=self.epoch, step=header["step"], mb=header["mb"],
                                attempt=header["attempt"], cause="step", error=f"{type(error).__name__}: {error}")
             return
-        if self.config.emulate_speed < 1.0:  # emulation: a device this much slower would still be computing
-            time.sleep((1.0 / self.config.emulate_speed - 1.0) * (time.monotonic() - started))
+        speed = self._emulated_speed()
+        if speed < 1.0:  # emulation: a device this much slower would still be computing
+            time.sleep((1.0 / speed - 1.0) * (time.monotonic() - started))
         try:
             self.data_out.send_multipart(reply, copy=False)
         except zmq.Again:

@@ -11,6 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from broker.broker import BrokerConfig
+from broker.drift import DriftConfig
 from broker.local_cluster import LocalCluster, LocalStageOptions
 from broker.pipeline import ListSource, PipelineConfig
 from broker.requests import GenerationRequest, GenerationResult
@@ -51,9 +52,11 @@ def process_of(cluster, position: int):
 
 
 def run(model_dir, requests, num_stages=3, on_result=lambda cluster, count: None, env=None, events=None,
-        batching=BatchingConfig(num_slots=8, num_micro_batches=4, max_step_tokens=32)):
-    config = BrokerConfig(str(model_dir), num_stages, batching=batching, pipeline=FAST_LIVENESS)
-    with LocalCluster(config, LocalStageOptions(threads_per_stage=1, env=env or {})) as cluster:
+        batching=BatchingConfig(num_slots=8, num_micro_batches=4, max_step_tokens=32), pipeline=FAST_LIVENESS,
+        stage_args=()):
+    config = BrokerConfig(str(model_dir), num_stages, batching=batching, pipeline=pipeline)
+    options = LocalStageOptions(threads_per_stage=1, env=env or {}, stage_args=stage_args)
+    with LocalCluster(config, options) as cluster:
         assert len(cluster.broker.chain) == num_stages, f"the plan left stages out: {cluster.broker.chain}"
         sink = Collect(lambda count: on_result(cluster, count))
         stats = cluster.broker.run(ListSource(requests), sink,
@@ -142,3 +145,31 @@ def test_a_poison_item_fails_after_bounded_attempts_and_the_rest_complete(model_
     assert poison.finish_reason == "error"
     assert "LAYERBUS_FAIL_ON_TOKEN" in poison.error and "failed alone 3 time(s)" in poison.error
     assert outputs(results) == unfaulted
+
+
+def test_a_stage_slowed_mid_job_has_layers_moved_off_it_and_outputs_do_not_change(model_dir, requests, unfaulted):
+    """stage-1 runs at a tenth of its speed after 150 steps: the broker sees it drift from its
+    measured normal, re-plans with its profile slowed as much, and moves layers off it."""
+    events, initial = [], {}
+
+    def note_initial_spans(cluster, count):
+        if not initial:
+            initial.update((stage.name, stage.layers) for stage in cluster.broker.pipeline.chain)
+
+    watchful = PipelineConfig(heartbeat_interval_s=0.2, liveness_window_s=3.0,
+                              drift=DriftConfig(window_s=1.0, windows=2, min_steps=4))
+    slow_later = ((), ("--emulate-slowdown", "150:0.1"), ())
+    long_run = make_requests(model_dir, count=48, max_new_tokens=60)
+    results, stats = run(model_dir, long_run, events=events, pipeline=watchful, stage_args=slow_later,
+                         on_result=note_initial_spans)
+    assert "rebalanced" in [kind for kind, _, _ in events], f"no re-plan after the slowdown; events: {events}"
+    after = dict(entry.split(" ", 1) for entry in stats.recoveries[0]["chain"])
+    before_width = initial["stage-1"].end - initial["stage-1"].start
+    assert "stage-1" not in after or _width(after["stage-1"]) < before_width, (initial, after)
+    reference, _ = run(model_dir, long_run)
+    assert outputs(results) == outputs(reference)
+
+
+def _width(span: str) -> int:
+    start, end = span.strip("[)").split(",")
+    return int(end) - int(start)

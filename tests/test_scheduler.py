@@ -439,10 +439,12 @@ def test_reset_caches_re_prefills_prompt_and_generated_tokens_without_emitting()
     seq = scheduler.active[0]
     assert len(seq.generated) == 4 and seq.cached == 7
     assert scheduler.reset_caches() == 7
+    assert scheduler.replaying == {0}
     plan = scheduler.plan_step(0, 5.0)
     assert [(row.start, row.tokens, row.emit) for row in plan.rows] == [(0, seq.known, False)]
     stages.history.clear()
     scheduler.apply_result(plan, stages.run(plan), 5.0)
+    assert scheduler.replaying == set()
     plan = scheduler.plan_step(0, 6.0)
     assert [(row.start, row.tokens, row.emit) for row in plan.rows] == [(7, [seq.generated[-1]], True)]
 
