@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
-import time
+import subprocess
+import sys
 
 import pytest
 from transformers import AutoTokenizer
@@ -173,3 +174,48 @@ def test_a_stage_slowed_mid_job_has_layers_moved_off_it_and_outputs_do_not_chang
 def _width(span: str) -> int:
     start, end = span.strip("[)").split(",")
     return int(end) - int(start)
+
+
+def test_survivors_too_small_for_the_model_wait_for_a_stage_to_join(model_dir, requests, unfaulted):
+    """Each stage's --memory-budget holds a third of the model: after a kill, the two survivors cannot
+    hold it, the job waits (and says why) instead of failing, and goes on when a new stage registers."""
+    from broker.model_memory import model_memory
+    from broker.placement import PlacementError, StageProfile, plan_placement
+    from stages.model_files import open_model_dir
+
+    batching = BatchingConfig(num_slots=8, num_micro_batches=4, max_step_tokens=32, max_context=128)
+    memory = model_memory(open_model_dir(model_dir))
+
+    def fits(budget: int, stages: int) -> bool:
+        profiles = [StageProfile(f"s{i}", 1e-3, 1e-2, 1e-4, 1e-3, budget) for i in range(stages)]
+        try:
+            return len(plan_placement(profiles, memory, batching).order) == stages
+        except PlacementError:
+            return False
+
+    budget = next(b for b in range(1 << 16, 1 << 32, 1 << 14) if fits(b, 3))
+    assert not fits(budget, 2), "the budget must be too small for two stages"
+    budget_args = ("--memory-budget", str(budget))
+    events, joined = [], []
+
+    def kill_then_replace(cluster, count):
+        if count >= 4 and not joined:
+            process, name = process_of(cluster, 1)
+            os.kill(process.pid, signal.SIGKILL)
+            joined.append(subprocess.Popen([sys.executable, "-m", "stages", "--broker", cluster.broker.address,
+                                            "--name", "stage-new", "--threads", "1", *budget_args],
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+    try:
+        results, stats = run(model_dir, requests, events=events, on_result=kill_then_replace, batching=batching,
+                             stage_args=(budget_args,) * 3)
+    finally:
+        for process in joined:
+            process.terminate()
+            process.wait(10)
+    kinds = [kind for kind, _, _ in events]
+    assert "waiting" in kinds and kinds.index("waiting") < kinds.index("recovered"), events
+    waiting = next(message for kind, message, _ in events if kind == "waiting")
+    assert "cannot hold" in waiting and "layerbus stage --broker" in waiting
+    assert any("stage-new" in entry for entry in stats.recoveries[-1]["chain"])
+    assert outputs(results) == unfaulted
