@@ -13,6 +13,7 @@ from broker.partition import balanced_partition, equal_partition, model_cost_fro
 from broker.pipeline import ListSource, Pipeline, PipelineConfig, RequestSource, ResultSink, RunStats
 from broker.requests import GenerationRequest, GenerationResult
 from broker.scheduler import BatchingConfig
+from broker.wire_choice import AutoWireInputs, plan_link_codecs
 from wire.spans import LayerRange
 
 log = logging.getLogger("layerbus.broker")
@@ -32,6 +33,10 @@ class BrokerConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     register_timeout_s: float = 120.0  # wait this long for num_stages to register
     load_timeout_s: float = 600.0  # wait this long for the stages to load their spans
+    # Codec of the hidden states on each link between stages (wire/codecs.py): one name for every
+    # link, or one per link in chain order; "auto" chooses per link from `wire_auto`.
+    wire: tuple[str, ...] | str = "float32"
+    wire_auto: AutoWireInputs = field(default_factory=AutoWireInputs)
 
 
 class Broker:
@@ -51,6 +56,10 @@ class Broker:
         self.results.setsockopt(zmq.LINGER, 0)
         self.results.bind(config.results_bind)
         self.results_address = self._advertised(self.results.getsockopt(zmq.LAST_ENDPOINT).decode())
+        # Decode steps dominate a run's hops: a micro-batch's rows of float32 hidden states.
+        rows = max(1, self.batching.num_slots // max(1, self.batching.num_micro_batches))
+        self.link_codecs = plan_link_codecs(config.wire, config.num_stages - 1, rows * self.model.files.config.hidden_size
+                                            * 4, config.model_dir, config.wire_auto)
         self.chain: list[StageInfo] = []
         self.spans: list[LayerRange] = []
         self.pipeline: Pipeline | None = None
@@ -83,10 +92,24 @@ class Broker:
         self.chain = sorted(stages, key=lambda s: s.name)  # a stable chain order for reproducible logs
         self.spans = self.plan_spans()
         log.info("placing %s: %s", self.model.path, ", ".join(f"{s.name} {span}" for s, span in zip(self.chain, self.spans)))
+        if self.link_codecs:
+            log.info("wire: %s", self.wire_summary())
         self.control.assign(self.chain, self.spans, str(self.model.path), self.results_address,
-                            self.batching.num_slots, self.max_context, self.config.load_timeout_s)
+                            self.batching.num_slots, self.max_context, self.config.load_timeout_s, self.link_codecs)
         self.pipeline = Pipeline(self.context, self.control, self.chain, self.results, self.batching,
                                  set(self.model.eos_ids), self._detokenize, self.config.pipeline)
+
+    def wire_summary(self) -> str:
+        """The codec of each link, e.g. "stage-0 -> stage-1 int8, stage-1 -> stage-2 float16"."""
+        names = [s.name for s in self.chain] or [f"stage {i}" for i in range(self.config.num_stages)]
+        return ", ".join(f"{a} -> {b} {codec}" for a, b, codec in zip(names, names[1:], self.link_codecs))
+
+    def run_info(self) -> dict:
+        """For storage.run_info: the chain, its spans and the codec of each link."""
+        names = [s.name for s in self.chain]
+        return {"stages": [{"name": s.name, "layers": str(span)} for s, span in zip(self.chain, self.spans)],
+                "wire": [{"from": a, "to": b, "codec": codec}
+                         for a, b, codec in zip(names, names[1:], self.link_codecs)]}
 
     def _detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer().decode(token_ids, skip_special_tokens=True)

@@ -53,4 +53,5 @@ _HEAVY_USER_ERRORS = {
     "stages.model_files": ("ModelDirError",),
     "stages.default_model": ("DefaultModelError",),
     "stages.gguf_import": ("GGUFImportError",),
+    "broker.wire_choice": ("WireConfigError",),
 }
