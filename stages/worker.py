@@ -57,6 +57,7 @@ class StageConfig:
 class StageStats:
     busy_s: float = 0.0  # time spent running steps (decode + compute + encode)
     codec_s: float = 0.0  # of which: wire codec decode of incoming and encode of outgoing hidden states
+    bytes_out: int = 0  # tensor-frame bytes sent to the next hop (headers not counted)
     steps: int = 0
     tokens: int = 0  # positions processed
     rejected: int = 0
@@ -64,7 +65,8 @@ class StageStats:
 
     def to_json(self) -> dict:
         return {"busy_s": round(self.busy_s, 6), "steps": self.steps, "tokens": self.tokens,
-                "rejected": self.rejected, "codec_s": round(self.codec_s, 6), "uptime_s": round(time.monotonic() - self.started_at, 6),
+                "rejected": self.rejected, "codec_s": round(self.codec_s, 6), "bytes_out": self.bytes_out,
+                "uptime_s": round(time.monotonic() - self.started_at, 6),
                 "peak_rss": peak_rss_bytes()}
 
 
@@ -271,6 +273,7 @@ class StageWorker:
             return
         try:
             self.data_out.send_multipart(reply, copy=False)
+            self.stats.bytes_out += sum(memoryview(frame).nbytes for frame in reply[1:])
         except zmq.Again:
             self._send_control(protocol.FAILURE, epoch=self.epoch, step=header["step"], mb=header["mb"],
                                error=f"send to {self.next_address} timed out after {self.config.send_timeout_s} s")

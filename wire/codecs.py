@@ -94,16 +94,16 @@ def _padded(x: torch.Tensor, multiple: int) -> torch.Tensor:
 def _group_scales(x: torch.Tensor, group: int, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
     """float16 scales [N, G] and the float32 scales used to quantize (the float16 ones, widened,
     so the receiver multiplies by exactly what the sender divided by)."""
-    grouped = x.view(x.shape[0], -1, group)
+    grouped = x.view(x.shape[0], x.shape[1] // group, group)
     scales = (grouped.abs().amax(dim=-1) / levels).to(torch.float16)
     return scales, scales.float().unsqueeze(-1)
 
 
 def _quantize(x: torch.Tensor, group: int, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
     scales16, scales = _group_scales(x, group, levels)
-    grouped = x.view(x.shape[0], -1, group)
+    grouped = x.view(x.shape[0], x.shape[1] // group, group)
     q = torch.where(scales > 0, grouped / torch.where(scales > 0, scales, 1.0), 0.0)
-    return q.round_().clamp_(-levels, levels).view(x.shape[0], -1), scales16
+    return q.round_().clamp_(-levels, levels).view(x.shape), scales16
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ def _encode_quantized(x: torch.Tensor, scheme: QuantScheme) -> dict[str, torch.T
     if scheme.levels == 127:
         parts["q"] = q.to(torch.int8)
     else:
-        nibbles = (q.to(torch.int16) + 8).to(torch.uint8).view(n, -1, 2)
+        nibbles = (q.to(torch.int16) + 8).to(torch.uint8).view(n, q.shape[1] // 2, 2)
         parts["q"] = nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)
     parts["scale"] = scales
     return parts
@@ -166,7 +166,7 @@ def _hadamard(size: int) -> torch.Tensor:
 
 def _rotate(x: torch.Tensor, block: int) -> torch.Tensor:
     n = x.shape[0]
-    return (x.view(n, -1, block) @ _hadamard(block)).view(n, -1)
+    return (x.view(n, x.shape[1] // block, block) @ _hadamard(block)).view(x.shape)
 
 
 # -- decoding -------------------------------------------------------------------------------------
@@ -232,10 +232,10 @@ def _decode_quantized(parts: dict[str, torch.Tensor], n: int, h: int, name: str,
             raise WireError(f"codec {name}: value -128 is never sent; the payload is corrupt")
     else:
         packed = parts["q"]
-        q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(n, -1).to(torch.int16) - 8
+        q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(n, 2 * packed.shape[1]).to(torch.int16) - 8
         if bool((q < -scheme.levels).any()):
             raise WireError(f"codec {name}: nibble 0 (-8) is never sent; the payload is corrupt")
-    x = (q.float().view(n, -1, scheme.group) * scales.float().unsqueeze(-1)).view(n, -1)
+    x = (q.float().view(n, q.shape[1] // scheme.group, scheme.group) * scales.float().unsqueeze(-1)).view(q.shape)
     if scheme.block:
         x = _rotate(x, scheme.block)  # the rotation is its own inverse
     x = x[:, :h].contiguous()
