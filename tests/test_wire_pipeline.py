@@ -99,6 +99,32 @@ def test_cli_wire_option_and_status_line(tmp_path, tiny_models):
     assert refused.returncode == 2 and "lists 3 codec(s)" in refused.stderr and "for 2 link(s)" in refused.stderr
 
 
+# bfloat16 keeps 8 significant bits: its rounding moves SmolLM2's logits by up to about 1e-2, so a
+# token may flip where float32's top two logits are that close. Such a flip counts as a proven
+# near-tie only when the single-process model with the same rounding at the same cuts picks the
+# pipeline's token there too (the flip is the codec's, not the pipeline's).
+SIXTEEN_BIT_TIE = {"float16": 1e-4, "bfloat16": 2e-2}
+CUTS = [13, 26]  # the balanced 3-stage plan of SmolLM2: [0, 13) [13, 26) [26, 30)
+
+
+def top_token_with_codec(model, ids: list[int], codec: str, cuts: list[int]) -> int:
+    """The next token of `ids` with the hidden states round-tripped through `codec` after each cut."""
+    from stages.wire_quality import round_trip
+
+    def hook(_module, _args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        rounded = round_trip(codec, hidden.reshape(-1, hidden.shape[-1])).to(hidden.dtype).reshape(hidden.shape)
+        return (rounded, *output[1:]) if isinstance(output, tuple) else rounded
+
+    handles = [model.model.layers[cut - 1].register_forward_hook(hook) for cut in cuts]
+    try:
+        with torch.no_grad():
+            return int(model(torch.tensor([ids])).logits[0, -1].argmax())
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("codec", ["float16", "bfloat16"])
 def test_default_model_16_bit_wire_matches_float32(smollm2_case, codec):  # noqa: F811 - the imported fixture
@@ -107,5 +133,18 @@ def test_default_model_16_bit_wire_matches_float32(smollm2_case, codec):  # noqa
     model_dir, model, requests, references = smollm2_case
     results, _, codecs, _ = run_with_wire(model_dir, 3, requests, codec, max_step_tokens=64)
     assert codecs == [codec, codec]
-    exact = assert_equivalent(model, requests, results, references)
+    exact = 0
+    for request, result, expected in zip(requests, results, references):
+        assert result.error is None
+        got = result.token_ids
+        if got == expected:
+            exact += 1
+            continue
+        first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+        context = request.prompt_ids + expected[:first]
+        gap = top2_gap(model, context)
+        assert gap < SIXTEEN_BIT_TIE[codec], (f"{request.request_id}: token {first} differs at a float32 top-2 gap "
+                                              f"of {gap:.2e}, not a near-tie for {codec}")
+        assert top_token_with_codec(model, context, codec, CUTS) == got[first], (
+            f"{request.request_id}: token {first} differs, and {codec} rounding alone does not explain it")
     assert exact >= len(requests) - 2
