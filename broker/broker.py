@@ -58,8 +58,9 @@ class Broker:
         self.results_address = self._advertised(self.results.getsockopt(zmq.LAST_ENDPOINT).decode())
         # Decode steps dominate a run's hops: a micro-batch's rows of float32 hidden states.
         rows = max(1, self.batching.num_slots // max(1, self.batching.num_micro_batches))
-        self.link_codecs = plan_link_codecs(config.wire, config.num_stages - 1, rows * self.model.files.config.hidden_size
-                                            * 4, config.model_dir, config.wire_auto)
+        step_bytes = rows * self.model.files.config.hidden_size * 4
+        self.link_codecs = plan_link_codecs(config.wire, config.num_stages - 1, step_bytes, config.model_dir,
+                                            config.wire_auto)
         self.chain: list[StageInfo] = []
         self.spans: list[LayerRange] = []
         self.pipeline: Pipeline | None = None
