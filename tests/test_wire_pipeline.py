@@ -19,7 +19,6 @@ from wire.codecs import wire_bytes
 from tests.test_cli_helpers import JOB_ID, layerbus, status_json, write_jsonl
 from tests.test_equivalence import (  # noqa: F401 - smollm2_case is a fixture
     TINY_PROMPTS,
-    assert_equivalent,
     reference_generate,
     smollm2_case,
     top2_gap,
