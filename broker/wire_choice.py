@@ -128,12 +128,3 @@ def load_quality_table(model_dir: str, path: str | None = None) -> dict[str, dic
         raise WireConfigError(f"{source} is not a wire-quality table ({type(error).__name__}: {error}); "
                               f"rerun `layerbus wire-quality --model {model_dir} --save`") from None
     return table
-
-
-def parse_wire_option(text: str) -> tuple[str, ...] | str:
-    """`--wire int8` (every link) or `--wire float16,int8` (one per link, in chain order)."""
-    names = [part.strip() for part in text.split(",")]
-    for name in names:
-        if name != AUTO and name not in CODEC_NAMES:
-            raise WireConfigError(f"--wire {text}: {name!r} is not one of {', '.join(CODEC_NAMES)} or {AUTO}")
-    return names[0] if len(names) == 1 else tuple(names)

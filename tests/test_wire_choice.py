@@ -12,7 +12,6 @@ from broker.wire_choice import (
     choose_codec,
     link_codecs,
     load_quality_table,
-    parse_wire_option,
     plan_link_codecs,
     AutoWireInputs,
 )
@@ -60,13 +59,6 @@ def test_link_codecs_fixed_settings():
         link_codecs(("int8",), 2)
     with pytest.raises(WireConfigError, match=r"'int3' is not one of"):
         link_codecs("int3", 1)
-
-
-def test_parse_wire_option():
-    assert parse_wire_option("int8") == "int8"
-    assert parse_wire_option("float16, int4") == ("float16", "int4")
-    with pytest.raises(WireConfigError, match="'fp8' is not one of"):
-        parse_wire_option("fp8")
 
 
 def test_auto_reads_the_saved_table_and_mixes_with_fixed_links(tmp_path):
