@@ -15,6 +15,7 @@ from broker.profiling import ProfilingConfig
 from broker.pipeline import ListSource, Pipeline, PipelineConfig, RequestSource, ResultSink, RunStats
 from broker.requests import GenerationRequest, GenerationResult
 from broker.scheduler import BatchingConfig
+from broker.wire_choice import AutoWireInputs, plan_link_codecs
 from wire.spans import LayerRange
 
 log = logging.getLogger("layerbus.broker")
@@ -37,6 +38,10 @@ class BrokerConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     register_timeout_s: float = 120.0  # wait this long for num_stages to register
     load_timeout_s: float = 600.0  # wait this long for the stages to load their spans
+    # Codec of the hidden states on each link between stages (wire/codecs.py): one name for every
+    # link, or one per link in chain order; "auto" chooses per link from `wire_auto`.
+    wire: tuple[str, ...] | str = "float32"
+    wire_auto: AutoWireInputs = field(default_factory=AutoWireInputs)
 
 
 class Broker:
@@ -56,6 +61,13 @@ class Broker:
         self.results.setsockopt(zmq.LINGER, 0)
         self.results.bind(config.results_bind)
         self.results_address = self._advertised(self.results.getsockopt(zmq.LAST_ENDPOINT).decode())
+        # Decode steps dominate a run's hops: a micro-batch's rows of float32 hidden states.
+        rows = max(1, self.batching.num_slots // max(1, self.batching.num_micro_batches))
+        step_bytes = rows * self.model.files.config.hidden_size * 4
+        self.step_bytes = step_bytes
+        # Checked now, so a bad --wire is a usage error before any stage starts; chosen again per chain.
+        self.link_codecs = plan_link_codecs(config.wire, config.num_stages - 1, step_bytes, config.model_dir,
+                                            config.wire_auto)
         self.chain: list[StageInfo] = []
         self.spans: list[LayerRange] = []
         self.plan: Plan | None = None  # the placement in use ("planned"), with its predicted step times
@@ -109,9 +121,12 @@ class Broker:
 
     def _assign(self) -> None:
         log.info("placing %s: %s", self.model.path, ", ".join(f"{s.name} {span}" for s, span in zip(self.chain, self.spans)))
+        self.link_codecs = self._plan_link_codecs()
+        if self.link_codecs:
+            log.info("wire: %s", self.wire_summary())
         self.control.assign(self.chain, self.spans, str(self.model.path), self.results_address,
                             self.batching.num_slots, self.max_context, self.config.load_timeout_s,
-                            liveness_window_s=self.config.pipeline.liveness_window_s)
+                            self.link_codecs, liveness_window_s=self.config.pipeline.liveness_window_s)
 
     def recover(self, lost: StageLost, should_stop=lambda: False, report=lambda *a, **k: None) -> list[StageInfo] | None:
         """Re-plan over the stages still alive (spares and stages that registered since included),
@@ -166,6 +181,34 @@ class Broker:
         self.plan, self.chain, self.spans = plan, [by_name[name] for name in plan.order], plan.spans
         self._assign()
         return self.chain
+
+    def _plan_link_codecs(self) -> list[str]:
+        """The codec of each link of the chain in use. A per-link list given for the configured chain
+        is cut (or its last codec repeated) when a plan uses fewer or more stages; `auto` takes each
+        link's bandwidth and the step time from the profiles when they were measured."""
+        links = len(self.chain) - 1
+        wire, auto = self.config.wire, self.config.wire_auto
+        if not isinstance(wire, str) and len(wire) != links:
+            wire = tuple(wire[i] if i < len(wire) else wire[-1] for i in range(links))
+        if self.plan is not None:
+            by_name = {profile.name: profile for profile in self.profiles}
+            if not auto.link_bandwidth and all(s.name in by_name for s in self.chain):
+                auto = replace(auto, link_bandwidth=tuple(by_name[s.name].link_bandwidth for s in self.chain[:-1]))
+            if auto.compute_s_per_step is None:
+                auto = replace(auto, compute_s_per_step=max(p.compute_s for p in self.plan.chosen.stages))
+        return plan_link_codecs(wire, links, self.step_bytes, self.config.model_dir, auto)
+
+    def wire_summary(self) -> str:
+        """The codec of each link, e.g. "stage-0 -> stage-1 int8, stage-1 -> stage-2 float16"."""
+        names = [s.name for s in self.chain] or [f"stage {i}" for i in range(self.config.num_stages)]
+        return ", ".join(f"{a} -> {b} {codec}" for a, b, codec in zip(names, names[1:], self.link_codecs))
+
+    def run_info(self) -> dict:
+        """For storage.run_info: the chain, its spans and the codec of each link."""
+        names = [s.name for s in self.chain]
+        return {"stages": [{"name": s.name, "layers": str(span)} for s, span in zip(self.chain, self.spans)],
+                "wire": [{"from": a, "to": b, "codec": codec}
+                         for a, b, codec in zip(names, names[1:], self.link_codecs)]}
 
     def _detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer().decode(token_ids, skip_special_tokens=True)

@@ -198,8 +198,10 @@ class ControlPlane:
         return self.live_stages()[:count]
 
     def assign(self, chain: list[StageInfo], spans: list[LayerRange], model_dir: str, result_address: str,
-               num_slots: int, max_context: int, timeout_s: float, liveness_window_s: float | None = None) -> None:
-        """Give each stage of the chain its span and next hop; wait until all report READY.
+               num_slots: int, max_context: int, timeout_s: float, wire: list[str] | None = None,
+               liveness_window_s: float | None = None) -> None:
+        """Give each stage of the chain its span, next hop and the codec of that hop (`wire`, one per
+        link between stages; float32 where not given); wait until all report READY.
 
         With `liveness_window_s`, a stage that dies while loading raises StageLost (its heartbeats
         continue during a load, so a long load is not mistaken for a death)."""
@@ -207,9 +209,10 @@ class ControlPlane:
         for i, (stage, span) in enumerate(zip(chain, spans)):
             next_address = chain[i + 1].data_address if i + 1 < len(chain) else result_address
             stage.state, stage.layers, stage.error = "loading", span, None
+            link_codec = wire[i] if wire is not None and i < len(wire) else "float32"
             self.send(stage, protocol.ASSIGN, epoch=self.epoch, model_dir=model_dir, layers=span.to_json(),
                       is_first=i == 0, is_last=i == len(chain) - 1, next_address=next_address,
-                      num_slots=num_slots, max_context=max_context)
+                      num_slots=num_slots, max_context=max_context, wire=link_codec)
         deadline = self.clock() + timeout_s
         while not all(stage.state == "ready" for stage in chain):
             failed = [stage for stage in chain if stage.state == "failed"]

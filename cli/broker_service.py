@@ -17,6 +17,7 @@ from cli.options import (
     add_model,
     add_verbose,
     model_for_stages,
+    wire_from_args,
     open_store,
     pipeline_from_args,
     positive_int,
@@ -68,6 +69,7 @@ def main(args: argparse.Namespace) -> int:
     config = BrokerConfig(str(model_dir), args.stages, control_bind=args.bind_control,
                           results_bind=args.bind_results, advertise_host=args.advertise, partition=args.partition,
                           batching=batching_from_args(args), pipeline=pipeline_from_args(args),
+                          **wire_from_args(args),
                           register_timeout_s=args.register_timeout)
     with open_store(args.db) as store:
         if args.job:
@@ -90,6 +92,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _serve(store: JobStore, broker: Broker, model_dir: Path, args: argparse.Namespace) -> int:
     from broker.job_runner import run_job
+    from storage.run_info import write_run_info
 
     print(f"layerbus broker: waiting for {args.stages} stage(s) at {broker.address}: start each with "
           f"`layerbus stage --broker {broker.address}`", file=sys.stderr, flush=True)
@@ -101,7 +104,10 @@ def _serve(store: JobStore, broker: Broker, model_dir: Path, args: argparse.Name
     print("layerbus broker: ready: " + ", ".join(f"{s.name} layers {span}" for s, span in zip(broker.chain,
                                                                                                 broker.spans)),
           file=sys.stderr, flush=True)
+    if broker.link_codecs:
+        print(f"layerbus broker: wire: {broker.wire_summary()}", file=sys.stderr, flush=True)
     if args.job:
+        write_run_info(args.job, broker.run_info())
         status = run_job(store, args.job, broker, results_dir())
         _report(status)
         return EXIT_OK if status.status == "completed" else EXIT_FAILED
@@ -112,6 +118,7 @@ def _serve(store: JobStore, broker: Broker, model_dir: Path, args: argparse.Name
             _idle(broker, args.poll)
             continue
         print(f"layerbus broker: running {job_id}", file=sys.stderr, flush=True)
+        write_run_info(job_id, broker.run_info())
         _report(run_job(store, job_id, broker, results_dir()))
 
 

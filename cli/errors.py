@@ -55,4 +55,5 @@ _HEAVY_USER_ERRORS = {
     "stages.gguf_import": ("GGUFImportError",),
     "broker.placement": ("PlacementError",),
     "broker.cluster_file": ("ClusterFileError",),
+    "broker.wire_choice": ("WireConfigError",),
 }

@@ -112,6 +112,45 @@ def add_cluster_options(parser: argparse.ArgumentParser, partition: bool = True)
     parser.add_argument("--max-step-failures", metavar="N", type=positive_int, default=3,
                         help="an item whose step fails this many times alone fails with the stage's error, and "
                              "the job goes on (default: 3)")
+    parser.add_argument("--wire", metavar="CODEC[,CODEC...]", type=wire_codecs, default="float32",
+                        help="how hidden states travel between stages: float32, float16, bfloat16, int8, int4 or "
+                             "auto; one for every link, or one per link in chain order (default: float32). auto "
+                             "picks per link from the table `layerbus wire-quality --save` measured")
+    parser.add_argument("--wire-quality", metavar="FILE", default=None,
+                        help="quality table for --wire auto (default: the one saved for the model)")
+    parser.add_argument("--link-mbps", metavar="M[,M...]", type=link_mbps, default=(),
+                        help="bandwidth of each link in Mbit/s, for --wire auto (default: not measured; auto then "
+                             "takes the cheapest codec within the quality budget)")
+
+
+WIRE_NAMES = ("float32", "float16", "bfloat16", "int8", "int4", "auto")  # as wire.codecs, without importing torch
+
+
+def wire_codecs(text: str) -> tuple[str, ...] | str:
+    names = [part.strip() for part in text.split(",")]
+    bad = [name for name in names if name not in WIRE_NAMES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{', '.join(bad)} not among {', '.join(WIRE_NAMES)}")
+    return names[0] if len(names) == 1 else tuple(names)
+
+
+def link_mbps(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be numbers of Mbit/s separated by commas, got {text}") from None
+    if not all(value > 0 for value in values):
+        raise argparse.ArgumentTypeError(f"bandwidths must be > 0 Mbit/s, got {text}")
+    return values
+
+
+def wire_from_args(args: argparse.Namespace) -> dict:
+    """BrokerConfig's wire fields from --wire, --wire-quality and --link-mbps."""
+    from broker.wire_choice import AutoWireInputs
+
+    auto = AutoWireInputs(quality_table=args.wire_quality,
+                          link_bandwidth=tuple(mbps * 1e6 / 8 for mbps in args.link_mbps))
+    return {"wire": args.wire, "wire_auto": auto}
 
 
 def batching_from_args(args: argparse.Namespace):

@@ -15,6 +15,7 @@ from cli.options import (
     add_job_options,
     add_verbose,
     model_for_stages,
+    wire_from_args,
     non_negative_int,
     open_store,
     pipeline_from_args,
@@ -82,14 +83,17 @@ def _run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.N
     from broker.job_runner import run_job
     from broker.local_cluster import LocalCluster, LocalStageOptions
     from storage.engine import layerbus_home
+    from storage.run_info import write_run_info
 
     log_dir = layerbus_home() / "logs" / job_id
     config = BrokerConfig(str(model_dir), args.stages, partition=args.partition,
-                          batching=batching_from_args(args), pipeline=pipeline_from_args(args))
+                          batching=batching_from_args(args), pipeline=pipeline_from_args(args),
+                          **wire_from_args(args))
     options = LocalStageOptions(threads_per_stage=args.threads_per_stage, log_dir=log_dir)
     print(f"layerbus: running {job_id} on {args.stages} local stage(s); stage logs in {log_dir}", file=sys.stderr)
     try:
         with stop_on_signals(), LocalCluster(config, options) as cluster:
+            write_run_info(job_id, cluster.broker.run_info())
             with tqdm(desc=job_id, unit="item", file=sys.stderr, disable=None, dynamic_ncols=True) as bar:
                 return run_job(store, job_id, cluster.broker, results_dir(), progress=bar)
     except ClusterError as error:

@@ -124,6 +124,7 @@ def status_json(status: JobStatus, events: Sequence[JobEvent] | None = None) -> 
         "timestamps": {column: _iso(value) for column, value in status.timestamps.items()},
         "results_path": status.results_path,
         "error": status.error,
+        "wire": _wire_links(status.job_id),
     }
     if events is not None:
         out["events"] = [{"at": _iso(e.at), "kind": e.kind, "message": e.message, "duration_s": e.duration_s}
@@ -147,6 +148,9 @@ def job_report(status: JobStatus, events: Sequence[JobEvent] = ()) -> str:
     lines += [(column.removesuffix("_at"), f"{_clock(value)} UTC") for column, value in status.timestamps.items()
               if value is not None]
     lines.append(("results", status.results_path or "(not written yet)"))
+    wire = _wire_line(status.job_id)
+    if wire:
+        lines.append(("wire", wire))
     if status.error:
         lines.append(("error", status.error))
     width = max(len(label) for label, _ in lines)
@@ -165,6 +169,20 @@ def events_table(events: Sequence[JobEvent]) -> str:
         lines.append(f"{lead}{first}{took}".rstrip())
         lines += [" " * len(lead) + line for line in rest]
     return "\n".join(lines)
+
+
+def _wire_links(job_id: str) -> list[dict] | None:
+    """Codec per link of the job's last run on this machine ([{from, to, codec}]), or None."""
+    from storage.run_info import read_run_info
+
+    links = (read_run_info(job_id) or {}).get("wire")
+    return links if isinstance(links, list) else None
+
+
+def _wire_line(job_id: str) -> str | None:
+    from storage.run_info import read_run_info, wire_line
+
+    return wire_line(read_run_info(job_id))
 
 
 def jobs_table(jobs: list[JobStatus]) -> str:

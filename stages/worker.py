@@ -26,7 +26,7 @@ from stages.kv_cache import KVArena
 from stages.model_files import open_model_dir
 from stages.sampling import SamplingParams, choose_token, target_log_probs
 from stages.shard import ShardSpec, StageShard, load_shard
-from wire import protocol
+from wire import codecs, protocol
 from wire.frames import DEFAULT_MAX_MESSAGE_BYTES, Message, WireError, decode, encode
 from wire.spans import LayerRange
 
@@ -59,6 +59,8 @@ class StageConfig:
 @dataclass
 class StageStats:
     busy_s: float = 0.0  # time spent running steps (decode + compute + encode)
+    codec_s: float = 0.0  # of which: wire codec decode of incoming and encode of outgoing hidden states
+    bytes_out: int = 0  # tensor-frame bytes sent to the next hop (headers not counted)
     steps: int = 0
     tokens: int = 0  # positions processed
     rejected: int = 0
@@ -66,7 +68,8 @@ class StageStats:
 
     def to_json(self) -> dict:
         return {"busy_s": round(self.busy_s, 6), "steps": self.steps, "tokens": self.tokens,
-                "rejected": self.rejected, "uptime_s": round(time.monotonic() - self.started_at, 6),
+                "rejected": self.rejected, "codec_s": round(self.codec_s, 6), "bytes_out": self.bytes_out,
+                "uptime_s": round(time.monotonic() - self.started_at, 6),
                 "peak_rss": peak_rss_bytes()}
 
 
@@ -145,6 +148,7 @@ class StageWorker:
         # Testing only: a step whose input tokens contain this id raises, as a poison item would.
         fail_on = os.environ.get("LAYERBUS_FAIL_ON_TOKEN", "")
         self.fail_on_token = int(fail_on) if fail_on.strip().lstrip("-").isdigit() else None
+        self.wire_codec = codecs.DEFAULT_CODEC  # how outgoing hidden states travel (the broker's ASSIGN says)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -243,6 +247,7 @@ class StageWorker:
             protocol.require_fields(header, "assign", {"epoch": int, "model_dir": str, "layers": list,
                                                        "is_first": bool, "is_last": bool, "next_address": str,
                                                        "num_slots": int, "max_context": int})
+            wire_codec = codecs.check_codec_name(header.get("wire", codecs.DEFAULT_CODEC))
             reset_peak_rss()
             started, rss_before = time.monotonic(), current_rss_bytes()
             self.busy_since = started
@@ -258,6 +263,7 @@ class StageWorker:
             self._connect_next(header["next_address"])
             # Only a fully set-up stage serves the new epoch: a failure above leaves it serving none.
             self.shard, self.arena, self.epoch = shard, arena, header["epoch"]
+            self.wire_codec = wire_codec
             log.info("stage %s loaded layers %s of %s in %.2f s (%d parameter bytes)", self.name, spec.layers,
                      header["model_dir"], time.monotonic() - started, shard.parameter_bytes())
             self._send_control(protocol.READY, epoch=self.epoch, layers=spec.layers.to_json(),
@@ -330,6 +336,7 @@ class StageWorker:
             time.sleep((1.0 / speed - 1.0) * (time.monotonic() - started))
         try:
             self.data_out.send_multipart(reply, copy=False)
+            self.stats.bytes_out += sum(memoryview(frame).nbytes for frame in reply[1:])
         except zmq.Again:
             # Not the items' fault: the next stage is gone or stuck. The broker resends once it knows.
             self._send_control(protocol.FAILURE, epoch=self.epoch, step=header["step"], mb=header["mb"],
@@ -349,6 +356,12 @@ class StageWorker:
         if message.header["epoch"] != self.epoch:
             raise WireError(f"step of epoch {message.header['epoch']} but this stage serves epoch {self.epoch}")
         name = "tokens" if self.shard.spec.is_first else "hidden"
+        if name == "hidden":
+            started = time.monotonic()
+            hidden = codecs.unpack(name, message.header, message.tensors)  # whatever codec the sender announced
+            self.stats.codec_s += time.monotonic() - started
+            message.tensors.clear()
+            message.tensors[name] = hidden
         tensor = message.tensors.get(name)
         if tensor is None or len(message.tensors) != 1:
             raise WireError(f"step for this stage must carry exactly one tensor {name!r}, got {list(message.tensors)}")
@@ -379,7 +392,11 @@ class StageWorker:
         if not self.shard.spec.is_last:
             out_header["rows"] = header["rows"]
             out_header["release"] = header["release"]
-            return encode(dict(out_header, kind=protocol.STEP), {"hidden": hidden})
+            started = time.monotonic()
+            codec_fields, tensors = codecs.pack("hidden", hidden, self.wire_codec)
+            frames = encode(dict(out_header, kind=protocol.STEP, **codec_fields), tensors)
+            self.stats.codec_s += time.monotonic() - started
+            return frames
         return encode(dict(out_header, kind=protocol.RESULT, **self._choose(rows, hidden)))
 
     def _choose(self, rows: list[StepRow], hidden: torch.Tensor) -> dict:

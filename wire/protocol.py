@@ -2,7 +2,10 @@
 
 Data plane (PUSH/PULL, broker -> stage 0 -> ... -> last stage -> broker):
   step    header {mb, step, attempt, epoch, rows: [[slot, start, length, emit, sampling|{}], ...],
-          release: [slot, ...]} + tensor "tokens" [N] int64 (to stage 0) or "hidden" [N, H] (later)
+          release: [slot, ...]} + tensor "tokens" [N] int64 (to stage 0), or (later stages) hidden
+          states [N, H] in the sender's link codec: header codec {name, shape: [N, H]} and tensors
+          "hidden" (float codecs) or "hidden.q", "hidden.scale", "hidden.outlier_index",
+          "hidden.outlier_value" (int8, int4); see wire/codecs.py
   result  header {mb, step, attempt, epoch, tokens: [[slot, token, logprob], ...],
           scores: [[slot, [logprob of each target], ...]} (last stage -> broker)
 
@@ -16,7 +19,8 @@ Control plane (DEALER at each stage, ROUTER at the broker), headers only:
                    memory_budget, micro_batch_size, prefill_tokens, cached} or {error}
                    probe_echo {seq}
   broker -> stage: assign {epoch, model_dir, layers, is_first, is_last, next_address, num_slots,
-                   max_context}     heartbeat {}     shutdown {}
+                   max_context, wire (codec of the outgoing hidden states; default float32)}
+                   heartbeat {}     shutdown {}
                    reset {} (you were presumed dead: drop your span and register again)
                    profile {model_dir, micro_batch_size, kv_length, prefill_tokens}
                    probe {seq} + tensor "payload" (link probe: echoed at once)

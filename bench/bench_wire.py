@@ -1,0 +1,170 @@
+"""Wire codecs (issue: fewer bytes between machines): bytes per hop, quality, and speed on a slow link.
+
+  1. Bytes per hop of each codec against float32 (SmolLM2's hidden size, scales and outliers counted).
+  2. Quality on SmolLM2-135M-Instruct, teacher-forced over the sample corpus (as `layerbus
+     wire-quality`), every codec on both cuts of the 3-stage plan ([0,13) [13,26) [26,30)).
+  3. Two stages in separate network namespaces (bench/netns.py). First without a rate limit: tokens/s
+     and the share of each stage's busy time spent in the codec. Then with the stage-to-stage link
+     limited by tbf to a rate that makes the float16 run network-bound (the rate is derived from the
+     unlimited float16 run: its hop bytes/s times --compute-to-transfer), float16 against int8.
+
+    flock /tmp/layerbus-heavy.lock .venv/bin/python bench/bench_wire.py          # about 5 minutes
+    .venv/bin/python bench/bench_wire.py --documents 8 --prompts 12               # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.netns import StageNamespaces, unavailable_reason  # noqa: E402
+from broker.broker import Broker, BrokerConfig  # noqa: E402
+from broker.requests import GenerationRequest  # noqa: E402
+from broker.scheduler import BatchingConfig  # noqa: E402
+from stages.wire_quality import SAMPLE_CORPUS, quality_report  # noqa: E402
+from wire.codecs import CODEC_NAMES, wire_bytes  # noqa: E402
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parent.parent
+NAMESPACES = ["lb5-bench-a", "lb5-bench-b"]
+
+
+def short_prompts(tokenizer, count: int) -> list[tuple[str, list[int]]]:
+    """Each sample document's first paragraph as a one-sentence summary request: short prompts,
+    so a run on a slow link stays within a minute."""
+    documents = sorted(SAMPLE_CORPUS.glob("*.txt"))
+    prompts = []
+    for i in range(count):
+        path = documents[i % len(documents)]
+        text = path.read_text().strip().split("\n\n")[0]
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": f"Summarize in one sentence:\n\n{text}"}],
+                                             add_generation_prompt=True, tokenize=False)
+        prompts.append((f"{path.stem}-{i}", tokenizer(chat, add_special_tokens=False).input_ids))
+    return prompts
+
+
+def run_in_namespaces(model_dir: Path, prompts, codec: str, rate_mbit: float | None, max_new_tokens: int,
+                      micro_batch_size: int) -> dict:
+    """Broker here, stage i in namespace i; the stage-0 -> stage-1 hop crosses the (limited) link."""
+    requests = [GenerationRequest(pid, ids, max_new_tokens=max_new_tokens) for pid, ids in prompts]
+    with StageNamespaces(NAMESPACES, rate_mbit) as net:
+        config = BrokerConfig(str(model_dir), 2, control_bind="tcp://0.0.0.0:*", results_bind="tcp://0.0.0.0:*",
+                              advertise_host=net.host_address(1), wire=codec,
+                              batching=BatchingConfig(micro_batch_size=micro_batch_size, max_context=2048))
+        broker = Broker(config)
+        port = broker.control.address.rsplit(":", 1)[1]
+        binds = [net.stage_address(0), net.chain_address(1)]  # stage 1 receives over the limited link
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        processes = []
+        try:
+            for i, name in enumerate(NAMESPACES):
+                argv = [sys.executable, "-m", "stages", "--broker", f"tcp://{net.host_address(i)}:{port}",
+                        "--name", f"stage-{i}", "--bind", f"tcp://{binds[i]}:*", "--threads", "1"]
+                processes.append(subprocess.Popen(net.command(name, argv), env=env, stdout=subprocess.DEVNULL,
+                                                  stderr=subprocess.DEVNULL))
+            broker.start()
+            results, stats = broker.generate(requests)
+            steps_before = {s.name: s.stats.get("steps") for s in broker.chain}
+            deadline = time.monotonic() + 5  # the stats of the last steps ride on the next heartbeat
+            while time.monotonic() < deadline and any(s.stats.get("steps") == steps_before[s.name]
+                                                      for s in broker.chain):
+                broker.control.poll(100)
+            stage_stats = {s.name: dict(s.stats) for s in broker.chain}
+        finally:
+            broker.close()
+            for process in processes:
+                try:
+                    process.wait(10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+    errors = [r.error for r in results if r.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
+    new_tokens = sum(len(r.token_ids) for r in results)
+    sent = stage_stats["stage-0"]["bytes_out"]
+    return {"codec": codec, "rate_mbit": rate_mbit, "wall_s": stats.wall_s, "new_tokens": new_tokens,
+            "tokens_per_s": new_tokens / stats.wall_s, "hop_bytes": sent, "hop_bytes_per_s": sent / stats.wall_s,
+            "codec_share": {name: s["codec_s"] / s["busy_s"] for name, s in stage_stats.items() if s.get("busy_s")},
+            "busy_s": {name: s["busy_s"] for name, s in stage_stats.items()},
+            "token_ids": [r.token_ids for r in results]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=None, help="model dir (default: the default model)")
+    parser.add_argument("--documents", type=int, default=0, help="quality: first N documents (0 = all 40)")
+    parser.add_argument("--prompts", type=int, default=24, help="speed runs: prompts (default 24)")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--compute-to-transfer", type=float, default=0.15,
+                        help="float16 compute time / transfer time on the limited link (default 0.15)")
+    parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bench_wire.json")
+    args = parser.parse_args()
+    from broker.model_info import load_tokenizer, read_model_info
+    from stages.default_model import default_model_dir
+
+    model_dir = args.model or default_model_dir()
+    hidden = read_model_info(model_dir).files.config.hidden_size
+    report: dict = {"model": str(model_dir), "hidden_size": hidden, "cores": os.cpu_count()}
+
+    report["bytes_per_hop"] = {c: wire_bytes(c, 32, hidden) / wire_bytes("float32", 32, hidden) for c in CODEC_NAMES}
+    print("| codec | bytes per hop vs float32 |\n|---|---|")
+    for codec, ratio in report["bytes_per_hop"].items():
+        print(f"| {codec} | {ratio:.3f}x |")
+
+    if not args.skip_quality:
+        quality = quality_report(model_dir, None, [13, 26], max_documents=args.documents)
+        report["quality"] = quality
+        first = next(iter(quality["codecs"].values()))
+        print(f"\nquality: {quality['prompts']} prompts, {first['positions']} positions, cuts {quality['cuts']}, "
+              f"{quality['seconds']:.0f} s; float32 wire perplexity {first['ppl_float32']:.3f}")
+        print("| codec | mean KL | max KL | same top | PPL change |\n|---|---|---|---|---|")
+        for name, q in quality["codecs"].items():
+            print(f"| {name} | {q['mean_kl']:.2e} | {q['max_kl']:.2e} | {q['same_top']:.2%} | {q['ppl_change']:+.3%} |")
+
+    reason = unavailable_reason()
+    if reason is not None:
+        print(f"\nspeed runs skipped: {reason}")
+        report["speed_skipped"] = reason
+    else:
+        prompts = short_prompts(load_tokenizer(model_dir), args.prompts)
+        run = lambda codec, rate: run_in_namespaces(model_dir, prompts, codec, rate, args.max_new_tokens,  # noqa: E731
+                                                    args.micro_batch_size)
+        unlimited = {codec: run(codec, None) for codec in ("float16", "int8", "int4")}
+        # The rate at which float16's transfer takes 1 / ratio of its compute-bound run's time.
+        rate = unlimited["float16"]["hop_bytes_per_s"] * 8 / 1e6 * args.compute_to_transfer
+        limited = {codec: run(codec, rate) for codec in ("float16", "int8")}
+        speedup = limited["int8"]["tokens_per_s"] / limited["float16"]["tokens_per_s"]
+        report.update(prompts=len(prompts), prompt_tokens=sum(len(ids) for _, ids in prompts),
+                      unlimited=unlimited, limited=limited, rate_mbit=rate, int8_speedup=speedup,
+                      compute_to_transfer=args.compute_to_transfer)
+        print(f"\nspeed: 2 stages in namespaces, {len(prompts)} prompts ({report['prompt_tokens']} prompt tokens), "
+              f"{args.max_new_tokens} new tokens each")
+        print("| link | codec | tok/s | wall s | hop MB | codec share of busy time (stage-0, stage-1) |")
+        print("|---|---|---|---|---|---|")
+        for label, runs in (("no limit", unlimited), (f"tbf {rate:.2f} Mbit/s", limited)):
+            for codec, row in runs.items():
+                share = ", ".join(f"{v:.1%}" for v in row["codec_share"].values())
+                print(f"| {label} | {codec} | {row['tokens_per_s']:.1f} | {row['wall_s']:.1f} | "
+                      f"{row['hop_bytes'] / 1e6:.2f} | {share} |")
+        print(f"\nint8 / float16 tokens/s on the limited link: {speedup:.2f}x (target >= 1.8x); float16 compute-to-"
+              f"transfer ratio {args.compute_to_transfer} by construction at {rate:.2f} Mbit/s")
+        for runs in (unlimited, limited):
+            for row in runs.values():
+                row.pop("token_ids")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"\nwritten to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

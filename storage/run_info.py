@@ -1,0 +1,50 @@
+"""What a run of a job looked like on the cluster (the codec of each link between stages, the
+layer spans), kept beside the store as one small JSON file per job so `layerbus status` can show it.
+
+The standard library only: `layerbus status` reads it without importing a database toolkit. The
+file lives under $LAYERBUS_HOME of the machine that ran the broker; status on another machine
+(a shared PostgreSQL store) shows no wire line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from storage.locations import layerbus_home
+
+
+def run_info_path(job_id: str, home: Path | None = None) -> Path:
+    return (home or layerbus_home()) / "runs" / f"{job_id}.json"
+
+
+def write_run_info(job_id: str, info: dict[str, Any], home: Path | None = None) -> Path:
+    """Replace the job's run info atomically (the latest run wins)."""
+    path = run_info_path(job_id, home)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(info, indent=1))
+    os.replace(partial, path)
+    return path
+
+
+def read_run_info(job_id: str, home: Path | None = None) -> dict[str, Any] | None:
+    """The job's last run info, or None when this machine ran no broker for it (or the file is unreadable)."""
+    try:
+        info = json.loads(run_info_path(job_id, home).read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def wire_line(info: dict[str, Any] | None) -> str | None:
+    """"stage-0 -> stage-1 int8, stage-1 -> stage-2 float16" from run info, or None."""
+    links = (info or {}).get("wire")
+    if not isinstance(links, list) or not links:
+        return None
+    try:
+        return ", ".join(f"{link['from']} -> {link['to']} {link['codec']}" for link in links)
+    except (KeyError, TypeError):
+        return None
