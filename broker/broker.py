@@ -203,6 +203,17 @@ class Broker:
         names = [s.name for s in self.chain] or [f"stage {i}" for i in range(self.config.num_stages)]
         return ", ".join(f"{a} -> {b} {codec}" for a, b, codec in zip(names, names[1:], self.link_codecs))
 
+    def placement_summary(self) -> str:
+        """The chain in one line, e.g. "stage-1 [0, 24) -int8-> stage-0 [24, 30)" (for the job's events)."""
+        parts = []
+        for i, (stage, span) in enumerate(zip(self.chain, self.spans)):
+            parts.append(f"{stage.name} {span}")
+            if i < len(self.chain) - 1:
+                codec = self.link_codecs[i] if i < len(self.link_codecs) else "float32"
+                parts.append(f"-{codec}->")
+        planned = f"; predicted {self.plan.tokens_per_s:.1f} tok/s" if self.plan is not None else ""
+        return " ".join(parts) + f" ({self.config.partition}{planned})"
+
     def run_info(self) -> dict:
         """For storage.run_info: the chain, its spans and the codec of each link."""
         names = [s.name for s in self.chain]

@@ -229,6 +229,9 @@ def run_job(store: JobStore, job_id: str, broker: Runner, results_dir: Path, pro
         _try_set_status(store, job_id, "in_progress")
     settings = store.job_settings(job_id)
     writer = ResultWriter(Path(results_dir), job_id)
+    describe = getattr(broker, "placement_summary", None)
+    if callable(describe) and status.status != "finalizing":
+        store.add_job_event(job_id, "placed", describe())
     worker_name = worker_name or default_worker_name()
     try:
         if status.status != "finalizing":  # stopped while writing its results: only that is left to do
