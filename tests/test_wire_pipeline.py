@@ -19,7 +19,7 @@ from wire.codecs import wire_bytes
 from tests.test_cli_helpers import JOB_ID, layerbus, status_json, write_jsonl
 from tests.test_equivalence import (  # noqa: F401 - smollm2_case is a fixture
     TINY_PROMPTS,
-    reference_generate,
+    assert_equivalent,
     smollm2_case,
     top2_gap,
 )
@@ -28,20 +28,6 @@ from tests.test_equivalence import (  # noqa: F401 - smollm2_case is a fixture
 # on the tiny model's logits is a few 1e-3); a broken codec flips them at gaps of whole logits.
 INT8_TIE = 0.05
 
-
-def assert_close_to_reference(model, requests, results, tie: float) -> int:
-    """Like assert_equivalent, with a looser near-tie for a lossy wire; returns the exact matches."""
-    exact = 0
-    for request, result in zip(requests, results):
-        expected = reference_generate(model, request.prompt_ids, request.max_new_tokens)
-        got = result.token_ids
-        if got == expected:
-            exact += 1
-            continue
-        first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
-        gap = top2_gap(model, request.prompt_ids + expected[:first])
-        assert gap < tie, f"{request.request_id}: token {first} differs at a top-2 gap of {gap:.3g} (limit {tie})"
-    return exact
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
@@ -74,7 +60,7 @@ def test_int8_and_float16_hops_through_real_stages(tiny_models):
     assert codecs == ["int8", "float16"]
     assert [link["codec"] for link in info["wire"]] == ["int8", "float16"]
     assert stats.finished == len(requests) and all(r.error is None for r in results)
-    assert assert_close_to_reference(model, requests, results, INT8_TIE) >= len(requests) - 2
+    assert assert_equivalent(model, requests, results, tie=INT8_TIE) >= len(requests) - 2
     sent = {name: s["bytes_out"] for name, s in stats.stage_stats.items()}
     received = {name: s["tokens"] for name, s in stats.stage_stats.items()}  # positions each stage ran
     hidden = model.config.hidden_size
