@@ -179,7 +179,13 @@ class Broker:
             return None
         by_name = {stage.name: stage for stage in self.control.live_stages()}
         self.plan, self.chain, self.spans = plan, [by_name[name] for name in plan.order], plan.spans
-        self._assign()
+        try:
+            self._assign()
+        except StageLost:
+            raise
+        except ClusterError as error:  # a stage could not load its new span: re-plan without it
+            failed = next((stage for stage in self.chain if stage.state == "failed"), self.chain[0])
+            raise StageLost(failed, f"could not load its new span: {error}") from None
         return self.chain
 
     def _plan_link_codecs(self) -> list[str]:
