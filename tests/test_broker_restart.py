@@ -48,7 +48,11 @@ class ParquetWatcher(threading.Thread):
 
     def run(self) -> None:
         while not self.stopped.is_set():
-            for path in self.folder.rglob("*.parquet"):
+            try:
+                paths = list(self.folder.rglob("*.parquet"))
+            except FileNotFoundError:  # a parts folder removed while listing it (finalize)
+                continue
+            for path in paths:
                 try:
                     pq.read_table(path)
                     self.reads += 1
