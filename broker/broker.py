@@ -117,7 +117,7 @@ class Broker:
         self._assign()
         self.pipeline = Pipeline(self.context, self.control, self.chain, self.results, self.batching,
                                  set(self.model.eos_ids), self._detokenize, self.config.pipeline,
-                                 recover=self.recover, rebalance=self.rebalance)
+                                 recover=self.recover, rebalance=self.rebalance, expected=self._expected_busy_s)
 
     def _assign(self) -> None:
         log.info("placing %s: %s", self.model.path, ", ".join(f"{s.name} {span}" for s, span in zip(self.chain, self.spans)))
@@ -165,6 +165,12 @@ class Broker:
             except ClusterError as error:  # a load failed: that stage is left out of the next plan
                 report("load_failed", str(error))
         return None
+
+    def _expected_busy_s(self, stage_name: str, work) -> float:
+        """For the drift watch: the profile's price of `work` on this stage (0 without a plan)."""
+        from broker.planned_start import expected_busy_s
+
+        return expected_busy_s(self, stage_name, work)
 
     def rebalance(self, slowed: dict[str, float], report=lambda *a, **k: None) -> list[StageInfo] | None:
         """A stage runs `factor` times slower than it did: plan again with its profile slowed as much,

@@ -1,19 +1,38 @@
 """Telling a stage that has slowed down (a card throttling, a neighbour on its host) from a change in
 the work: pure bookkeeping over the stages' own heartbeat stats, table-tested.
 
-Each stage reports its busy seconds and steps served. Over windows of `window_s`, the broker takes
-each stage's busy seconds per step. The first full window after a plan is that plan's baseline:
-how fast each stage runs its span on this workload, measured rather than predicted (profiles are
-taken before the job and can be off by a fair margin). A later window's ratio to the baseline is
-divided by the smallest ratio of all stages, because a change in the work (longer contexts, more
-prefill) slows every stage alike, while a slowed device slows one. A stage whose relative ratio
-reaches `threshold` for `windows` windows in a row is slowed by that factor.
+Each stage reports its busy seconds and steps served. Over windows of `window_s`, the broker
+compares each stage's busy seconds with the work it was sent, priced by that stage's profile
+(`expected`: decode rows, prefill tokens and emitted rows cost differently, and a job moves from
+mostly prefill to mostly decode, which shifts the load between stages by 2x and more). Without
+profiles the work is counted in steps. The first full window after a plan is that plan's baseline:
+the profiles are taken before the job and can be off by a fair margin, so each stage is compared
+with itself. A later window's ratio to the baseline is divided by the smallest ratio of all stages,
+because what slows every stage alike (the host, longer contexts) is not a slowed device. A stage
+whose relative ratio reaches `threshold` for `windows` windows in a row is slowed by that factor.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Mapping
+from dataclasses import dataclass, fields
+from typing import Callable, Mapping
+
+
+@dataclass(frozen=True)
+class Work:
+    """What the broker has sent down the chain so far (cumulative counters)."""
+
+    steps: int = 0
+    decode_rows: int = 0  # rows of one new token
+    prefill_tokens: int = 0  # tokens of prefill chunks (prompts, re-prefills)
+    emit_rows: int = 0  # rows whose next token the last stage picks
+
+    def __sub__(self, other: "Work") -> "Work":
+        return Work(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
+
+
+# expected(stage name, work) -> the seconds that stage's profile says the work takes.
+Expected = Callable[[str, Work], float]
 
 
 @dataclass(frozen=True)
@@ -47,34 +66,44 @@ def relative_slowdowns(baseline: Mapping[str, float], current: Mapping[str, floa
 class DriftWatch:
     """Feed it the stages' stats; it answers {stage: factor} once a stage has stayed slowed."""
 
-    def __init__(self, config: DriftConfig):
+    def __init__(self, config: DriftConfig, expected: Expected | None = None):
         self.config = config
-        self.restart(0.0, {})
+        self.expected = expected  # None: every step is priced alike
+        self.restart(0.0, {}, Work())
 
-    def restart(self, now: float, stats: Mapping[str, Mapping]) -> None:
-        """A new plan (or a re-plan): its baseline is measured anew."""
-        self.window_start, self.start_stats = now, {name: dict(s) for name, s in stats.items()}
+    def restart(self, now: float, stats: Mapping[str, Mapping], work: Work, expected: Expected | None = None) -> None:
+        """A new plan (or a re-plan, with its own prices): its baseline is measured anew."""
+        self.window_start, self.start_stats, self.start_work = now, {name: dict(s) for name, s in stats.items()}, work
+        self.expected = expected if expected is not None else self.expected
         self.baseline: dict[str, float] | None = None
         self.strikes: dict[str, int] = {}
 
-    def observe(self, now: float, stats: Mapping[str, Mapping]) -> dict[str, float] | None:
-        """`stats`: stage name -> its latest {busy_s, steps}. Returns the slowed stages, or None."""
+    def observe(self, now: float, stats: Mapping[str, Mapping], work: Work = Work()) -> dict[str, float] | None:
+        """`stats`: stage name -> its latest {busy_s, steps}; `work`: what was sent so far. Returns
+        the slowed stages, or None."""
         if not self.config.enabled or now - self.window_start < self.config.window_s:
             return None
-        per_step = {}
+        sent = work - self.start_work
+        ratios = {}
         for name, latest in stats.items():
             before = self.start_stats.get(name, {})
             steps = latest.get("steps", 0) - before.get("steps", 0)
             if steps < self.config.min_steps:
-                self.window_start, self.start_stats = now, {n: dict(s) for n, s in stats.items()}
+                self._next_window(now, stats, work)
                 return None  # too little work in this window to judge anyone (a drain, a pause)
-            per_step[name] = (latest.get("busy_s", 0.0) - before.get("busy_s", 0.0)) / steps
-        self.window_start, self.start_stats = now, {name: dict(s) for name, s in stats.items()}
+            price = self.expected(name, sent) if self.expected is not None else 0.0
+            if price <= 0:  # no profile to price the work with: count steps
+                price = float(steps)
+            ratios[name] = (latest.get("busy_s", 0.0) - before.get("busy_s", 0.0)) / price
+        self._next_window(now, stats, work)
         if self.baseline is None:
-            self.baseline = per_step
+            self.baseline = ratios
             return None
-        factors = relative_slowdowns(self.baseline, per_step)
+        factors = relative_slowdowns(self.baseline, ratios)
         for name, factor in factors.items():
             self.strikes[name] = self.strikes.get(name, 0) + 1 if factor >= self.config.threshold else 0
         slowed = {name: factors[name] for name, strikes in self.strikes.items() if strikes >= self.config.windows}
         return slowed or None
+
+    def _next_window(self, now: float, stats: Mapping[str, Mapping], work: Work) -> None:
+        self.window_start, self.start_stats, self.start_work = now, {n: dict(s) for n, s in stats.items()}, work

@@ -26,7 +26,7 @@ import torch
 import zmq
 
 from broker.control import ClusterError, ControlPlane, StageInfo, StageLost
-from broker.drift import DriftConfig, DriftWatch
+from broker.drift import DriftConfig, DriftWatch, Expected, Work
 from broker.requests import GenerationRequest, GenerationResult
 from broker.scheduler import BatchingConfig, Scheduler, StepPlan
 from stages.forward import StepRow
@@ -126,12 +126,14 @@ class Pipeline:
                  results_socket: zmq.Socket, batching: BatchingConfig, eos_ids: set[int],
                  detokenize: Callable[[list[int]], str] | None = None,
                  config: PipelineConfig = PipelineConfig(), clock: Callable[[], float] = time.monotonic,
-                 recover: Recover | None = None, rebalance: Rebalance | None = None):
+                 recover: Recover | None = None, rebalance: Rebalance | None = None,
+                 expected: Expected | None = None):
         self.control, self.chain, self.config, self.clock = control, chain, config, clock
         self.batching, self.eos_ids, self.detokenize = batching, eos_ids, detokenize
         self.recover = recover  # None: a lost stage ends the run with ClusterError
         self.rebalance = rebalance  # None: a slowed stage keeps its layers
-        self.drift = DriftWatch(config.drift)
+        self.drift = DriftWatch(config.drift, expected)  # expected: each stage's price of the work sent
+        self.work = Work()  # what has been sent down the chain, for the drift watch
         self.results = results_socket
         self.context = context
         self.push: zmq.Socket | None = None
@@ -168,7 +170,7 @@ class Pipeline:
         poller = zmq.Poller()
         poller.register(self.results, zmq.POLLIN)
         poller.register(self.control.socket, zmq.POLLIN)
-        self.drift.restart(self.clock(), self._stage_stats())
+        self.drift.restart(self.clock(), self._stage_stats(), self.work)
 
         def report(kind: str, message: str, **fields) -> None:
             log.warning("%s: %s", kind, message)
@@ -236,6 +238,9 @@ class Pipeline:
             rows.append(StepRow(row.slot, row.start, len(row.tokens), row.emit, request.sampling.to_json(),
                                 row.targets))
             tokens.extend(row.tokens)
+        prefill = sum(len(row.tokens) for row in plan.rows if len(row.tokens) > 1)
+        self.work = Work(self.work.steps + 1, self.work.decode_rows + sum(len(row.tokens) == 1 for row in plan.rows),
+                         self.work.prefill_tokens + prefill, self.work.emit_rows + sum(row.emit for row in plan.rows))
         header = {"kind": protocol.STEP, "mb": plan.micro_batch, "step": step, "attempt": attempt,
                   "epoch": self.control.epoch, "rows": protocol.rows_to_json(rows), "release": plan.released}
         self.push.send_multipart(encode(header, {"tokens": torch.tensor(tokens, dtype=torch.int64)}), copy=False)
@@ -324,7 +329,7 @@ class Pipeline:
     def _watch_speed(self, scheduler: Scheduler, inflight: dict[int, _InFlight], report: EventSink,
                      stats: RunStats) -> None:
         """Move layers off a stage that has slowed well below its measured normal (see broker.drift)."""
-        slowed = self.drift.observe(self.clock(), self._stage_stats())
+        slowed = self.drift.observe(self.clock(), self._stage_stats(), self.work)
         if not slowed or self.rebalance is None:
             return
         started = self.clock()
@@ -343,7 +348,7 @@ class Pipeline:
             self._awaiting_first_token = self._replay_event = event
             report("rebalanced", f"{described} than its normal: re-planned in {took:.2f} s: {', '.join(event['chain'])}; "
                                  f"re-prefilling {tokens} tokens", duration_s=round(took, 3))
-        self.drift.restart(self.clock(), self._stage_stats())
+        self.drift.restart(self.clock(), self._stage_stats(), self.work)
 
     def _recover(self, scheduler: Scheduler, inflight: dict[int, _InFlight], lost: StageLost,
                  should_stop: Callable[[], bool], report: EventSink, stats: RunStats) -> bool:
@@ -358,7 +363,7 @@ class Pipeline:
         if chain is None:
             return False
         self.use_chain(chain)
-        self.drift.restart(self.clock(), self._stage_stats())
+        self.drift.restart(self.clock(), self._stage_stats(), self.work)
         tokens = scheduler.reset_caches()
         took = self.clock() - started
         event = {"stage": lost.stage.name, "reason": lost.reason, "started": started,

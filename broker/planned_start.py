@@ -76,3 +76,24 @@ def replan_slowed(broker: Broker, slowed: dict[str, float]) -> Plan | None:
     for line in format_plan(plan).splitlines():
         log.info("%s", line)
     return plan
+
+
+def expected_busy_s(broker: Broker, stage_name: str, work) -> float:
+    """What the stage's profile says `work` (broker.drift.Work) takes on its span of the plan in use:
+    per step its fixed cost, per decode row and prefill token its layers' share, plus the embedding
+    on the first stage and the head for each emitted row on the last. 0 when it is not in the plan."""
+    placement = next((stage for stage in broker.plan.chosen.stages if stage.name == stage_name), None) \
+        if broker.plan is not None else None
+    profile = next((p for p in broker.profiles if p.name == stage_name), None)
+    if placement is None or profile is None:
+        return 0.0
+    decode_steps = work.decode_rows / profile.micro_batch_size  # in units of the profiled decode step
+    prefill_chunks = work.prefill_tokens / profile.prefill_tokens
+    layers = placement.layers.end - placement.layers.start
+    busy = work.steps * profile.step_overhead_s
+    busy += layers * (decode_steps * profile.layer_decode_s + prefill_chunks * profile.layer_prefill_s)
+    if placement.is_first:
+        busy += (decode_steps + prefill_chunks) * profile.embed_s
+    if placement.is_last:
+        busy += work.emit_rows / profile.micro_batch_size * profile.head_s
+    return busy
