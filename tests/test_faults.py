@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 from transformers import AutoTokenizer
@@ -218,4 +219,25 @@ def test_survivors_too_small_for_the_model_wait_for_a_stage_to_join(model_dir, r
     waiting = next(message for kind, message, _ in events if kind == "waiting")
     assert "cannot hold" in waiting and "layerbus stage --broker" in waiting
     assert any("stage-new" in entry for entry in stats.recoveries[-1]["chain"])
+    assert outputs(results) == unfaulted
+
+
+def test_a_step_not_back_in_time_is_resent_and_the_late_duplicate_discarded(model_dir, requests, unfaulted):
+    """A stage paused for less than the liveness window but longer than the step timeout: its steps
+    are resent with the next attempt number, the first attempts' results are discarded as duplicates,
+    and no stage is declared lost."""
+    paused = []
+
+    def pause_middle(cluster, count):
+        if count >= 4 and not paused:
+            process, name = process_of(cluster, 1)
+            paused.append(name)
+            os.kill(process.pid, signal.SIGSTOP)
+            # Stopped for 2 s: past the step timeout, well within the liveness window.
+            threading.Timer(2.0, os.kill, (process.pid, signal.SIGCONT)).start()
+
+    impatient = PipelineConfig(heartbeat_interval_s=0.2, liveness_window_s=5.0, step_timeout_s=1.0)
+    results, stats = run(model_dir, requests, on_result=pause_middle, pipeline=impatient)
+    assert paused and stats.recoveries == []
+    assert stats.resent >= 1 and stats.discarded >= 1
     assert outputs(results) == unfaulted
