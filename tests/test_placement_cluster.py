@@ -9,6 +9,7 @@ import pytest
 
 from broker.broker import BrokerConfig
 from broker.model_memory import model_memory
+from broker.placement import PlanOptions
 from broker.local_cluster import LocalCluster, LocalStageOptions
 from broker.requests import GenerationRequest
 from broker.scheduler import BatchingConfig
@@ -19,7 +20,10 @@ from stages.profile import ProfileRequest, profile_stage
 def test_slow_stage_gets_fewer_layers_end_to_end(tiny_models, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LAYERBUS_HOME", str(tmp_path))  # profiles are measured afresh, not read from a cache
     model_dir = tiny_models("llama", num_hidden_layers=8, hidden_size=128, intermediate_size=512)
-    config = BrokerConfig(str(model_dir), 2, batching=BatchingConfig(num_slots=8, max_context=64))
+    # Both stages must be used: with step overheads this large next to a tiny model's layers, the
+    # planner may rightly drop the slow stage altogether (dropping has its own table tests).
+    config = BrokerConfig(str(model_dir), 2, batching=BatchingConfig(num_slots=8, max_context=64),
+                          plan_options=PlanOptions(allow_drop=False))
     # stage-0 runs at a fifth of its real speed: it must end up with fewer layers than stage-1.
     options = LocalStageOptions(threads_per_stage=1, stage_args=(("--emulate-speed", "0.2"), ()),
                                 env={"LAYERBUS_HOME": str(tmp_path)})
