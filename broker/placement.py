@@ -98,7 +98,9 @@ class PlanOptions:
     reserve_fraction: float = 0.05  # of each budget kept free (allocator slack, fragmentation, the runtime)
     allow_reorder: bool = True  # choose the order of the stages (else: as given)
     allow_drop: bool = True  # leave out stages that would only slow the chain
-    drop_tolerance: float = 0.05  # use fewer stages only when that is this much faster (measurements are noisy)
+    # Use fewer stages only when that is this much faster: profiles are noisy (a busy host, a tiny
+    # model whose steps are mostly fixed cost), and a stage left out for noise is a stage wasted.
+    drop_tolerance: float = 0.2
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens_per_new_token >= 0:

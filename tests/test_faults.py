@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 
 from broker.broker import BrokerConfig
 from broker.drift import DriftConfig
+from broker.placement import PlanOptions
 from broker.local_cluster import LocalCluster, LocalStageOptions
 from broker.pipeline import ListSource, PipelineConfig
 from broker.requests import GenerationRequest, GenerationResult
@@ -56,7 +57,9 @@ def process_of(cluster, position: int):
 def run(model_dir, requests, num_stages=3, on_result=lambda cluster, count: None, env=None, events=None,
         batching=BatchingConfig(num_slots=8, num_micro_batches=4, max_step_tokens=32), pipeline=FAST_LIVENESS,
         stage_args=()):
-    config = BrokerConfig(str(model_dir), num_stages, batching=batching, pipeline=pipeline)
+    # Every stage is used (no noisy profile gets one left out), so the faults hit the chain they aim at.
+    config = BrokerConfig(str(model_dir), num_stages, batching=batching, pipeline=pipeline,
+                          plan_options=PlanOptions(allow_drop=False))
     options = LocalStageOptions(threads_per_stage=1, env=env or {}, stage_args=stage_args)
     with LocalCluster(config, options) as cluster:
         assert len(cluster.broker.chain) == num_stages, f"the plan left stages out: {cluster.broker.chain}"

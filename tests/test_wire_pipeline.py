@@ -15,6 +15,7 @@ from broker.broker import BrokerConfig
 from broker.local_cluster import LocalCluster, LocalStageOptions
 from broker.requests import GenerationRequest
 from broker.scheduler import BatchingConfig
+from broker.placement import PlanOptions
 from wire.codecs import wire_bytes
 from tests.test_cli_helpers import JOB_ID, layerbus, status_json, write_jsonl
 from tests.test_equivalence import (  # noqa: F401 - smollm2_case is a fixture
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable
 
 
 def run_with_wire(model_dir, num_stages: int, requests, wire, num_slots: int = 4, **batching):
-    config = BrokerConfig(str(model_dir), num_stages, wire=wire,
+    config = BrokerConfig(str(model_dir), num_stages, wire=wire, plan_options=PlanOptions(allow_drop=False),
                           batching=BatchingConfig(num_slots=num_slots, **batching))
     with LocalCluster(config, LocalStageOptions(threads_per_stage=1)) as cluster:
         results, stats = cluster.broker.generate(requests)
