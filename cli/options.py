@@ -105,10 +105,10 @@ def add_cluster_options(parser: argparse.ArgumentParser, partition: bool = True)
     parser.add_argument("--liveness-window", metavar="S", type=positive_float, default=5.0,
                         help="a stage silent this many seconds is lost: the broker re-plans without it and the "
                              "job goes on (default: 5; stages heartbeat every 0.5 s, even mid-step)")
-    parser.add_argument("--slowdown-threshold", metavar="F", type=non_negative_float, default=2.0,
+    parser.add_argument("--slowdown-threshold", metavar="F", type=non_negative_float, default=3.0,
                         help="with --partition planned, a stage running F times slower than its measured normal "
-                             "(relative to the others, 2 windows of 5 s in a row) has layers moved off it; "
-                             "0 = never (default: 2)")
+                             "(relative to the others, 3 windows of 5 s in a row) has layers moved off it; "
+                             "0 = never (default: 3)")
     parser.add_argument("--max-step-failures", metavar="N", type=positive_int, default=3,
                         help="an item whose step fails this many times alone fails with the stage's error, and "
                              "the job goes on (default: 3)")
