@@ -48,6 +48,10 @@ class DriftConfig:
     windows: int = 3
     min_steps: int = 4  # a window where a stage served fewer steps says nothing about it
     min_gain: float = 0.15  # move layers only if the new plan's predicted step is this much faster
+    # CPU stages on one host share its cores and memory bandwidth: one of them running slower is the
+    # others' load, which moving layers between them does not cure (and each move costs a re-prefill).
+    # Watched only when asked (tests and emulations of a slowed device on one machine).
+    watch_shared_cpu_host: bool = False
 
     def __post_init__(self) -> None:
         if self.window_s <= 0 or self.threshold <= 1 or self.windows < 1 or self.min_steps < 1:

@@ -329,8 +329,10 @@ class Pipeline:
     def _watch_speed(self, scheduler: Scheduler, inflight: dict[int, _InFlight], report: EventSink,
                      stats: RunStats) -> None:
         """Move layers off a stage that has slowed well below its measured normal (see broker.drift)."""
+        if self.rebalance is None or (not self.config.drift.watch_shared_cpu_host and _shared_cpu_host(self.chain)):
+            return
         slowed = self.drift.observe(self.clock(), self._stage_stats(), self.work)
-        if not slowed or self.rebalance is None:
+        if not slowed:
             return
         started = self.clock()
         described = ", ".join(f"{name} {factor:.1f}x slower" for name, factor in slowed.items())
@@ -375,3 +377,8 @@ class Pipeline:
                             f"{', '.join(event['chain'])}; re-prefilling {tokens} tokens",
                stage=lost.stage.name, duration_s=round(took, 3))
         return True
+
+
+def _shared_cpu_host(chain: list[StageInfo]) -> bool:
+    """All stages are CPU stages on one host (see DriftConfig.watch_shared_cpu_host)."""
+    return len({stage.host for stage in chain}) == 1 and all(stage.device == "cpu" for stage in chain)

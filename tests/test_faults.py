@@ -152,7 +152,7 @@ def test_a_poison_item_fails_after_bounded_attempts_and_the_rest_complete(model_
     assert outputs(results) == unfaulted
 
 
-def test_a_stage_slowed_mid_job_has_layers_moved_off_it_and_outputs_do_not_change(model_dir, requests, unfaulted):
+def test_a_stage_slowed_mid_job_has_layers_moved_off_it_and_outputs_do_not_change(tiny_models):
     """stage-1 runs at a tenth of its speed after 150 steps: the broker sees it drift from its
     measured normal, re-plans with its profile slowed as much, and moves layers off it."""
     events, initial = [], {}
@@ -162,8 +162,9 @@ def test_a_stage_slowed_mid_job_has_layers_moved_off_it_and_outputs_do_not_chang
             initial.update((stage.name, stage.layers) for stage in cluster.broker.pipeline.chain)
 
     watchful = PipelineConfig(heartbeat_interval_s=0.2, liveness_window_s=3.0,
-                              drift=DriftConfig(window_s=1.0, windows=2, min_steps=4))
+                              drift=DriftConfig(window_s=1.0, windows=2, min_steps=4, watch_shared_cpu_host=True))
     slow_later = ((), ("--emulate-slowdown", "150:0.1"), ())
+    model_dir = tiny_models("llama", num_hidden_layers=12)  # several layers per stage, so some can move
     long_run = make_requests(model_dir, count=48, max_new_tokens=60)
     results, stats = run(model_dir, long_run, events=events, pipeline=watchful, stage_args=slow_later,
                          on_result=note_initial_spans)
