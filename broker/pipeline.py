@@ -137,7 +137,8 @@ class Pipeline:
         self.results = results_socket
         self.context = context
         self.push: zmq.Socket | None = None
-        self._connect_first(chain[0].data_address)
+        self.first_address: str | None = None
+        self.use_chain(chain)
         self.next_step = 0
         self._awaiting_first_token: dict | None = None  # the recovery event waiting for its first new token
         self._replay_event: dict | None = None  # the recovery event waiting for its re-prefill to end
@@ -145,6 +146,8 @@ class Pipeline:
     def use_chain(self, chain: list[StageInfo]) -> None:
         """Send to a new chain (after a re-plan)."""
         self.chain = chain
+        # Decided once per chain, not per loop: CPU stages sharing one host are not watched for drift.
+        self._drift_watched = self.config.drift.watch_shared_cpu_host or not _shared_cpu_host(chain)
         if chain[0].data_address != self.first_address:
             self._connect_first(chain[0].data_address)
 
@@ -329,7 +332,7 @@ class Pipeline:
     def _watch_speed(self, scheduler: Scheduler, inflight: dict[int, _InFlight], report: EventSink,
                      stats: RunStats) -> None:
         """Move layers off a stage that has slowed well below its measured normal (see broker.drift)."""
-        if self.rebalance is None or (not self.config.drift.watch_shared_cpu_host and _shared_cpu_host(self.chain)):
+        if self.rebalance is None or not self._drift_watched:
             return
         slowed = self.drift.observe(self.clock(), self._stage_stats(), self.work)
         if not slowed:
@@ -339,18 +342,12 @@ class Pipeline:
         chain = self.rebalance(slowed, report)
         if chain is None:
             report("slowed", f"{described} than its normal, but no other placement is faster: layers stay")
-        else:
-            inflight.clear()  # the new epoch's stages drop these; the re-prefill redoes them
-            self.use_chain(chain)
-            tokens = scheduler.reset_caches()
-            took = self.clock() - started
-            event = {"stage": ",".join(slowed), "reason": described, "started": started, "replan_s": round(took, 3),
-                     "reprefill_tokens": tokens, "chain": [f"{s.name} {s.layers}" for s in chain]}
-            stats.recoveries.append(event)
-            self._awaiting_first_token = self._replay_event = event
-            report("rebalanced", f"{described} than its normal: re-planned in {took:.2f} s: {', '.join(event['chain'])}; "
-                                 f"re-prefilling {tokens} tokens", duration_s=round(took, 3))
-        self.drift.restart(self.clock(), self._stage_stats(), self.work)
+            self.drift.restart(self.clock(), self._stage_stats(), self.work)
+            return
+        event = self._resume_on(chain, scheduler, inflight, stats, started, ",".join(slowed), described)
+        report("rebalanced", f"{described} than its normal: re-planned in {event['replan_s']:.2f} s: "
+                             f"{', '.join(event['chain'])}; re-prefilling {event['reprefill_tokens']} tokens",
+               duration_s=event["replan_s"])
 
     def _recover(self, scheduler: Scheduler, inflight: dict[int, _InFlight], lost: StageLost,
                  should_stop: Callable[[], bool], report: EventSink, stats: RunStats) -> bool:
@@ -358,25 +355,31 @@ class Pipeline:
         if self.recover is None:
             raise lost
         started = self.clock()
-        self.control.mark_lost(lost.stage)
         report("stage_lost", str(lost), stage=lost.stage.name)
         inflight.clear()  # whatever was in flight is dropped; the re-prefill redoes it
-        chain = self.recover(lost, should_stop, report)
+        chain = self.recover(lost, should_stop, report)  # marks the stage lost, re-plans, reloads
         if chain is None:
             return False
+        event = self._resume_on(chain, scheduler, inflight, stats, started, lost.stage.name, lost.reason)
+        report("recovered", f"re-planned without {lost.stage.name} in {event['replan_s']:.2f} s: "
+                            f"{', '.join(event['chain'])}; re-prefilling {event['reprefill_tokens']} tokens",
+               stage=lost.stage.name, duration_s=event["replan_s"])
+        return True
+
+    def _resume_on(self, chain: list[StageInfo], scheduler: Scheduler, inflight: dict[int, _InFlight],
+                   stats: RunStats, started: float, stage: str, reason: str) -> dict:
+        """Go on with a freshly loaded chain: steps in flight belong to the old epoch (its stages drop
+        them), every active sequence re-prefills, the drift watch takes a new baseline. Returns the
+        re-plan's event, which the first new token and the end of the re-prefill complete."""
+        inflight.clear()
         self.use_chain(chain)
         self.drift.restart(self.clock(), self._stage_stats(), self.work)
         tokens = scheduler.reset_caches()
-        took = self.clock() - started
-        event = {"stage": lost.stage.name, "reason": lost.reason, "started": started,
-                 "replan_s": round(took, 3), "reprefill_tokens": tokens,
-                 "chain": [f"{s.name} {s.layers}" for s in chain]}
+        event = {"stage": stage, "reason": reason, "started": started, "replan_s": round(self.clock() - started, 3),
+                 "reprefill_tokens": tokens, "chain": [f"{s.name} {s.layers}" for s in chain]}
         stats.recoveries.append(event)
         self._awaiting_first_token = self._replay_event = event
-        report("recovered", f"re-planned without {lost.stage.name} in {took:.2f} s: "
-                            f"{', '.join(event['chain'])}; re-prefilling {tokens} tokens",
-               stage=lost.stage.name, duration_s=round(took, 3))
-        return True
+        return event
 
 
 def _shared_cpu_host(chain: list[StageInfo]) -> bool:
