@@ -31,11 +31,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.corpus import tokenized_prompts  # noqa: E402
-from broker.broker import BrokerConfig  # noqa: E402
-from broker.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
-from broker.pipeline import ListSource, PipelineConfig  # noqa: E402
-from broker.requests import GenerationRequest  # noqa: E402
-from broker.scheduler import BatchingConfig  # noqa: E402
+from layerbus.broker.broker import BrokerConfig  # noqa: E402
+from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
+from layerbus.broker.pipeline import ListSource, PipelineConfig  # noqa: E402
+from layerbus.broker.requests import GenerationRequest  # noqa: E402
+from layerbus.broker.scheduler import BatchingConfig  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -105,7 +105,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from stages.default_model import default_model_dir
+    from layerbus.stages.default_model import default_model_dir
 
     model_dir = args.model or default_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -41,11 +41,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bench_jobs.json")
     args = parser.parse_args()
 
-    from broker.broker import BrokerConfig
-    from broker.job_runner import run_job
-    from broker.local_cluster import LocalCluster, LocalStageOptions
-    from storage import JobStore
-    from storage.results import read_results
+    from layerbus.broker.broker import BrokerConfig
+    from layerbus.broker.job_runner import run_job
+    from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
+    from layerbus.storage import JobStore
+    from layerbus.storage.results import read_results
     from tests.tiny_models import make_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="layerbus-bench-jobs-"))

@@ -25,11 +25,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.corpus import tokenized_prompts  # noqa: E402
-from broker.broker import BrokerConfig  # noqa: E402
-from broker.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
-from broker.partition import model_cost_from_config  # noqa: E402
-from broker.requests import GenerationRequest  # noqa: E402
-from broker.scheduler import BatchingConfig  # noqa: E402
+from layerbus.broker.broker import BrokerConfig  # noqa: E402
+from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
+from layerbus.broker.partition import model_cost_from_config  # noqa: E402
+from layerbus.broker.requests import GenerationRequest  # noqa: E402
+from layerbus.broker.scheduler import BatchingConfig  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -108,8 +108,8 @@ def main() -> None:
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bench_pipeline.json")
     args = parser.parse_args()
-    from broker.model_info import load_tokenizer, read_model_info
-    from stages.default_model import default_model_dir
+    from layerbus.broker.model_info import load_tokenizer, read_model_info
+    from layerbus.stages.default_model import default_model_dir
 
     model_dir = args.model or default_model_dir()
     info = read_model_info(model_dir)

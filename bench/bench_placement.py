@@ -23,13 +23,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.corpus import tokenized_prompts  # noqa: E402
-from broker.broker import BrokerConfig  # noqa: E402
-from broker.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
-from broker.partition import equal_partition  # noqa: E402
-from broker.placement import PlanOptions, estimate_split  # noqa: E402
-from broker.plan_report import format_plan  # noqa: E402
-from broker.requests import GenerationRequest  # noqa: E402
-from broker.scheduler import BatchingConfig  # noqa: E402
+from layerbus.broker.broker import BrokerConfig  # noqa: E402
+from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
+from layerbus.broker.partition import equal_partition  # noqa: E402
+from layerbus.broker.placement import PlanOptions, estimate_split  # noqa: E402
+from layerbus.broker.plan_report import format_plan  # noqa: E402
+from layerbus.broker.requests import GenerationRequest  # noqa: E402
+from layerbus.broker.scheduler import BatchingConfig  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -83,8 +83,8 @@ def main() -> None:
     parser.add_argument("--skip", choices=["A", "B"], default=None)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bench_placement.json")
     args = parser.parse_args()
-    from broker.model_info import load_tokenizer
-    from stages.default_model import default_model_dir
+    from layerbus.broker.model_info import load_tokenizer
+    from layerbus.stages.default_model import default_model_dir
 
     model_dir = args.model or default_model_dir()
     prompts = tokenized_prompts(load_tokenizer(model_dir), args.prompts)
@@ -111,9 +111,9 @@ def main() -> None:
         speeds = ("--emulate-speed", "0.33")
         stage_args = [speeds, (*speeds, "--memory-budget", args.small_budget), speeds]
         planned = run(model_dir, prompts, args.max_new_tokens, batching, "planned", stage_args, options)
-        from broker.model_info import read_model_info
-        from broker.model_memory import model_memory
-        from broker.placement import Shapes
+        from layerbus.broker.model_info import read_model_info
+        from layerbus.broker.model_memory import model_memory
+        from layerbus.broker.placement import Shapes
 
         memory = model_memory(read_model_info(model_dir).files)
         shapes = Shapes(**planned["plan"]["shapes"])

@@ -21,8 +21,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from storage.records import ItemResult, JobSettings, NewItem  # noqa: E402
-from storage.store import JobStore  # noqa: E402
+from layerbus.storage.records import ItemResult, JobSettings, NewItem  # noqa: E402
+from layerbus.storage.store import JobStore  # noqa: E402
 
 RESULTS_PATH = Path(__file__).resolve().parent / "results" / "bench_store.json"
 # A summarize-sized item: ~1 kB of document, a prompt wrapping it, and a ~400-character answer.

@@ -25,11 +25,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.netns import StageNamespaces, unavailable_reason  # noqa: E402
-from broker.broker import Broker, BrokerConfig  # noqa: E402
-from broker.requests import GenerationRequest  # noqa: E402
-from broker.scheduler import BatchingConfig  # noqa: E402
-from stages.wire_quality import SAMPLE_CORPUS, quality_report  # noqa: E402
-from wire.codecs import CODEC_NAMES, wire_bytes  # noqa: E402
+from layerbus.broker.broker import Broker, BrokerConfig  # noqa: E402
+from layerbus.broker.requests import GenerationRequest  # noqa: E402
+from layerbus.broker.scheduler import BatchingConfig  # noqa: E402
+from layerbus.stages.wire_quality import SAMPLE_CORPUS, quality_report  # noqa: E402
+from layerbus.wire.codecs import CODEC_NAMES, wire_bytes  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
@@ -65,7 +65,7 @@ def run_in_namespaces(model_dir: Path, prompts, codec: str, rate_mbit: float | N
         processes = []
         try:
             for i, name in enumerate(NAMESPACES):
-                argv = [sys.executable, "-m", "stages", "--broker", f"tcp://{net.host_address(i)}:{port}",
+                argv = [sys.executable, "-m", "layerbus.stages", "--broker", f"tcp://{net.host_address(i)}:{port}",
                         "--name", f"stage-{i}", "--bind", f"tcp://{binds[i]}:*", "--threads", "1"]
                 processes.append(subprocess.Popen(net.command(name, argv), env=env, stdout=subprocess.DEVNULL,
                                                   stderr=subprocess.DEVNULL))
@@ -109,8 +109,8 @@ def main() -> None:
     parser.add_argument("--skip-quality", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bench_wire.json")
     args = parser.parse_args()
-    from broker.model_info import load_tokenizer, read_model_info
-    from stages.default_model import default_model_dir
+    from layerbus.broker.model_info import load_tokenizer, read_model_info
+    from layerbus.stages.default_model import default_model_dir
 
     model_dir = args.model or default_model_dir()
     hidden = read_model_info(model_dir).files.config.hidden_size

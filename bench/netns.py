@@ -3,7 +3,7 @@ with `tc qdisc ... tbf` (netem is not available here), for benchmarks and tests.
 `ip`/`tc`; `unavailable_reason()` says why not, so callers skip cleanly.
 
     with StageNamespaces(["lb5-a", "lb5-b"], rate_mbit=2.0) as net:
-        net.command("lb5-a", [sys.executable, "-m", "stages", ...])   # argv run inside lb5-a
+        net.command("lb5-a", [sys.executable, "-m", "layerbus.stages", ...])   # argv run inside lb5-a
 
 Topology: the caller stays in its own namespace (the "host", where the broker runs); each stage
 namespace gets an unlimited veth link to the host (10.77.<i+1>.1 host side, .2 stage side), and

@@ -7,16 +7,16 @@ from dataclasses import dataclass, field, replace
 
 import zmq
 
-from broker.control import ClusterError, ControlPlane, StageInfo, StageLost
-from broker.model_info import ModelInfo, load_tokenizer, read_model_info
-from broker.partition import balanced_partition, equal_partition, model_cost_from_config
-from broker.placement import Plan, PlanOptions, StageProfile
-from broker.profiling import ProfilingConfig
-from broker.pipeline import ListSource, Pipeline, PipelineConfig, RequestSource, ResultSink, RunStats
-from broker.requests import GenerationRequest, GenerationResult
-from broker.scheduler import BatchingConfig
-from broker.wire_choice import AutoWireInputs, plan_link_codecs
-from wire.spans import LayerRange
+from layerbus.broker.control import ClusterError, ControlPlane, StageInfo, StageLost
+from layerbus.broker.model_info import ModelInfo, load_tokenizer, read_model_info
+from layerbus.broker.partition import balanced_partition, equal_partition, model_cost_from_config
+from layerbus.broker.placement import Plan, PlanOptions, StageProfile
+from layerbus.broker.profiling import ProfilingConfig
+from layerbus.broker.pipeline import ListSource, Pipeline, PipelineConfig, RequestSource, ResultSink, RunStats
+from layerbus.broker.requests import GenerationRequest, GenerationResult
+from layerbus.broker.scheduler import BatchingConfig
+from layerbus.broker.wire_choice import AutoWireInputs, plan_link_codecs
+from layerbus.wire.spans import LayerRange
 
 log = logging.getLogger("layerbus.broker")
 PARTITIONS = ("planned", "balanced", "equal")
@@ -103,7 +103,7 @@ class Broker:
         PlacementError when the stages cannot hold the model."""
         stages = sorted(stages, key=lambda s: s.name)  # a stable chain order for reproducible logs
         if self.config.partition == "planned":
-            from broker.planned_start import plan_chain
+            from layerbus.broker.planned_start import plan_chain
 
             self.profiles, self.plan, chain = plan_chain(self, stages, self.profiles)
             return chain, self.plan.spans
@@ -133,7 +133,7 @@ class Broker:
         load the new spans, and return the new chain. While they cannot hold the model (none left, or
         too little memory), wait for a stage to register. Another stage lost while loading is dropped
         too, and the plan made again. None when `should_stop` says so."""
-        from broker.placement import PlacementError
+        from layerbus.broker.placement import PlacementError
 
         self.control.mark_lost(lost.stage)
         self.profiles = [p for p in self.profiles if p.name != lost.stage.name]  # a re-registered one is measured anew
@@ -168,7 +168,7 @@ class Broker:
 
     def _expected_busy_s(self, stage_name: str, work) -> float:
         """For the drift watch: the profile's price of `work` on this stage (0 without a plan)."""
-        from broker.planned_start import expected_busy_s
+        from layerbus.broker.planned_start import expected_busy_s
 
         return expected_busy_s(self, stage_name, work)
 
@@ -178,7 +178,7 @@ class Broker:
         (re-loading spans and re-prefilling cost something). Returns the new chain, or None."""
         if self.plan is None:  # "balanced" and "equal" have no measured profiles to re-plan from
             return None
-        from broker.planned_start import replan_slowed
+        from layerbus.broker.planned_start import replan_slowed
 
         plan = replan_slowed(self, slowed)
         if plan is None:
@@ -242,7 +242,7 @@ class Broker:
         before = {s.name: dict(s.stats) for s in self.chain}
         stats = self.pipeline.run(source, sink, should_stop, events)
         if self.plan is not None and not stats.recoveries:  # after a re-plan the stats span two plans
-            from broker.plan_report import step_time_report
+            from layerbus.broker.plan_report import step_time_report
 
             for line in step_time_report(self.plan, before, stats.stage_stats):
                 log.info("%s", line)

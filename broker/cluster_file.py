@@ -11,8 +11,8 @@ import math
 import re
 from pathlib import Path
 
-from broker.partition import ModelCost
-from broker.placement import Shapes, StageProfile
+from layerbus.broker.partition import ModelCost
+from layerbus.broker.placement import Shapes, StageProfile
 
 TOP_FIELDS = {"stages", "reference_gflops"}
 STAGE_FIELDS = {"name", "device", "speed", "layer_decode_ms", "layer_prefill_ms", "embed_ms", "head_ms",

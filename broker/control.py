@@ -10,10 +10,10 @@ from typing import Callable
 
 import zmq
 
-from stages.heartbeat import HEARTBEAT_IDENTITY_SUFFIX
-from wire import protocol
-from wire.frames import WireError, decode, encode
-from wire.spans import LayerRange
+from layerbus.stages.heartbeat import HEARTBEAT_IDENTITY_SUFFIX
+from layerbus.wire import protocol
+from layerbus.wire.frames import WireError, decode, encode
+from layerbus.wire.spans import LayerRange
 
 log = logging.getLogger("layerbus.broker")
 

@@ -14,12 +14,12 @@ from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from broker.control import ClusterError
-from broker.requests import GenerationRequest, GenerationResult
-from stages.sampling import SamplingParams
-from storage import ClaimedItem, ItemResult, JobSettings, JobStatus, JobStore, StoreError
-from storage.results import ResultWriter, settings_metadata
-from storage.states import RUNNABLE_JOB_STATES
+from layerbus.broker.control import ClusterError
+from layerbus.broker.requests import GenerationRequest, GenerationResult
+from layerbus.stages.sampling import SamplingParams
+from layerbus.storage import ClaimedItem, ItemResult, JobSettings, JobStatus, JobStore, StoreError
+from layerbus.storage.results import ResultWriter, settings_metadata
+from layerbus.storage.states import RUNNABLE_JOB_STATES
 
 log = logging.getLogger("layerbus.jobs")
 

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from broker.broker import Broker, BrokerConfig
+from layerbus.broker.broker import Broker, BrokerConfig
 
 log = logging.getLogger("layerbus.cluster")
 
@@ -27,7 +27,7 @@ class LocalStageOptions:
     device: str = "cpu"
     dtype: str = "float32"
     log_dir: Path | None = None  # one log file per stage (None = inherit this process's stderr)
-    extra_args: tuple[str, ...] = ()  # passed to every `python -m stages`
+    extra_args: tuple[str, ...] = ()  # passed to every `python -m layerbus.stages`
     stage_args: tuple[tuple[str, ...], ...] = ()  # passed to stage i only (e.g. --emulate-speed 0.33)
     env: dict[str, str] = field(default_factory=dict)  # added to each stage's environment
 
@@ -67,7 +67,7 @@ class LocalCluster:
     def _spawn_stages(self) -> None:
         env = dict(os.environ, **self.options.env)
         for i in range(self.config.num_stages):
-            command = [sys.executable, "-m", "stages", "--broker", self.broker.address, "--name", f"stage-{i}",
+            command = [sys.executable, "-m", "layerbus.stages", "--broker", self.broker.address, "--name", f"stage-{i}",
                        "--threads", str(self.threads_per_stage()), "--device", self.options.device,
                        "--dtype", self.options.dtype, *self.options.extra_args,
                        *(self.options.stage_args[i] if i < len(self.options.stage_args) else ())]

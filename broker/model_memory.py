@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 import re
 
-from broker.placement import ModelMemory
-from stages.model_files import ModelFiles
-from stages.tensor_reader import SAFETENSORS_DTYPES, TensorReader
+from layerbus.broker.placement import ModelMemory
+from layerbus.stages.model_files import ModelFiles
+from layerbus.stages.tensor_reader import SAFETENSORS_DTYPES, TensorReader
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from wire.spans import LayerRange
+from layerbus.wire.spans import LayerRange
 
 
 @dataclass(frozen=True)

@@ -25,13 +25,13 @@ from typing import Callable, Protocol
 import torch
 import zmq
 
-from broker.control import ClusterError, ControlPlane, StageInfo, StageLost
-from broker.drift import DriftConfig, DriftWatch, Expected, Work
-from broker.requests import GenerationRequest, GenerationResult
-from broker.scheduler import BatchingConfig, Scheduler, StepPlan
-from stages.forward import StepRow
-from wire import protocol
-from wire.frames import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode, encode
+from layerbus.broker.control import ClusterError, ControlPlane, StageInfo, StageLost
+from layerbus.broker.drift import DriftConfig, DriftWatch, Expected, Work
+from layerbus.broker.requests import GenerationRequest, GenerationResult
+from layerbus.broker.scheduler import BatchingConfig, Scheduler, StepPlan
+from layerbus.stages.forward import StepRow
+from layerbus.wire import protocol
+from layerbus.wire.frames import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode, encode
 
 log = logging.getLogger("layerbus.broker")
 

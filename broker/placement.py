@@ -20,8 +20,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from broker.partition import equal_partition
-from wire.spans import LayerRange
+from layerbus.broker.partition import equal_partition
+from layerbus.wire.spans import LayerRange
 
 SUBSET_DP_LIMIT = 6_000_000  # inner-loop steps above which the order search falls back to (first, last) pairs
 

@@ -3,7 +3,7 @@ memory unused (`--explain`), and predicted against measured step times once a jo
 
 from __future__ import annotations
 
-from broker.placement import Plan, SplitEstimate, StagePlacement
+from layerbus.broker.placement import Plan, SplitEstimate, StagePlacement
 
 
 def size(value: float) -> str:

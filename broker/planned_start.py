@@ -9,14 +9,14 @@ import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from broker.control import StageInfo
-from broker.model_memory import model_memory
-from broker.placement import Plan, PlacementError, StageProfile, estimate_split, plan_placement
-from broker.plan_report import format_plan
-from broker.profiling import collect_profiles
+from layerbus.broker.control import StageInfo
+from layerbus.broker.model_memory import model_memory
+from layerbus.broker.placement import Plan, PlacementError, StageProfile, estimate_split, plan_placement
+from layerbus.broker.plan_report import format_plan
+from layerbus.broker.profiling import collect_profiles
 
 if TYPE_CHECKING:
-    from broker.broker import Broker
+    from layerbus.broker.broker import Broker
 
 log = logging.getLogger("layerbus.broker")
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from broker.control import ClusterError, ControlPlane, StageInfo
-from broker.placement import ModelMemory, StageProfile
-from wire import protocol
+from layerbus.broker.control import ClusterError, ControlPlane, StageInfo
+from layerbus.broker.placement import ModelMemory, StageProfile
+from layerbus.wire import protocol
 
 log = logging.getLogger("layerbus.broker")
 
@@ -84,7 +84,7 @@ def probe_link(control: ControlPlane, stage: StageInfo, payload_bytes: int, roun
 
 
 def _probe_frames(seq: int, payload: torch.Tensor | None) -> list:
-    from wire.frames import encode
+    from layerbus.wire.frames import encode
 
     return encode({"kind": protocol.PROBE, "seq": seq}, {"payload": payload} if payload is not None else None)
 

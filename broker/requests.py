@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from stages.sampling import SamplingParams
+from layerbus.stages.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from broker.requests import GenerationRequest, GenerationResult
+from layerbus.broker.requests import GenerationRequest, GenerationResult
 
 
 @dataclass(frozen=True)

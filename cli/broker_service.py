@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cli.errors import EXIT_FAILED, EXIT_OK, UsageError
-from cli.options import (
+from layerbus.cli.errors import EXIT_FAILED, EXIT_OK, UsageError
+from layerbus.cli.options import (
     add_cluster_options,
     batching_from_args,
     add_db,
@@ -24,11 +24,11 @@ from cli.options import (
     resolve_model,
     results_dir,
 )
-from cli.signals import Interrupted, stop_on_signals
+from layerbus.cli.signals import Interrupted, stop_on_signals
 
 if TYPE_CHECKING:
-    from broker.broker import Broker
-    from storage import JobStatus, JobStore
+    from layerbus.broker.broker import Broker
+    from layerbus.storage import JobStatus, JobStore
 
 log = logging.getLogger("layerbus.broker")
 
@@ -62,7 +62,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     import zmq
 
-    from broker.broker import Broker, BrokerConfig
+    from layerbus.broker.broker import Broker, BrokerConfig
 
     model_dir = resolve_model(args.model)
     model_for_stages(model_dir, args.stages)
@@ -91,8 +91,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _serve(store: JobStore, broker: Broker, model_dir: Path, args: argparse.Namespace) -> int:
-    from broker.job_runner import run_job
-    from storage.run_info import write_run_info
+    from layerbus.broker.job_runner import run_job
+    from layerbus.storage.run_info import write_run_info
 
     print(f"layerbus broker: waiting for {args.stages} stage(s) at {broker.address}: start each with "
           f"`layerbus stage --broker {broker.address}`", file=sys.stderr, flush=True)
@@ -124,7 +124,7 @@ def _serve(store: JobStore, broker: Broker, model_dir: Path, args: argparse.Name
 
 def next_job_for(store: JobStore, model_dir: Path, warned: set[str]) -> str | None:
     """The oldest queued or in-progress job for this broker's model."""
-    from storage.states import RUNNABLE_JOB_STATES
+    from layerbus.storage.states import RUNNABLE_JOB_STATES
 
     job_id = store.next_runnable_job()
     if job_id is None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cli.errors import EXIT_OK
-from cli.options import add_db, add_verbose, open_store
+from layerbus.cli.errors import EXIT_OK
+from layerbus.cli.options import add_db, add_verbose, open_store
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -27,8 +27,8 @@ def user_error_message(error: BaseException) -> str | None:
     """
     if isinstance(error, (UsageError, FileNotFoundError)):
         return str(error)
-    from jobs.records import InputError
-    from storage.errors import StoreError
+    from layerbus.jobs.records import InputError
+    from layerbus.storage.errors import StoreError
 
     if isinstance(error, (StoreError, InputError)):
         return str(error)
@@ -43,17 +43,17 @@ def failure_message(error: BaseException) -> str | None:
     """The message for a runtime failure that needs no traceback (exit 1), or None."""
     if isinstance(error, RunFailed):
         return str(error)
-    control = sys.modules.get("broker.control")
+    control = sys.modules.get("layerbus.broker.control")
     if control is not None and isinstance(error, control.ClusterError):
         return str(error)
     return None
 
 
 _HEAVY_USER_ERRORS = {
-    "stages.model_files": ("ModelDirError",),
-    "stages.default_model": ("DefaultModelError",),
-    "stages.gguf_import": ("GGUFImportError",),
-    "broker.placement": ("PlacementError",),
-    "broker.cluster_file": ("ClusterFileError",),
-    "broker.wire_choice": ("WireConfigError",),
+    "layerbus.stages.model_files": ("ModelDirError",),
+    "layerbus.stages.default_model": ("DefaultModelError",),
+    "layerbus.stages.gguf_import": ("GGUFImportError",),
+    "layerbus.broker.placement": ("PlacementError",),
+    "layerbus.broker.cluster_file": ("ClusterFileError",),
+    "layerbus.broker.wire_choice": ("WireConfigError",),
 }

@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from cli.errors import EXIT_OK
-from cli.options import add_verbose, resolve_model
+from layerbus.cli.errors import EXIT_OK
+from layerbus.cli.options import add_verbose, resolve_model
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -34,7 +34,7 @@ def print_default(args: argparse.Namespace) -> int:
 
 
 def import_gguf_file(args: argparse.Namespace) -> int:
-    from stages.gguf_import import import_gguf
+    from layerbus.stages.gguf_import import import_gguf
 
     print(f"layerbus: importing {args.file} into {args.out}", file=sys.stderr)
     print(import_gguf(Path(args.file), Path(args.out)))

@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cli.errors import UsageError
+from layerbus.cli.errors import UsageError
 
 if TYPE_CHECKING:
-    from broker.model_info import ModelInfo
-    from storage import JobStore
+    from layerbus.broker.model_info import ModelInfo
+    from layerbus.storage import JobStore
 
 TASKS = ("summarize", "translate", "generate")  # as jobs.tasks.TASKS, without importing it for --help
 
@@ -146,7 +146,7 @@ def link_mbps(text: str) -> tuple[float, ...]:
 
 def wire_from_args(args: argparse.Namespace) -> dict:
     """BrokerConfig's wire fields from --wire, --wire-quality and --link-mbps."""
-    from broker.wire_choice import AutoWireInputs
+    from layerbus.broker.wire_choice import AutoWireInputs
 
     auto = AutoWireInputs(quality_table=args.wire_quality,
                           link_bandwidth=tuple(mbps * 1e6 / 8 for mbps in args.link_mbps))
@@ -156,7 +156,7 @@ def wire_from_args(args: argparse.Namespace) -> dict:
 def batching_from_args(args: argparse.Namespace):
     """The BatchingConfig that --slots, --micro-batch-size, --micro-batches, --max-step-tokens and
     --max-context describe."""
-    from broker.scheduler import BatchingConfig
+    from layerbus.broker.scheduler import BatchingConfig
 
     return BatchingConfig(num_slots=args.slots, micro_batch_size=args.micro_batch_size,
                           num_micro_batches=args.micro_batches, max_step_tokens=args.max_step_tokens,
@@ -165,12 +165,12 @@ def batching_from_args(args: argparse.Namespace):
 
 def pipeline_from_args(args: argparse.Namespace):
     """The PipelineConfig that --liveness-window and --slowdown-threshold describe."""
-    from broker.pipeline import PipelineConfig
+    from layerbus.broker.pipeline import PipelineConfig
 
     if args.liveness_window <= 1.0:
         raise UsageError(f"--liveness-window {args.liveness_window}: stages heartbeat every 0.5 s, so the window must "
                          "be over 1 s (a few heartbeats) or live stages would be declared lost")
-    from broker.drift import DriftConfig
+    from layerbus.broker.drift import DriftConfig
 
     threshold = args.slowdown_threshold
     if threshold and threshold <= 1.0:
@@ -181,7 +181,7 @@ def pipeline_from_args(args: argparse.Namespace):
 
 
 def open_store(url: str | None) -> JobStore:
-    from storage import JobStore, default_db_url
+    from layerbus.storage import JobStore, default_db_url
 
     return JobStore.open(url or default_db_url())
 
@@ -190,14 +190,14 @@ def resolve_model(model: str | None) -> Path:
     """The model directory: --model as given, or the default model (prepared on first use)."""
     if model:
         return Path(model).expanduser().absolute()
-    from stages.default_model import default_model_dir
+    from layerbus.stages.default_model import default_model_dir
 
     return default_model_dir(progress=lambda message: print(message, file=sys.stderr))
 
 
 def model_for_stages(model_dir: Path, num_stages: int) -> ModelInfo:
     """The model's info, after checking it has a layer for every stage."""
-    from broker.model_info import read_model_info
+    from layerbus.broker.model_info import read_model_info
 
     info = read_model_info(model_dir)
     layers = info.files.num_layers
@@ -208,6 +208,6 @@ def model_for_stages(model_dir: Path, num_stages: int) -> ModelInfo:
 
 
 def results_dir() -> Path:
-    from storage import default_results_dir
+    from layerbus.storage import default_results_dir
 
     return default_results_dir()

@@ -7,8 +7,8 @@ import argparse
 import json
 import sys
 
-from cli.errors import EXIT_OK, UsageError
-from cli.options import (
+from layerbus.cli.errors import EXIT_OK, UsageError
+from layerbus.cli.options import (
     add_cluster_options,
     add_model,
     add_verbose,
@@ -52,10 +52,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from broker.model_info import read_model_info
-    from broker.model_memory import model_memory
-    from broker.placement import PlanOptions, Shapes, plan_placement
-    from broker.plan_report import format_explain, format_plan
+    from layerbus.broker.model_info import read_model_info
+    from layerbus.broker.model_memory import model_memory
+    from layerbus.broker.placement import PlanOptions, Shapes, plan_placement
+    from layerbus.broker.plan_report import format_explain, format_plan
 
     if args.cluster and (args.emulate_speed or args.memory_budget or args.threads_per_stage):
         raise UsageError("--emulate-speed, --memory-budget and --threads-per-stage are for local --stages; "
@@ -67,8 +67,8 @@ def main(args: argparse.Namespace) -> int:
     options = PlanOptions(prompt_tokens_per_new_token=args.prompt_ratio, allow_reorder=not args.keep_order,
                           allow_drop=not args.keep_all)
     if args.cluster:
-        from broker.cluster_file import read_cluster_file
-        from broker.partition import model_cost_from_config
+        from layerbus.broker.cluster_file import read_cluster_file
+        from layerbus.broker.partition import model_cost_from_config
 
         from dataclasses import replace
 
@@ -91,7 +91,7 @@ def main(args: argparse.Namespace) -> int:
 def _count_stages(path: str) -> int:
     """The number of stages in the file, for the batching defaults (slots scale with stages); a
     broken file is reported properly by read_cluster_file."""
-    from broker.cluster_file import ClusterFileError, _parse
+    from layerbus.broker.cluster_file import ClusterFileError, _parse
     from pathlib import Path
 
     try:
@@ -102,10 +102,10 @@ def _count_stages(path: str) -> int:
 
 
 def _local_profiles(model_dir, memory, batching, args):
-    from broker.broker import BrokerConfig
-    from broker.local_cluster import LocalCluster, LocalStageOptions
-    from broker.placement import Shapes
-    from broker.profiling import collect_profiles
+    from layerbus.broker.broker import BrokerConfig
+    from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
+    from layerbus.broker.placement import Shapes
+    from layerbus.broker.profiling import collect_profiles
 
     if len(args.emulate_speed) > args.stages or len(args.memory_budget) > args.stages:
         raise UsageError(f"--emulate-speed/--memory-budget list more values than --stages {args.stages}")
@@ -133,7 +133,7 @@ def _local_profiles(model_dir, memory, batching, args):
 
 
 def _check_speed(text: str) -> str:
-    from stages.__main__ import speed_fraction
+    from layerbus.stages.__main__ import speed_fraction
 
     try:
         speed_fraction(text)
@@ -143,7 +143,7 @@ def _check_speed(text: str) -> str:
 
 
 def _check_size(text: str) -> str:
-    from stages.__main__ import byte_size
+    from layerbus.stages.__main__ import byte_size
 
     try:
         byte_size(text)

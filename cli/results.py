@@ -6,8 +6,8 @@ import argparse
 import shutil
 from pathlib import Path
 
-from cli.errors import EXIT_OK, RunFailed
-from cli.options import add_db, add_verbose, non_negative_int, open_store
+from layerbus.cli.errors import EXIT_OK, RunFailed
+from layerbus.cli.options import add_db, add_verbose, non_negative_int, open_store
 
 # Columns shown by --head, in order; output is last because it takes what width is left.
 HEAD_COLUMNS = ("custom_id", "status", "finish_reason", "completion_tokens", "output")

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cli.errors import EXIT_FAILED, EXIT_OK, RunFailed, UsageError
-from cli.options import (
+from layerbus.cli.errors import EXIT_FAILED, EXIT_OK, RunFailed, UsageError
+from layerbus.cli.options import (
     add_cluster_options,
     batching_from_args,
     add_job_options,
@@ -23,11 +23,11 @@ from cli.options import (
     resolve_model,
     results_dir,
 )
-from cli.signals import Interrupted, stop_on_signals
-from cli.status import FINAL_STATES, job_report
+from layerbus.cli.signals import Interrupted, stop_on_signals
+from layerbus.cli.status import FINAL_STATES, job_report
 
 if TYPE_CHECKING:
-    from storage import JobStatus, JobStore
+    from layerbus.storage import JobStatus, JobStore
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -60,7 +60,7 @@ def main(args: argparse.Namespace) -> int:
         else:
             model_dir = resolve_model(args.model)
             model_for_stages(model_dir, args.stages)  # before queueing: a job that cannot run is not queued
-            from cli.submit import submit_job
+            from layerbus.cli.submit import submit_job
 
             job_id = submit_job(store, argparse.Namespace(**{**vars(args), "model": str(model_dir)}))
         status = store.job_status(job_id)
@@ -78,12 +78,12 @@ def main(args: argparse.Namespace) -> int:
 def _run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.Namespace) -> JobStatus:
     from tqdm import tqdm
 
-    from broker.broker import BrokerConfig
-    from broker.control import ClusterError
-    from broker.job_runner import run_job
-    from broker.local_cluster import LocalCluster, LocalStageOptions
-    from storage.engine import layerbus_home
-    from storage.run_info import write_run_info
+    from layerbus.broker.broker import BrokerConfig
+    from layerbus.broker.control import ClusterError
+    from layerbus.broker.job_runner import run_job
+    from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
+    from layerbus.storage.engine import layerbus_home
+    from layerbus.storage.run_info import write_run_info
 
     log_dir = layerbus_home() / "logs" / job_id
     config = BrokerConfig(str(model_dir), args.stages, partition=args.partition,

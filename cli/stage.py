@@ -1,4 +1,4 @@
-"""`layerbus stage`: one stage process, with exactly the options of `python -m stages`."""
+"""`layerbus stage`: one stage process, with exactly the options of `python -m layerbus.stages`."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def stage_parser() -> argparse.ArgumentParser:
-    from stages.__main__ import add_stage_arguments
+    from layerbus.stages.__main__ import add_stage_arguments
 
     parser = argparse.ArgumentParser(prog="layerbus stage", description=STAGE_DESCRIPTION)
     add_stage_arguments(parser)
@@ -26,8 +26,8 @@ def stage_parser() -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
-    from stages.__main__ import config_from_args
-    from stages.worker import run_stage
+    from layerbus.stages.__main__ import config_from_args
+    from layerbus.stages.worker import run_stage
 
     stage_args = stage_parser().parse_args(args.extra)
     return run_stage(config_from_args(stage_args))

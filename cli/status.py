@@ -10,11 +10,11 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from cli.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
-from cli.options import add_db, add_verbose, open_store, positive_int
+from layerbus.cli.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
+from layerbus.cli.options import add_db, add_verbose, open_store, positive_int
 
 if TYPE_CHECKING:
-    from storage import JobEvent, JobStatus, JobStore
+    from layerbus.storage import JobEvent, JobStatus, JobStore
 
 FINAL_STATES = ("completed", "failed", "cancelled")
 WATCH_INTERVAL_S = 2.0
@@ -55,8 +55,8 @@ def main(args: argparse.Namespace) -> int:
 def _print_from_sqlite(args: argparse.Namespace) -> bool:
     """Answer from a SQLite store without importing SQLAlchemy (most of this command's time);
     False when that path cannot answer, and the full store (with its error messages) takes over."""
-    from storage.locations import default_db_url
-    from storage.sqlite_status import read_job_events, read_job_status, read_recent_jobs
+    from layerbus.storage.locations import default_db_url
+    from layerbus.storage.sqlite_status import read_job_events, read_job_status, read_recent_jobs
 
     url = args.db or default_db_url()
     if args.job is None:
@@ -80,7 +80,7 @@ def _print_job(status: JobStatus, events: Sequence[JobEvent], as_json: bool) -> 
 
 
 def _latest(store: JobStore) -> str:
-    from cli.errors import UsageError
+    from layerbus.cli.errors import UsageError
 
     job_id = store.latest_job_id()
     if job_id is None:
@@ -173,14 +173,14 @@ def events_table(events: Sequence[JobEvent]) -> str:
 
 def _wire_links(job_id: str) -> list[dict] | None:
     """Codec per link of the job's last run on this machine ([{from, to, codec}]), or None."""
-    from storage.run_info import read_run_info
+    from layerbus.storage.run_info import read_run_info
 
     links = (read_run_info(job_id) or {}).get("wire")
     return links if isinstance(links, list) else None
 
 
 def _wire_line(job_id: str) -> str | None:
-    from storage.run_info import read_run_info, wire_line
+    from layerbus.storage.run_info import read_run_info, wire_line
 
     return wire_line(read_run_info(job_id))
 

@@ -8,13 +8,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cli.errors import EXIT_OK, UsageError
-from cli.options import add_job_options, add_verbose, open_store, resolve_model
+from layerbus.cli.errors import EXIT_OK, UsageError
+from layerbus.cli.options import add_job_options, add_verbose, open_store, resolve_model
 
 if TYPE_CHECKING:
-    from jobs.records import InputRecord
-    from jobs.tasks import TaskSpec
-    from storage import InvalidItem, JobStore, NewItem
+    from layerbus.jobs.records import InputRecord
+    from layerbus.jobs.tasks import TaskSpec
+    from layerbus.storage import InvalidItem, JobStore, NewItem
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -36,15 +36,15 @@ def main(args: argparse.Namespace) -> int:
 
 def submit_job(store: JobStore, args: argparse.Namespace) -> str:
     """Queue the job that args describe and return its id; nothing is queued when anything is wrong."""
-    from jobs.inputs import load_inputs
+    from layerbus.jobs.inputs import load_inputs
 
     if args.task is None:
         raise UsageError("--task is required with an INPUT: choose --task summarize, translate or generate")
     spec = _task_spec(args)
     read = load_inputs(Path(args.input), spec.task, args.skip_invalid)  # InputError lists every problem
     model_dir = resolve_model(args.model)
-    from broker.model_info import load_tokenizer, read_model_info
-    from storage import JobSettings
+    from layerbus.broker.model_info import load_tokenizer, read_model_info
+    from layerbus.storage import JobSettings
 
     read_model_info(model_dir)  # ModelDirError names what is wrong with the directory
     try:
@@ -67,7 +67,7 @@ def submit_job(store: JobStore, args: argparse.Namespace) -> str:
 
 
 def _task_spec(args: argparse.Namespace) -> TaskSpec:
-    from jobs.tasks import TaskSpec
+    from layerbus.jobs.tasks import TaskSpec
 
     try:
         return TaskSpec(args.task, args.target_language)
@@ -78,9 +78,9 @@ def _task_spec(args: argparse.Namespace) -> TaskSpec:
 def _render_items(records: list[InputRecord], spec: TaskSpec, tokenizer: Any) -> tuple[
         list[NewItem], list[InvalidItem], list[str]]:
     """NewItems for the records render_prompt accepts; the others as failed items and problem lines."""
-    from broker.job_runner import item_params
-    from jobs.tasks import render_prompt
-    from storage import InvalidItem, NewItem
+    from layerbus.broker.job_runner import item_params
+    from layerbus.jobs.tasks import render_prompt
+    from layerbus.storage import InvalidItem, NewItem
 
     items, invalid, problems = [], [], []
     for record in records:
@@ -106,6 +106,6 @@ def _input_text(record: InputRecord) -> str:
 
 def _invalid_item(item: Any) -> InvalidItem:
     """jobs.records.InvalidItem (refused when read) -> storage.records.InvalidItem (stored as failed)."""
-    from storage import InvalidItem
+    from layerbus.storage import InvalidItem
 
     return InvalidItem(custom_id=item.custom_id, input=item.raw, error=item.reason, seq=item.line)

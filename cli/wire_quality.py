@@ -9,8 +9,8 @@ import json
 import sys
 from pathlib import Path
 
-from cli.errors import EXIT_OK, UsageError
-from cli.options import add_model, add_verbose, non_negative_int, positive_int, resolve_model
+from layerbus.cli.errors import EXIT_OK, UsageError
+from layerbus.cli.options import add_model, add_verbose, non_negative_int, positive_int, resolve_model
 
 CODECS = ("float16", "bfloat16", "int8", "int4")  # each against float32, the reference
 
@@ -42,11 +42,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from broker.model_info import read_model_info
-    from broker.partition import balanced_partition, model_cost_from_config
-    from broker.wire_choice import saved_table_path
-    from stages.wire_quality import quality_report
-    from wire.codecs import CODEC_NAMES
+    from layerbus.broker.model_info import read_model_info
+    from layerbus.broker.partition import balanced_partition, model_cost_from_config
+    from layerbus.broker.wire_choice import saved_table_path
+    from layerbus.stages.wire_quality import quality_report
+    from layerbus.wire.codecs import CODEC_NAMES
 
     model_dir = resolve_model(args.model)
     config = read_model_info(model_dir).files.config

@@ -15,10 +15,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.item_checks import ItemOutcome, check_id, make_record
-from jobs.jsonl_items import parse_jsonl_line
-from jobs.records import InputProblem
-from jobs.table_items import check_columns, csv_values, id_column, row_outcome
+from layerbus.jobs.item_checks import ItemOutcome, check_id, make_record
+from layerbus.jobs.jsonl_items import parse_jsonl_line
+from layerbus.jobs.records import InputProblem
+from layerbus.jobs.table_items import check_columns, csv_values, id_column, row_outcome
 
 # What a reader returns: every item it found (valid or not), and the problems that concern the whole input.
 Found = tuple[list[ItemOutcome], list[InputProblem]]

@@ -34,10 +34,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from jobs.formats import Found, read_csv, read_jsonl, read_parquet, read_text_dir
-from jobs.item_checks import ItemOutcome, show
-from jobs.records import InputError, InputProblem, InvalidItem, ReadResult
-from jobs.tasks import TASKS
+from layerbus.jobs.formats import Found, read_csv, read_jsonl, read_parquet, read_text_dir
+from layerbus.jobs.item_checks import ItemOutcome, show
+from layerbus.jobs.records import InputError, InputProblem, InvalidItem, ReadResult
+from layerbus.jobs.tasks import TASKS
 
 ACCEPTED_INPUTS = (
     "accepted: a .jsonl or .json file (JSON Lines), a .csv file, a .parquet file, or a directory of .txt files"

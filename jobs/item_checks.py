@@ -10,7 +10,7 @@ import difflib
 import math
 from dataclasses import dataclass, field
 
-from jobs.records import InputProblem, InputRecord
+from layerbus.jobs.records import InputProblem, InputRecord
 
 # Per-item sampling parameters an item may override, in the order error messages list them.
 PARAM_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")

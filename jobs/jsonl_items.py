@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 
-from jobs.records import InputRecord
+from layerbus.jobs.records import InputRecord
 
-from jobs.item_checks import (
+from layerbus.jobs.item_checks import (
     PARAM_NAMES,
     ItemOutcome,
     check_id,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jobs.item_checks import ItemOutcome, check_id, check_params, make_record, show, unknown_names
+from layerbus.jobs.item_checks import ItemOutcome, check_id, check_params, make_record, show, unknown_names
 
 # Every column a CSV or Parquet input may have; id (or custom_id) and text (or prompt) are required.
 TABLE_COLUMNS = ("id", "custom_id", "text", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed")

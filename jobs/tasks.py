@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from jobs.records import InputRecord
+from layerbus.jobs.records import InputRecord
 
 # Every task a job can run, as spelled on the command line (--task).
 TASKS = ("summarize", "translate", "generate")

@@ -1,4 +1,4 @@
-"""`python -m stages` / `layerbus stage`: run one stage process."""
+"""`python -m layerbus.stages` / `layerbus stage`: run one stage process."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 import re
 import sys
 
-from stages.worker import StageConfig, run_stage
+from layerbus.stages.worker import StageConfig, run_stage
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

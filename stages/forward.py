@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stages.kv_cache import CacheGroup, KVArena
-from stages.shard import StageShard
+from layerbus.stages.kv_cache import CacheGroup, KVArena
+from layerbus.stages.shard import StageShard
 
 
 @dataclass(frozen=True)

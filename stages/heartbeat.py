@@ -17,8 +17,8 @@ from typing import Callable
 
 import zmq
 
-from wire import protocol
-from wire.frames import encode
+from layerbus.wire import protocol
+from layerbus.wire.frames import encode
 
 # Appended to the stage's control identity: the broker counts this socket's traffic as the stage's.
 HEARTBEAT_IDENTITY_SUFFIX = b"\x00heartbeat"

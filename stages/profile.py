@@ -22,13 +22,13 @@ from typing import Callable
 
 import torch
 
-from stages.forward import StepRow, head_logits, run_step
-from stages.kv_cache import KVArena
-from stages.model_files import open_model_dir
-from stages.shard import ShardSpec, StageShard, load_shard
-from wire import protocol
-from wire.frames import WireError
-from wire.spans import LayerRange
+from layerbus.stages.forward import StepRow, head_logits, run_step
+from layerbus.stages.kv_cache import KVArena
+from layerbus.stages.model_files import open_model_dir
+from layerbus.stages.shard import ShardSpec, StageShard, load_shard
+from layerbus.wire import protocol
+from layerbus.wire.frames import WireError
+from layerbus.wire.spans import LayerRange
 
 log = logging.getLogger("layerbus.stage")
 
@@ -201,7 +201,7 @@ def _cache_key(model_path: Path, request: ProfileRequest, device: str, dtype: st
 
 
 def _default_cache_dir() -> Path:
-    from storage.locations import layerbus_home
+    from layerbus.storage.locations import layerbus_home
 
     return layerbus_home() / "profiles"
 

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from stages.attention import ATTENTION_NAME
-from stages.model_files import ModelDirError, ModelFiles
-from stages.tensor_reader import TensorReader
-from wire.spans import LayerRange
+from layerbus.stages.attention import ATTENTION_NAME
+from layerbus.stages.model_files import ModelDirError, ModelFiles
+from layerbus.stages.tensor_reader import TensorReader
+from layerbus.wire.spans import LayerRange
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

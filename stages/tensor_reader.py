@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from stages.model_files import ModelDirError
+from layerbus.stages.model_files import ModelDirError
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

@@ -18,12 +18,12 @@ from typing import Callable
 
 import torch
 
-from stages.forward import StepRow, head_logits, run_step
-from stages.kv_cache import KVArena
-from stages.model_files import open_model_dir
-from stages.shard import ShardSpec, load_shard
-from wire import codecs
-from wire.spans import LayerRange
+from layerbus.stages.forward import StepRow, head_logits, run_step
+from layerbus.stages.kv_cache import KVArena
+from layerbus.stages.model_files import open_model_dir
+from layerbus.stages.shard import ShardSpec, load_shard
+from layerbus.wire import codecs
+from layerbus.wire.spans import LayerRange
 
 SAMPLE_CORPUS = Path(__file__).resolve().parent.parent / "examples" / "sample_corpus"
 
@@ -126,8 +126,8 @@ def corpus_prompts(tokenizer, corpus: Path | None = None, max_tokens: int = 2048
     """Token ids to score. Default: the bundled sample corpus, each document rendered as a summarize
     prompt (through the chat template when there is one). A folder takes its .txt files as
     documents; a file is plain text, split at blank lines into chunks of at most max_tokens."""
-    from jobs.records import InputRecord
-    from jobs.tasks import TaskSpec, render_prompt
+    from layerbus.jobs.records import InputRecord
+    from layerbus.jobs.tasks import TaskSpec, render_prompt
 
     if corpus is None or corpus.is_dir():
         folder = corpus or SAMPLE_CORPUS

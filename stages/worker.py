@@ -20,15 +20,15 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from stages.forward import StepRow, head_logits, run_step
-from stages.heartbeat import HeartbeatThread, busy_for
-from stages.kv_cache import KVArena
-from stages.model_files import open_model_dir
-from stages.sampling import SamplingParams, choose_token, target_log_probs
-from stages.shard import ShardSpec, StageShard, load_shard
-from wire import codecs, protocol
-from wire.frames import DEFAULT_MAX_MESSAGE_BYTES, Message, WireError, decode, encode
-from wire.spans import LayerRange
+from layerbus.stages.forward import StepRow, head_logits, run_step
+from layerbus.stages.heartbeat import HeartbeatThread, busy_for
+from layerbus.stages.kv_cache import KVArena
+from layerbus.stages.model_files import open_model_dir
+from layerbus.stages.sampling import SamplingParams, choose_token, target_log_probs
+from layerbus.stages.shard import ShardSpec, StageShard, load_shard
+from layerbus.wire import codecs, protocol
+from layerbus.wire.frames import DEFAULT_MAX_MESSAGE_BYTES, Message, WireError, decode, encode
+from layerbus.wire.spans import LayerRange
 
 log = logging.getLogger("layerbus.stage")
 
@@ -282,7 +282,7 @@ class StageWorker:
         return self.config.emulate_speed
 
     def _profile(self, header: dict) -> dict:
-        from stages.profile import ProfileRequest, profile_stage
+        from layerbus.stages.profile import ProfileRequest, profile_stage
 
         try:
             return profile_stage(ProfileRequest.from_header(header), self.config.device, self.config.dtype,

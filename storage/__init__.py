@@ -11,25 +11,25 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "ClaimedItem": "storage.records",
-    "InvalidItem": "storage.records",
-    "ItemResult": "storage.records",
-    "JobEvent": "storage.records",
-    "JobSettings": "storage.records",
-    "JobStatus": "storage.records",
-    "NewItem": "storage.records",
-    "StoreError": "storage.errors",
-    "JobStore": "storage.store",
-    "default_db_url": "storage.locations",
-    "default_results_dir": "storage.locations",
+    "ClaimedItem": "layerbus.storage.records",
+    "InvalidItem": "layerbus.storage.records",
+    "ItemResult": "layerbus.storage.records",
+    "JobEvent": "layerbus.storage.records",
+    "JobSettings": "layerbus.storage.records",
+    "JobStatus": "layerbus.storage.records",
+    "NewItem": "layerbus.storage.records",
+    "StoreError": "layerbus.storage.errors",
+    "JobStore": "layerbus.storage.store",
+    "default_db_url": "layerbus.storage.locations",
+    "default_results_dir": "layerbus.storage.locations",
 }
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from storage.errors import StoreError
-    from storage.locations import default_db_url, default_results_dir
-    from storage.records import ClaimedItem, InvalidItem, ItemResult, JobEvent, JobSettings, JobStatus, NewItem
-    from storage.store import JobStore
+    from layerbus.storage.errors import StoreError
+    from layerbus.storage.locations import default_db_url, default_results_dir
+    from layerbus.storage.records import ClaimedItem, InvalidItem, ItemResult, JobEvent, JobSettings, JobStatus, NewItem
+    from layerbus.storage.store import JobStore
 
 
 def __getattr__(name: str) -> Any:

@@ -9,9 +9,9 @@ from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 
-from storage.errors import StoreError, mask_url
-from storage.locations import default_db_url, default_results_dir, layerbus_home  # noqa: F401 (re-exported)
-from storage.schema import Base
+from layerbus.storage.errors import StoreError, mask_url
+from layerbus.storage.locations import default_db_url, default_results_dir, layerbus_home  # noqa: F401 (re-exported)
+from layerbus.storage.schema import Base
 
 # How long a SQLite writer waits for another process's write transaction before giving up.
 SQLITE_BUSY_TIMEOUT_MS = 30_000

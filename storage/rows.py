@@ -10,7 +10,7 @@ from typing import Any
 
 from sqlalchemy.exc import IntegrityError
 
-from storage.records import ClaimedItem, InvalidItem, ItemResult, NewItem
+from layerbus.storage.records import ClaimedItem, InvalidItem, ItemResult, NewItem
 
 # Columns of a finished item as item_results yields it, in the order results files use.
 RESULT_COLUMNS = (

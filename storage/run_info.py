@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from storage.locations import layerbus_home
+from layerbus.storage.locations import layerbus_home
 
 
 def run_info_path(job_id: str, home: Path | None = None) -> Path:

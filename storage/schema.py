@@ -26,7 +26,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from storage.states import ITEM_STATES, JOB_STATES
+from layerbus.storage.states import ITEM_STATES, JOB_STATES
 
 
 class UtcDateTime(TypeDecorator[datetime]):

@@ -15,10 +15,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import unquote
 
-from storage.events import DEFAULT_EVENT_LIMIT, events_oldest_first
-from storage.records import JobEvent, JobStatus
-from storage.states import TIMESTAMP_COLUMNS
-from storage.status import StateAggregate, build_job_status
+from layerbus.storage.events import DEFAULT_EVENT_LIMIT, events_oldest_first
+from layerbus.storage.records import JobEvent, JobStatus
+from layerbus.storage.states import TIMESTAMP_COLUMNS
+from layerbus.storage.status import StateAggregate, build_job_status
 
 _JOB_COLUMNS = ("id", "name", "task", "model", "status", "total_count", "results_path", "error", *TIMESTAMP_COLUMNS)
 _AGGREGATES = """

@@ -6,7 +6,7 @@ agree on one lifecycle; `JobStore.set_job_status` and `JobStore.cancel_job` enfo
 
 from __future__ import annotations
 
-from storage.errors import StoreError
+from layerbus.storage.errors import StoreError
 
 JOB_STATES = (
     "validating",

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from storage.records import JobStatus
-from storage.states import ITEM_STATES, TIMESTAMP_COLUMNS
+from layerbus.storage.records import JobStatus
+from layerbus.storage.states import ITEM_STATES, TIMESTAMP_COLUMNS
 
 # Timestamps that end the in_progress phase; throughput is measured up to the first one set.
 _END_OF_RUN_COLUMNS = ("finalizing_at", "completed_at", "failed_at", "cancelling_at", "cancelled_at")

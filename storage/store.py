@@ -17,15 +17,15 @@ from typing import Any
 from sqlalchemy import Connection, Engine, Select, bindparam, case, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
-from storage.engine import READ_ONLY_OPTION, create_tables, open_engine
-from storage.errors import StoreError, mask_url
-from storage.events import DEFAULT_EVENT_LIMIT, event_row, events_oldest_first
-from storage.records import ClaimedItem, InvalidItem, ItemResult, JobEvent, JobSettings, JobStatus, NewItem
-from storage.rows import RESULT_COLUMNS, claimed_item, duplicate_message, invalid_item_row, new_item_row, result_params
-from storage.schema import items as items_table
-from storage.schema import job_events as events_table
-from storage.schema import jobs as jobs_table
-from storage.states import (
+from layerbus.storage.engine import READ_ONLY_OPTION, create_tables, open_engine
+from layerbus.storage.errors import StoreError, mask_url
+from layerbus.storage.events import DEFAULT_EVENT_LIMIT, event_row, events_oldest_first
+from layerbus.storage.records import ClaimedItem, InvalidItem, ItemResult, JobEvent, JobSettings, JobStatus, NewItem
+from layerbus.storage.rows import RESULT_COLUMNS, claimed_item, duplicate_message, invalid_item_row, new_item_row, result_params
+from layerbus.storage.schema import items as items_table
+from layerbus.storage.schema import job_events as events_table
+from layerbus.storage.schema import jobs as jobs_table
+from layerbus.storage.states import (
     CANCELLABLE_JOB_STATES,
     FINISHED_ITEM_STATES,
     RUNNABLE_JOB_STATES,
@@ -33,7 +33,7 @@ from storage.states import (
     check_job_transition,
     timestamp_column,
 )
-from storage.status import StateAggregate, build_job_status
+from layerbus.storage.status import StateAggregate, build_job_status
 
 # Column collections, to keep query expressions short.
 ITEM = items_table.c

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from storage import JobStore
+from layerbus.storage import JobStore
 from tests.test_cli_helpers import JOB_ID, layerbus, status_json, write_jsonl
 from tests.test_cli_run import RUN_TIMEOUT_S, assert_parquet_matches_store, start_run, wait_for_job
 

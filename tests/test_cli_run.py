@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from storage import JobStore
-from storage.results import read_results, results_metadata
+from layerbus.storage import JobStore
+from layerbus.storage.results import read_results, results_metadata
 from tests.test_cli_helpers import JOB_ID, REPO, cli_env, layerbus, layerbus_executable, status_json, write_jsonl
 
 RUN_TIMEOUT_S = 120

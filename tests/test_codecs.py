@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from wire import codecs
-from wire.codecs import CODEC_NAMES, SCHEMES, decode, encode, pack, unpack, wire_bytes
-from wire.frames import WireError
-from wire.frames import decode as decode_frames
-from wire.frames import encode as encode_frames
+from layerbus.wire import codecs
+from layerbus.wire.codecs import CODEC_NAMES, SCHEMES, decode, encode, pack, unpack, wire_bytes
+from layerbus.wire.frames import WireError
+from layerbus.wire.frames import decode as decode_frames
+from layerbus.wire.frames import encode as encode_frames
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 OUTLIER_CHANNELS = [5, 100, 300, 511]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from broker.drift import DriftConfig, DriftWatch, Work, relative_slowdowns
+from layerbus.broker.drift import DriftConfig, DriftWatch, Work, relative_slowdowns
 
 CASES = {
     "nobody changed": ({"a": 0.1, "b": 0.2}, {"a": 0.1, "b": 0.2}, {"a": 1.0, "b": 1.0}),

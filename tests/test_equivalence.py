@@ -15,15 +15,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from broker.broker import BrokerConfig
-from broker.local_cluster import LocalCluster, LocalStageOptions
-from broker.requests import GenerationRequest
-from broker.scheduler import BatchingConfig
-from stages.forward import StepRow, head_logits, run_step
-from stages.kv_cache import KVArena
-from stages.model_files import open_model_dir
-from stages.shard import ShardSpec, load_shard
-from wire.spans import LayerRange
+from layerbus.broker.broker import BrokerConfig
+from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
+from layerbus.broker.requests import GenerationRequest
+from layerbus.broker.scheduler import BatchingConfig
+from layerbus.stages.forward import StepRow, head_logits, run_step
+from layerbus.stages.kv_cache import KVArena
+from layerbus.stages.model_files import open_model_dir
+from layerbus.stages.shard import ShardSpec, load_shard
+from layerbus.wire.spans import LayerRange
 
 NEAR_TIE = 1e-4
 TINY_PROMPTS = [

@@ -12,13 +12,13 @@ import threading
 import pytest
 from transformers import AutoTokenizer
 
-from broker.broker import BrokerConfig
-from broker.drift import DriftConfig
-from broker.placement import PlanOptions
-from broker.local_cluster import LocalCluster, LocalStageOptions
-from broker.pipeline import ListSource, PipelineConfig
-from broker.requests import GenerationRequest, GenerationResult
-from broker.scheduler import BatchingConfig
+from layerbus.broker.broker import BrokerConfig
+from layerbus.broker.drift import DriftConfig
+from layerbus.broker.placement import PlanOptions
+from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
+from layerbus.broker.pipeline import ListSource, PipelineConfig
+from layerbus.broker.requests import GenerationRequest, GenerationResult
+from layerbus.broker.scheduler import BatchingConfig
 
 FAST_LIVENESS = PipelineConfig(heartbeat_interval_s=0.2, liveness_window_s=1.5)
 
@@ -184,9 +184,9 @@ def _width(span: str) -> int:
 def test_survivors_too_small_for_the_model_wait_for_a_stage_to_join(model_dir, requests, unfaulted):
     """Each stage's --memory-budget holds a third of the model: after a kill, the two survivors cannot
     hold it, the job waits (and says why) instead of failing, and goes on when a new stage registers."""
-    from broker.model_memory import model_memory
-    from broker.placement import PlacementError, StageProfile, plan_placement
-    from stages.model_files import open_model_dir
+    from layerbus.broker.model_memory import model_memory
+    from layerbus.broker.placement import PlacementError, StageProfile, plan_placement
+    from layerbus.stages.model_files import open_model_dir
 
     batching = BatchingConfig(num_slots=8, num_micro_batches=4, max_step_tokens=32, max_context=128)
     memory = model_memory(open_model_dir(model_dir))
@@ -207,7 +207,7 @@ def test_survivors_too_small_for_the_model_wait_for_a_stage_to_join(model_dir, r
         if count >= 4 and not joined:
             process, name = process_of(cluster, 1)
             os.kill(process.pid, signal.SIGKILL)
-            joined.append(subprocess.Popen([sys.executable, "-m", "stages", "--broker", cluster.broker.address,
+            joined.append(subprocess.Popen([sys.executable, "-m", "layerbus.stages", "--broker", cluster.broker.address,
                                             "--name", "stage-new", "--threads", "1", *budget_args],
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 

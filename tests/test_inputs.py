@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from jobs.inputs import load_inputs, read_inputs
-from jobs.item_checks import check_param
-from jobs.records import InputError, InputProblem, InputRecord
+from layerbus.jobs.inputs import load_inputs, read_inputs
+from layerbus.jobs.item_checks import check_param
+from layerbus.jobs.records import InputError, InputProblem, InputRecord
 
 OPENAI_CHAT = {
     "custom_id": "c1",
@@ -293,7 +293,7 @@ def test_invalid_params_name_the_key_and_value(name, value):
 
 def test_nul_characters_are_refused_with_their_line(tmp_path):
     """PostgreSQL cannot store NUL in text: such items are refused at submit, not at insert."""
-    from jobs.inputs import read_inputs
+    from layerbus.jobs.inputs import read_inputs
 
     path = tmp_path / "nul.jsonl"
     path.write_text('{"id": "a", "text": "fine"}\n{"id": "b", "text": "bad\\u0000text"}\n'

@@ -6,8 +6,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.inputs import load_inputs, read_inputs
-from jobs.records import InputError
+from layerbus.jobs.inputs import load_inputs, read_inputs
+from layerbus.jobs.records import InputError
 
 
 def write_csv(tmp_path, text: str, name: str = "in.csv", bom: bool = False):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs.inputs import load_inputs, read_inputs
-from jobs.records import InputError
+from layerbus.jobs.inputs import load_inputs, read_inputs
+from layerbus.jobs.records import InputError
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

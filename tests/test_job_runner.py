@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.job_runner import (
+from layerbus.broker.job_runner import (
     ADD_SPECIAL_TOKENS_KEY,
     StoreSink,
     StoreSource,
@@ -16,10 +16,10 @@ from broker.job_runner import (
     item_seed,
     run_job,
 )
-from broker.model_info import load_tokenizer
-from broker.requests import GenerationRequest, GenerationResult
-from storage import InvalidItem, JobSettings, JobStore, NewItem
-from storage.results import ResultWriter, read_results, results_metadata
+from layerbus.broker.model_info import load_tokenizer
+from layerbus.broker.requests import GenerationRequest, GenerationResult
+from layerbus.storage import InvalidItem, JobSettings, JobStore, NewItem
+from layerbus.storage.results import ResultWriter, read_results, results_metadata
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
 
-from stages.forward import StepRow, head_logits, run_step
-from stages.kv_cache import CacheGroup, KVArena
-from stages.model_files import open_model_dir
-from stages.shard import ShardSpec, StageShard, load_shard
-from wire.spans import LayerRange
+from layerbus.stages.forward import StepRow, head_logits, run_step
+from layerbus.stages.kv_cache import CacheGroup, KVArena
+from layerbus.stages.model_files import open_model_dir
+from layerbus.stages.shard import ShardSpec, StageShard, load_shard
+from layerbus.wire.spans import LayerRange
 
 ATOL = 1e-4
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,

@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from stages.model_files import ModelDirError, open_model_dir
-from stages.shard import ShardSpec, load_shard
-from stages.tensor_reader import TensorReader
+from layerbus.stages.model_files import ModelDirError, open_model_dir
+from layerbus.stages.shard import ShardSpec, load_shard
+from layerbus.stages.tensor_reader import TensorReader
 from tests.tiny_models import make_sharded_copy
-from wire.spans import LayerRange
+from layerbus.wire.spans import LayerRange
 
 
 @pytest.fixture

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from broker.partition import ModelCost, balanced_partition, equal_partition, model_cost_from_config, stage_costs
-from wire.spans import LayerRange
+from layerbus.broker.partition import ModelCost, balanced_partition, equal_partition, model_cost_from_config, stage_costs
+from layerbus.wire.spans import LayerRange
 
 
 def spans_of(*bounds: int) -> list[LayerRange]:

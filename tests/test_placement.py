@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from broker.placement import (
+from layerbus.broker.placement import (
     ModelMemory,
     PlacementError,
     PlanOptions,
@@ -17,8 +17,8 @@ from broker.placement import (
     estimate_split,
     plan_placement,
 )
-from broker.scheduler import BatchingConfig
-from wire.spans import LayerRange
+from layerbus.broker.scheduler import BatchingConfig
+from layerbus.wire.spans import LayerRange
 
 SHAPES = Shapes(num_slots=4, micro_batch_size=2, num_micro_batches=3, max_context=8, max_step_tokens=4)
 

@@ -7,14 +7,14 @@ import json
 
 import pytest
 
-from broker.broker import BrokerConfig
-from broker.model_memory import model_memory
-from broker.placement import PlanOptions
-from broker.local_cluster import LocalCluster, LocalStageOptions
-from broker.requests import GenerationRequest
-from broker.scheduler import BatchingConfig
-from stages.model_files import open_model_dir
-from stages.profile import ProfileRequest, profile_stage
+from layerbus.broker.broker import BrokerConfig
+from layerbus.broker.model_memory import model_memory
+from layerbus.broker.placement import PlanOptions
+from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
+from layerbus.broker.requests import GenerationRequest
+from layerbus.broker.scheduler import BatchingConfig
+from layerbus.stages.model_files import open_model_dir
+from layerbus.stages.profile import ProfileRequest, profile_stage
 
 
 def test_slow_stage_gets_fewer_layers_end_to_end(tiny_models, tmp_path, monkeypatch) -> None:
@@ -82,7 +82,7 @@ def test_profile_cache_is_reused_and_keyed_by_speed(tiny_models, tmp_path) -> No
 @pytest.mark.parametrize("text, expected", [("1500", 1500), ("300MB", 300_000_000), ("1.5GiB", 1.5 * 2**30),
                                             ("64 KiB", 65536)])
 def test_memory_budget_sizes(text: str, expected: float) -> None:
-    from stages.__main__ import byte_size
+    from layerbus.stages.__main__ import byte_size
 
     assert byte_size(text) == int(expected)
 
@@ -92,7 +92,7 @@ def test_memory_budget_sizes(text: str, expected: float) -> None:
                                            (["--emulate-speed", "1.5"], "0 < F <= 1"),
                                            (["--emulate-speed", "-0.3"], "0 < F <= 1")])
 def test_stage_flags_reject_bad_values(argv, message, capsys) -> None:
-    from stages.__main__ import main
+    from layerbus.stages.__main__ import main
 
     with pytest.raises(SystemExit) as exited:
         main(["--broker", "tcp://127.0.0.1:1", *argv])

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cli.main import main
+from layerbus.cli.main import main
 
 CLUSTER_TOML = """
 reference_gflops = 10

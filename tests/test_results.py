@@ -13,9 +13,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from storage.records import InvalidItem, ItemResult, JobSettings, NewItem
-from storage.results import RESULT_SCHEMA, ResultWriter, read_results, results_metadata, settings_metadata
-from storage.store import JobStore
+from layerbus.storage.records import InvalidItem, ItemResult, JobSettings, NewItem
+from layerbus.storage.results import RESULT_SCHEMA, ResultWriter, read_results, results_metadata, settings_metadata
+from layerbus.storage.store import JobStore
 
 JOB = "job_0123456789ab"
 

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from stages.sampling import SamplingParams, choose_token, target_log_probs
+from layerbus.stages.sampling import SamplingParams, choose_token, target_log_probs
 
 
 def random_logits(seed: int, vocab: int = 50) -> torch.Tensor:

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from broker.requests import GenerationRequest, GenerationResult
-from broker.scheduler import BatchingConfig, PlannedRow, Scheduler, StepPlan
+from layerbus.broker.requests import GenerationRequest, GenerationResult
+from layerbus.broker.scheduler import BatchingConfig, PlannedRow, Scheduler, StepPlan
 
 EOS = 0
 VOCAB = 97

@@ -1,4 +1,4 @@
-"""A real stage process (`python -m stages`) against a broker played by the test over real
+"""A real stage process (`python -m layerbus.stages`) against a broker played by the test over real
 sockets: registration, assignment, serving steps, rejecting malformed input without dying, and
 its lifecycle (SIGTERM, a silent broker, a failed load)."""
 
@@ -18,10 +18,10 @@ import zmq
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from broker.control import ControlPlane
-from stages.heartbeat import HEARTBEAT_IDENTITY_SUFFIX
-from wire import protocol
-from wire.frames import Message, decode, encode
+from layerbus.broker.control import ControlPlane
+from layerbus.stages.heartbeat import HEARTBEAT_IDENTITY_SUFFIX
+from layerbus.wire import protocol
+from layerbus.wire.frames import Message, decode, encode
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
@@ -72,7 +72,7 @@ class FakeBroker:
 
 
 class StageProcess:
-    """`python -m stages` with its own fake broker, results socket and data-plane sender."""
+    """`python -m layerbus.stages` with its own fake broker, results socket and data-plane sender."""
 
     def __init__(self, context: zmq.Context, log_dir: Path, name: str, *args: str):
         self.context, self.name = context, name
@@ -83,7 +83,7 @@ class StageProcess:
         self.log_path = log_dir / f"{name}.log"
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "stages", "--broker", self.broker.address, "--name", name, "--threads", "1",
+                [sys.executable, "-m", "layerbus.stages", "--broker", self.broker.address, "--name", name, "--threads", "1",
                  *args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         self.registration: dict | None = None
         self.push: zmq.Socket | None = None
@@ -367,7 +367,7 @@ def test_malformed_step_is_rejected_and_the_next_one_served(stage: StageProcess,
     assert_serves_prompt(stage, models, step=20)
 
 
-@pytest.mark.skip(reason="no way to lower the stage's message limit: `python -m stages` has no flag or "
+@pytest.mark.skip(reason="no way to lower the stage's message limit: `python -m layerbus.stages` has no flag or "
                          "environment variable for StageConfig.max_message_bytes (default 1 GiB); the limit "
                          "itself is covered by test_wire.py::test_message_size_limit_counts_every_frame")
 def test_oversized_step_is_rejected() -> None:

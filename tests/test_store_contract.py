@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, func, select
 
-from storage.errors import StoreError
-from storage.records import InvalidItem, ItemResult, JobSettings, NewItem
-from storage.schema import items as items_table
-from storage.store import JobStore
+from layerbus.storage.errors import StoreError
+from layerbus.storage.records import InvalidItem, ItemResult, JobSettings, NewItem
+from layerbus.storage.schema import items as items_table
+from layerbus.storage.store import JobStore
 
 T0 = datetime(2030, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc)
 SETTINGS = JobSettings(task="generate", model="tiny-model", max_new_tokens=16, name="demo", input_path="in.jsonl")

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 from sqlalchemy import delete, inspect, text
 
-from storage.engine import open_engine
-from storage.errors import StoreError
-from storage.events import MAX_EVENT_MESSAGE_CHARS
-from storage.records import JobEvent
-from storage.schema import jobs as jobs_table
-from storage.sqlite_status import read_job_events, read_job_status
-from storage.store import JobStore
+from layerbus.storage.engine import open_engine
+from layerbus.storage.errors import StoreError
+from layerbus.storage.events import MAX_EVENT_MESSAGE_CHARS
+from layerbus.storage.records import JobEvent
+from layerbus.storage.schema import jobs as jobs_table
+from layerbus.storage.sqlite_status import read_job_events, read_job_status
+from layerbus.storage.store import JobStore
 from tests.test_cli_helpers import layerbus
 from tests.test_store_contract import SETTINGS, T0, new_items, ok, store, store_url  # noqa: F401 (fixtures)
 

@@ -7,8 +7,8 @@ import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from storage import InvalidItem, ItemResult, JobSettings, JobStore, NewItem
-from storage.sqlite_status import read_job_events, read_job_status, read_recent_jobs, sqlite_file
+from layerbus.storage import InvalidItem, ItemResult, JobSettings, JobStore, NewItem
+from layerbus.storage.sqlite_status import read_job_events, read_job_status, read_recent_jobs, sqlite_file
 
 T0 = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc)
 

@@ -6,10 +6,10 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from storage.errors import StoreError
-from storage.records import JobSettings
-from storage.states import JOB_STATES, JOB_TRANSITIONS, TIMESTAMP_COLUMNS, check_job_transition
-from storage.status import StateAggregate, build_job_status
+from layerbus.storage.errors import StoreError
+from layerbus.storage.records import JobSettings
+from layerbus.storage.states import JOB_STATES, JOB_TRANSITIONS, TIMESTAMP_COLUMNS, check_job_transition
+from layerbus.storage.status import StateAggregate, build_job_status
 
 T0 = datetime(2030, 1, 1, tzinfo=timezone.utc)
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from storage.engine import default_db_url, default_results_dir
-from storage.errors import StoreError, mask_url
-from storage.store import JobStore
+from layerbus.storage.engine import default_db_url, default_results_dir
+from layerbus.storage.errors import StoreError, mask_url
+from layerbus.storage.store import JobStore
 
 
 def test_default_locations_live_under_layerbus_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

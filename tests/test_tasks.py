@@ -9,8 +9,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from jobs.records import InputRecord
-from jobs.tasks import TASKS, RenderedPrompt, TaskSpec, render_prompt
+from layerbus.jobs.records import InputRecord
+from layerbus.jobs.tasks import TASKS, RenderedPrompt, TaskSpec, render_prompt
 
 # A minimal chat template in the usual shape: BOS, one block per message, then the assistant's turn.
 CHAT_TEMPLATE = (

@@ -11,10 +11,10 @@ import pytest
 import torch
 import zmq
 
-from stages.forward import StepRow
-from wire.frames import MAX_HEADER_BYTES, WIRE_DTYPES, WIRE_VERSION, WireError, decode, encode
-from wire.protocol import rows_from_json, rows_to_json
-from wire.spans import LayerRange
+from layerbus.stages.forward import StepRow
+from layerbus.wire.frames import MAX_HEADER_BYTES, WIRE_DTYPES, WIRE_VERSION, WireError, decode, encode
+from layerbus.wire.protocol import rows_from_json, rows_to_json
+from layerbus.wire.spans import LayerRange
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")  # read-only frames, as frames.py says
 REPO = Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from broker.wire_choice import (
+from layerbus.broker.wire_choice import (
     QualityBudget,
     WireConfigError,
     choose_codec,

@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from broker.broker import BrokerConfig
-from broker.local_cluster import LocalCluster, LocalStageOptions
-from broker.requests import GenerationRequest
-from broker.scheduler import BatchingConfig
-from broker.placement import PlanOptions
-from wire.codecs import wire_bytes
+from layerbus.broker.broker import BrokerConfig
+from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
+from layerbus.broker.requests import GenerationRequest
+from layerbus.broker.scheduler import BatchingConfig
+from layerbus.broker.placement import PlanOptions
+from layerbus.wire.codecs import wire_bytes
 from tests.test_cli_helpers import JOB_ID, layerbus, status_json, write_jsonl
 from tests.test_equivalence import (  # noqa: F401 - smollm2_case is a fixture
     TINY_PROMPTS,
@@ -100,7 +100,7 @@ CUTS = [13, 26]  # the balanced 3-stage plan of SmolLM2: [0, 13) [13, 26) [26, 3
 
 def top_token_with_codec(model, ids: list[int], codec: str, cuts: list[int]) -> int:
     """The next token of `ids` with the hidden states round-tripped through `codec` after each cut."""
-    from stages.wire_quality import round_trip
+    from layerbus.stages.wire_quality import round_trip
 
     def hook(_module, _args, output):
         hidden = output[0] if isinstance(output, tuple) else output

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from wire.frames import WireError
+from layerbus.wire.frames import WireError
 
 CODEC_NAMES = ("float32", "float16", "bfloat16", "int8", "int4")
 # Cheapest first: what auto mode walks through.

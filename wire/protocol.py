@@ -30,8 +30,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.forward import StepRow
-from wire.frames import WireError
+from layerbus.stages.forward import StepRow
+from layerbus.wire.frames import WireError
 
 # Control-plane kinds.
 REGISTER, ASSIGN, READY, HEARTBEAT, FAILURE, REJECTED, SHUTDOWN, BYE, RESET = (
