@@ -3,7 +3,7 @@ after a lost stage (`without_stage`, then `plan_chain` over the stages left, mea
 `unprofiled`), the re-plan of a slowed stage, the split without profiles, the codec inputs
 of each link and the price of the work sent to a stage. Profiles, memory needs and the placement in
 use go in, values come out; measuring, loading spans, logging and events stay in the broker
-(broker.py, planned_start.py), which feeds these and acts on their answers."""
+(broker.py, with profiling.py for the measuring), which feeds these and acts on their answers."""
 
 from __future__ import annotations
 
