@@ -69,7 +69,7 @@ def run(model_dir: Path, requests, num_stages: int, kill_after: int | None, live
 
         started = time.monotonic()
         stats = cluster.broker.run(ListSource(requests), Sink(), events=events)
-        spans = [f"{s.name} {s.layers}" for s in cluster.broker.chain]
+        spans = cluster.broker.placement.text()
     result = {"stages": num_stages, "wall_s": round(time.monotonic() - started, 2), "new_tokens": stats.new_tokens,
               "final_chain": spans, "outputs": outputs}
     end = stats.source_exhausted_at or stats.progress[-1][0]

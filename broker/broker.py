@@ -1,4 +1,6 @@
-"""The broker: owns the control plane, the chain of stages, the schedule and the result socket."""
+"""The broker: owns the control plane, the placement in use (one `Placement`, swapped whole on a
+re-plan), the schedule and the result socket. What to place where is decided by the pure functions
+of broker.planning; the broker measures, loads, logs and reports around them."""
 
 from __future__ import annotations
 
@@ -7,12 +9,28 @@ from dataclasses import dataclass, field, replace
 
 import zmq
 
-from layerbus.broker.control import ClusterError, ControlPlane, StageInfo, StageLost
+from layerbus.broker.chain import Placement
+from layerbus.broker.control import ClusterError, ControlPlane, StageInfo, StageLost, StageState
+from layerbus.broker.drift import Work
 from layerbus.broker.model_info import ModelInfo, load_tokenizer, read_model_info
-from layerbus.broker.partition import balanced_partition, equal_partition, model_cost_from_config
-from layerbus.broker.placement import Plan, PlanOptions, StageProfile
-from layerbus.broker.profiling import ProfilingConfig
+from layerbus.broker.model_memory import model_memory
+from layerbus.broker.partition import model_cost_from_config
 from layerbus.broker.pipeline import ListSource, Pipeline, PipelineConfig, RequestSource, ResultSink, RunStats
+from layerbus.broker.placement import PlacementError, Plan, PlanOptions, StageProfile
+from layerbus.broker.plan_report import format_plan, step_time_report
+from layerbus.broker.planning import (
+    PlanInputs,
+    expected_busy_s,
+    link_codec_inputs,
+    plan_chain,
+    planned,
+    profiles_of,
+    replan_slowed,
+    unplanned_spans,
+    unprofiled,
+    without_stage,
+)
+from layerbus.broker.profiling import ProfilingConfig, collect_profiles
 from layerbus.broker.requests import GenerationRequest, GenerationResult
 from layerbus.broker.scheduler import BatchingConfig
 from layerbus.broker.wire_choice import AutoWireInputs, plan_link_codecs
@@ -63,17 +81,40 @@ class Broker:
         self.results_address = self._advertised(self.results.getsockopt(zmq.LAST_ENDPOINT).decode())
         # Decode steps dominate a run's hops: a micro-batch's rows of float32 hidden states.
         rows = max(1, self.batching.num_slots // max(1, self.batching.num_micro_batches))
-        step_bytes = rows * self.model.files.config.hidden_size * 4
-        self.step_bytes = step_bytes
+        self.step_bytes = rows * self.model.files.config.hidden_size * 4
         # Checked now, so a bad --wire is a usage error before any stage starts; chosen again per chain.
-        self.link_codecs = plan_link_codecs(config.wire, config.num_stages - 1, step_bytes, config.model_dir,
-                                            config.wire_auto)
-        self.chain: list[StageInfo] = []
-        self.spans: list[LayerRange] = []
-        self.plan: Plan | None = None  # the placement in use ("planned"), with its predicted step times
-        self.profiles: list[StageProfile] = []  # every registered stage's profile ("planned"), for re-planning
+        plan_link_codecs(config.wire, config.num_stages - 1, self.step_bytes, config.model_dir, config.wire_auto)
+        self.placement: Placement | None = None  # the chain in use; replaced whole, never changed in place
+        self.profiles: tuple[StageProfile, ...] = ()  # every registered stage's profile ("planned"), for re-planning
         self.pipeline: Pipeline | None = None
         self._tokenizer = None
+
+    # -- the placement in use, read-only views -------------------------------------------------
+    @property
+    def chain(self) -> list[StageInfo]:
+        """The stages of the placement in use, in chain order (their live state)."""
+        return [self.control.stage(name) for name in self.placement.stages] if self.placement else []
+
+    @property
+    def spans(self) -> list[LayerRange]:
+        return list(self.placement.spans) if self.placement else []
+
+    @property
+    def plan(self) -> Plan | None:
+        """The planner's figures for the placement in use ("planned"), or None."""
+        return self.placement.plan if self.placement else None
+
+    @property
+    def link_codecs(self) -> list[str]:
+        return list(self.placement.codecs) if self.placement else []
+
+    def placement_summary(self) -> str:
+        """The chain in one line, e.g. "stage-1 [0, 24) -int8-> stage-0 [24, 30) (planned; ...)" (the job's events)."""
+        return self.placement.summary() if self.placement else "(not placed yet)"
+
+    def run_info(self) -> dict:
+        """For storage.run_info: the chain, its spans and the codec of each link."""
+        return self.placement.run_info() if self.placement else {"stages": [], "wire": []}
 
     @property
     def address(self) -> str:
@@ -90,149 +131,125 @@ class Broker:
             self._tokenizer = load_tokenizer(self.config.model_dir)
         return self._tokenizer
 
-    def plan_spans(self, num_stages: int | None = None) -> list[LayerRange]:
-        """The "balanced" or "equal" split over `num_stages` (default: the configured count)."""
-        n, p = self.model.files.num_layers, num_stages or self.config.num_stages
-        if self.config.partition == "equal":
-            return equal_partition(n, p)
-        return balanced_partition(model_cost_from_config(self.model.files.config), p)
-
-    def plan_chain(self, stages: list[StageInfo]) -> tuple[list[StageInfo], list[LayerRange]]:
-        """The chain (which stages, in which order) and each one's span. "planned" profiles the stages
-        it has no profile of yet and may leave some out (they stay registered, as spares); it raises
+    # -- placing -------------------------------------------------------------------------------
+    def _place(self, stages: list[StageInfo]) -> Placement:
+        """The placement over these stages (not loaded yet). "planned" profiles the stages it has no
+        profile of and may leave some out (they stay registered, as spares); it raises
         PlacementError when the stages cannot hold the model."""
         stages = sorted(stages, key=lambda s: s.name)  # a stable chain order for reproducible logs
-        if self.config.partition == "planned":
-            from layerbus.broker.planned_start import plan_chain
+        names = [stage.name for stage in stages]
+        if self.config.partition != "planned":
+            return unplanned_spans(self.config.partition, names, self.model.files.num_layers,
+                                   model_cost_from_config(self.model.files.config))
+        inputs = self._plan_inputs(stages)
+        missing = set(unprofiled(names, self.profiles))
+        measured = collect_profiles(self.control, [s for s in stages if s.name in missing], str(self.model.path),
+                                    inputs.memory, self.batching.micro_batch_size, self.batching.max_step_tokens,
+                                    self.max_context, self.config.profiling) if missing else []
+        self.profiles = tuple(profiles_of(names, self.profiles + tuple(measured)))  # in chain-name order
+        plan = plan_chain(names, self.profiles, inputs)
+        for line in format_plan(plan).splitlines():
+            log.info("%s", line)
+        return planned(plan)
 
-            self.profiles, self.plan, chain = plan_chain(self, stages, self.profiles)
-            return chain, self.plan.spans
-        chain = stages[:self.model.files.num_layers]
-        return chain, self.plan_spans(len(chain))
+    def _plan_inputs(self, stages: list[StageInfo]) -> PlanInputs:
+        dtypes = sorted({stage.dtype for stage in stages})
+        if len(dtypes) > 1:
+            log.warning("stages run different dtypes %s; memory is planned for %s", dtypes, stages[0].dtype)
+        return PlanInputs(self.model.path.name, model_memory(self.model.files, stages[0].dtype), self.batching,
+                          self.config.plan_options)
+
+    def _assign(self, placement: Placement) -> None:
+        """Choose the links' codecs, make `placement` the one in use and have its stages load it."""
+        wire, auto = link_codec_inputs(self.config.wire, self.config.wire_auto, placement, self.profiles)
+        codecs = plan_link_codecs(wire, len(placement.stages) - 1, self.step_bytes, self.config.model_dir, auto)
+        self.placement = placement.with_codecs(codecs)
+        log.info("placing %s: %s", self.model.path, self.placement.text())
+        self.control.assign(self.placement, str(self.model.path), self.results_address, self.batching.num_slots,
+                            self.max_context, self.config.load_timeout_s,
+                            liveness_window_s=self.config.pipeline.liveness_window_s)
 
     def start(self) -> None:
         """Wait for the stages, give each its span, wait until all have loaded."""
         stages = self.control.wait_for_stages(self.config.num_stages, self.config.register_timeout_s)
-        self.chain, self.spans = self.plan_chain(stages)
-        self._assign()
-        self.pipeline = Pipeline(self.context, self.control, self.chain, self.results, self.batching,
+        self._assign(self._place(stages))
+        self.pipeline = Pipeline(self.context, self.control, lambda: self.placement, self.results, self.batching,
                                  set(self.model.eos_ids), self._detokenize, self.config.pipeline,
                                  recover=self.recover, rebalance=self.rebalance, expected=self._expected_busy_s)
 
-    def _assign(self) -> None:
-        log.info("placing %s: %s", self.model.path, ", ".join(f"{s.name} {span}" for s, span in zip(self.chain, self.spans)))
-        self.link_codecs = self._plan_link_codecs()
-        if self.link_codecs:
-            log.info("wire: %s", self.wire_summary())
-        self.control.assign(self.chain, self.spans, str(self.model.path), self.results_address,
-                            self.batching.num_slots, self.max_context, self.config.load_timeout_s,
-                            self.link_codecs, liveness_window_s=self.config.pipeline.liveness_window_s)
+    # -- re-planning -----------------------------------------------------------------------------
+    def _forget(self, stage: StageInfo) -> None:
+        """A lost stage serves no more; if it registers again it is measured anew."""
+        self.control.mark_lost(stage)
+        self.profiles = without_stage(self.profiles, stage.name)
 
-    def recover(self, lost: StageLost, should_stop=lambda: False, report=lambda *a, **k: None) -> list[StageInfo] | None:
+    def recover(self, lost: StageLost, should_stop=lambda: False, report=lambda *a, **k: None) -> Placement | None:
         """Re-plan over the stages still alive (spares and stages that registered since included),
-        load the new spans, and return the new chain. While they cannot hold the model (none left, or
-        too little memory), wait for a stage to register. Another stage lost while loading is dropped
-        too, and the plan made again. None when `should_stop` says so."""
-        from layerbus.broker.placement import PlacementError
-
-        self.control.mark_lost(lost.stage)
-        self.profiles = [p for p in self.profiles if p.name != lost.stage.name]  # a re-registered one is measured anew
+        load the new spans, and return the new placement. While they cannot hold the model (none
+        left, or too little memory), wait for a stage to register. Another stage lost while loading
+        is dropped too, and the plan made again. None when `should_stop` says so."""
+        self._forget(lost.stage)
         waiting_for: str | None = None
         while not should_stop():
-            candidates = [s for s in self.control.live_stages() if s.state != "failed"]
+            candidates = [s for s in self.control.live_stages() if s.state is not StageState.FAILED]
             try:
                 if not candidates:
                     raise PlacementError("no stage is left")
-                self.chain, self.spans = self.plan_chain(candidates)
+                placement = self._place(candidates)
             except PlacementError as why:
                 reason = (f"the stages left cannot hold {self.model.path.name} ({why}); waiting for a stage to "
                           f"register at {self.address} (`layerbus stage --broker {self.address}`)")
                 if reason != waiting_for:
                     report("waiting", reason)
                     waiting_for = reason
-                known = len(self.control.stages)
-                while len(self.control.stages) == known and not should_stop():  # until someone registers
-                    self.control.poll(200)
-                    self.control.heartbeat(self.config.pipeline.heartbeat_interval_s)
+                self._wait_for_registration(should_stop)
                 continue
             try:
-                self._assign()
-                return self.chain
+                self._assign(placement)
+                return self.placement
             except StageLost as again:
-                self.control.mark_lost(again.stage)
-                self.profiles = [p for p in self.profiles if p.name != again.stage.name]
+                self._forget(again.stage)
                 report("stage_lost", f"{again} (while loading a new span)", stage=again.stage.name)
             except ClusterError as error:  # a load failed: that stage is left out of the next plan
                 report("load_failed", str(error))
         return None
 
-    def _expected_busy_s(self, stage_name: str, work) -> float:
+    def _wait_for_registration(self, should_stop) -> None:
+        known = len(self.control.stages)
+        while len(self.control.stages) == known and not should_stop():
+            self.control.poll(200)
+            self.control.heartbeat(self.config.pipeline.heartbeat_interval_s)
+
+    def _expected_busy_s(self, stage_name: str, work: Work) -> float:
         """For the drift watch: the profile's price of `work` on this stage (0 without a plan)."""
-        from layerbus.broker.planned_start import expected_busy_s
+        return expected_busy_s(self.plan, self.profiles, stage_name, work)
 
-        return expected_busy_s(self, stage_name, work)
-
-    def rebalance(self, slowed: dict[str, float], report=lambda *a, **k: None) -> list[StageInfo] | None:
+    def rebalance(self, slowed: dict[str, float], report=lambda *a, **k: None) -> Placement | None:
         """A stage runs `factor` times slower than it did: plan again with its profile slowed as much,
         and move layers if the new plan is at least `drift.min_gain` faster than the placement in use
-        (re-loading spans and re-prefilling cost something). Returns the new chain, or None."""
+        (re-loading spans and re-prefilling cost something). Returns the new placement, or None."""
         if self.plan is None:  # "balanced" and "equal" have no measured profiles to re-plan from
             return None
-        from layerbus.broker.planned_start import replan_slowed
-
-        plan = replan_slowed(self, slowed)
-        if plan is None:
+        decision = replan_slowed(slowed, self.placement, [s.name for s in self.control.live_stages()],
+                                 self.profiles, self._plan_inputs(self.chain), self.config.pipeline.drift.min_gain)
+        self.profiles = decision.profiles
+        if decision.best is not None:
+            log.info("slowed %s: placement in use %.1f ms per step, best plan %.1f ms (%.0f%% faster)",
+                     slowed, decision.current_step_s * 1e3, decision.best.step_s * 1e3, decision.gain * 100)
+        if decision.plan is None:
             return None
-        by_name = {stage.name: stage for stage in self.control.live_stages()}
-        self.plan, self.chain, self.spans = plan, [by_name[name] for name in plan.order], plan.spans
+        for line in format_plan(decision.plan).splitlines():
+            log.info("%s", line)
         try:
-            self._assign()
+            self._assign(planned(decision.plan))
         except StageLost:
             raise
         except ClusterError as error:  # a stage could not load its new span: re-plan without it
-            failed = next((stage for stage in self.chain if stage.state == "failed"), self.chain[0])
+            failed = next((stage for stage in self.chain if stage.state is StageState.FAILED), self.chain[0])
             raise StageLost(failed, f"could not load its new span: {error}") from None
-        return self.chain
+        return self.placement
 
-    def _plan_link_codecs(self) -> list[str]:
-        """The codec of each link of the chain in use. A per-link list given for the configured chain
-        is cut (or its last codec repeated) when a plan uses fewer or more stages; `auto` takes each
-        link's bandwidth and the step time from the profiles when they were measured."""
-        links = len(self.chain) - 1
-        wire, auto = self.config.wire, self.config.wire_auto
-        if not isinstance(wire, str) and len(wire) != links:
-            wire = tuple(wire[i] if i < len(wire) else wire[-1] for i in range(links))
-        if self.plan is not None:
-            by_name = {profile.name: profile for profile in self.profiles}
-            if not auto.link_bandwidth and all(s.name in by_name for s in self.chain):
-                auto = replace(auto, link_bandwidth=tuple(by_name[s.name].link_bandwidth for s in self.chain[:-1]))
-            if auto.compute_s_per_step is None:
-                auto = replace(auto, compute_s_per_step=max(p.compute_s for p in self.plan.chosen.stages))
-        return plan_link_codecs(wire, links, self.step_bytes, self.config.model_dir, auto)
-
-    def wire_summary(self) -> str:
-        """The codec of each link, e.g. "stage-0 -> stage-1 int8, stage-1 -> stage-2 float16"."""
-        names = [s.name for s in self.chain] or [f"stage {i}" for i in range(self.config.num_stages)]
-        return ", ".join(f"{a} -> {b} {codec}" for a, b, codec in zip(names, names[1:], self.link_codecs))
-
-    def placement_summary(self) -> str:
-        """The chain in one line, e.g. "stage-1 [0, 24) -int8-> stage-0 [24, 30)" (for the job's events)."""
-        parts = []
-        for i, (stage, span) in enumerate(zip(self.chain, self.spans)):
-            parts.append(f"{stage.name} {span}")
-            if i < len(self.chain) - 1:
-                codec = self.link_codecs[i] if i < len(self.link_codecs) else "float32"
-                parts.append(f"-{codec}->")
-        planned = f"; predicted {self.plan.tokens_per_s:.1f} tok/s" if self.plan is not None else ""
-        return " ".join(parts) + f" ({self.config.partition}{planned})"
-
-    def run_info(self) -> dict:
-        """For storage.run_info: the chain, its spans and the codec of each link."""
-        names = [s.name for s in self.chain]
-        return {"stages": [{"name": s.name, "layers": str(span)} for s, span in zip(self.chain, self.spans)],
-                "wire": [{"from": a, "to": b, "codec": codec}
-                         for a, b, codec in zip(names, names[1:], self.link_codecs)]}
-
+    # -- serving ---------------------------------------------------------------------------------
     def _detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer().decode(token_ids, skip_special_tokens=True)
 
@@ -242,27 +259,22 @@ class Broker:
         before = {s.name: dict(s.stats) for s in self.chain}
         stats = self.pipeline.run(source, sink, should_stop, events)
         if self.plan is not None and not stats.recoveries:  # after a re-plan the stats span two plans
-            from layerbus.broker.plan_report import step_time_report
-
             for line in step_time_report(self.plan, before, stats.stage_stats):
                 log.info("%s", line)
         return stats
 
     def keep_alive(self, seconds: float, report=lambda *a, **k: None) -> None:
-        """Between jobs: keep heartbeats going and re-plan when a stage is lost."""
+        """Between jobs: keep heartbeats going and re-plan when a stage is lost (the next run follows)."""
         deadline = self.control.clock() + seconds
         while self.control.clock() < deadline:
             self.control.poll(100)
             self.control.heartbeat(self.config.pipeline.heartbeat_interval_s)
             try:
-                gone = next((s for s in self.chain if s.state == "gone"), None)
-                if gone is not None:
-                    raise StageLost(gone, "it left (stopped or shut down)")
-                self.control.check_liveness(self.chain, self.config.pipeline.liveness_window_s,
-                                            self.config.pipeline.stuck_step_s)
+                self.control.check_stages(self.chain, self.config.pipeline.liveness_window_s,
+                                          self.config.pipeline.stuck_step_s)
             except StageLost as lost:
                 report("stage_lost", str(lost), stage=lost.stage.name)
-                self.pipeline.use_chain(self.recover(lost, report=report))
+                self.recover(lost, report=report)
 
     def generate(self, requests: list[GenerationRequest]) -> tuple[list[GenerationResult], RunStats]:
         """Run requests to the end; results come back in request order."""

@@ -1,15 +1,19 @@
 """The broker's control plane: a ROUTER socket where stages register, get their spans, heartbeat
-and report failures. It keeps one `StageInfo` per stage; the pipeline loop reads events from it."""
+and report failures. It keeps one `StageInfo` per stage (what the stage is and how it is doing; which
+layers it serves is the broker's `Placement`), decides in one place when a stage is lost
+(`lost_reason`), and hands the pipeline loop the events it must act on."""
 
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Callable
 
 import zmq
 
+from layerbus.broker.chain import Placement
 from layerbus.stages.heartbeat import HEARTBEAT_IDENTITY_SUFFIX
 from layerbus.wire import protocol
 from layerbus.wire.frames import WireError, decode, encode
@@ -30,6 +34,23 @@ class StageLost(ClusterError):
         self.stage, self.reason = stage, reason
 
 
+class StageState(Enum):
+    """Where a registered stage is in its life, as the broker sees it."""
+
+    SPARE = "spare"  # registered, holds no span: may be given one by the next plan
+    LOADING = "loading"  # told its span, not READY yet
+    READY = "ready"  # loaded its span for the current epoch: serving
+    FAILED = "failed"  # reported an error that is not about one step (a load failure, its loop died)
+    GONE = "gone"  # said goodbye (stopped or shut down)
+    LOST = "lost"  # declared lost by the broker (silent, stuck, gone or failed while in the chain)
+    RESET = "reset"  # lost, then spoke again: told to drop its span and register again
+
+    @property
+    def alive(self) -> bool:
+        """Still a member of the cluster (may serve, or be planned over once more)."""
+        return self not in (StageState.GONE, StageState.LOST, StageState.RESET)
+
+
 @dataclass
 class StageInfo:
     """What the broker knows about one registered stage."""
@@ -44,8 +65,8 @@ class StageInfo:
     host: str
     pid: int
     last_seen: float  # broker clock when anything last arrived from it
-    state: str = "registered"  # registered, loading, ready, failed, gone
-    layers: LayerRange | None = None
+    state: StageState = StageState.SPARE
+    loaded: LayerRange | None = None  # the span it said it loaded in its last READY (its own report)
     param_bytes: int = 0
     load_s: float = 0.0
     peak_rss: int = 0  # the stage's peak resident memory when it reported READY
@@ -104,11 +125,11 @@ class ControlPlane:
             if not from_heartbeat_thread:  # heartbeats may arrive before the registration
                 log.warning("control message %r from unregistered stage %r ignored", kind, identity)
             return []
-        if stage.state == "lost":
+        if stage.state is StageState.LOST:
             # Presumed dead and re-planned without, it speaks again (SIGCONT, a healed network). Its
             # span belongs to an old epoch: tell it to drop it and register again as a spare.
             log.warning("stage %s, presumed lost, is back: told to register again", stage.name)
-            stage.state = "reset"
+            stage.state = StageState.RESET
             self.send(stage, protocol.RESET)
             return []
         stage.last_seen = now
@@ -119,21 +140,22 @@ class ControlPlane:
         if from_heartbeat_thread:
             return []
         if kind == protocol.READY and header.get("epoch") == self.epoch:
-            stage.state = "ready"
+            stage.state = StageState.READY
+            stage.loaded = _loaded_span(header.get("layers"))
             stage.param_bytes = int(header.get("param_bytes", 0))
             stage.load_s = float(header.get("load_s", 0.0))
             stage.peak_rss = int(header.get("peak_rss", 0))
             stage.rss_before_load = int(header.get("rss_before_load", 0))
         elif kind == protocol.FAILURE:
             log.error("stage %s reports: %s", stage.name, header.get("error"))
-            if "step" not in header:  # a load failure: the stage cannot serve its span
-                stage.state, stage.error = "failed", str(header.get("error"))
+            if not isinstance(header.get("mb"), int):  # not about one step: the stage cannot serve its span
+                stage.state, stage.error = StageState.FAILED, str(header.get("error"))
             return [ControlEvent("failure", stage.name, header)]
         elif kind == protocol.REJECTED:
             log.error("stage %s rejected a message from %s: %s", stage.name, header.get("sender"), header.get("error"))
             return [ControlEvent("rejected", stage.name, header)]
         elif kind == protocol.BYE:
-            stage.state = "gone"
+            stage.state = StageState.GONE
             return [ControlEvent("bye", stage.name, header)]
         elif kind in (protocol.PROFILE_RESULT, protocol.PROBE_ECHO):  # read by broker.profiling
             return [ControlEvent(kind, stage.name, header)]
@@ -166,22 +188,28 @@ class ControlPlane:
             self.last_heartbeat = now
 
     def live_stages(self) -> list[StageInfo]:
-        return [s for s in self.stages.values() if s.state not in ("gone", "lost", "reset")]
+        return [s for s in self.stages.values() if s.state.alive]
+
+    def stage(self, name: str) -> StageInfo:
+        """The registered stage of this name (KeyError naming the known ones)."""
+        found = self.stages.get(name.encode())
+        if found is None:
+            found = next((s for s in self.stages.values() if s.name == name), None)
+        if found is None:
+            raise KeyError(f"no stage {name!r} registered; registered: {sorted(s.name for s in self.stages.values())}")
+        return found
 
     def mark_lost(self, stage: StageInfo) -> None:
         """Serve no more steps through this stage; if it speaks again it is told to re-register."""
-        stage.state, stage.layers = "lost", None
+        stage.state, stage.loaded = StageState.LOST, None
 
-    def check_liveness(self, stages: list[StageInfo], window_s: float, stuck_s: float) -> None:
-        """Raise StageLost for the first stage silent for longer than `window_s`, or busy with one step
-        or load for longer than `stuck_s` (its heartbeats go on, its main loop does not)."""
+    def check_stages(self, stages: list[StageInfo], window_s: float, stuck_s: float) -> None:
+        """Raise StageLost for the first of `stages` that `lost_reason` finds lost."""
         now = self.clock()
         for stage in stages:
-            silent = now - stage.last_seen
-            if silent > window_s:
-                raise StageLost(stage, f"silent for {silent:.1f} s (liveness window {window_s:g} s)")
-            if stage.busy_s > stuck_s:
-                raise StageLost(stage, f"stuck in one step or load for {stage.busy_s:.0f} s (limit {stuck_s:g} s)")
+            reason = lost_reason(stage, now, window_s, stuck_s)
+            if reason is not None:
+                raise StageLost(stage, reason)
 
     def shutdown_all(self) -> None:
         for stage in self.live_stages():
@@ -197,35 +225,57 @@ class ControlPlane:
             self.poll(100)
         return self.live_stages()[:count]
 
-    def assign(self, chain: list[StageInfo], spans: list[LayerRange], model_dir: str, result_address: str,
-               num_slots: int, max_context: int, timeout_s: float, wire: list[str] | None = None,
-               liveness_window_s: float | None = None) -> None:
-        """Give each stage of the chain its span, next hop and the codec of that hop (`wire`, one per
-        link between stages; float32 where not given); wait until all report READY.
+    def assign(self, placement: Placement, model_dir: str, result_address: str, num_slots: int,
+               max_context: int, timeout_s: float, liveness_window_s: float | None = None) -> None:
+        """Give each stage of `placement` its span, next hop and the codec of that hop (float32 where
+        the placement has none); wait until all report READY. A stage whose load fails raises
+        ClusterError naming it.
 
         With `liveness_window_s`, a stage that dies while loading raises StageLost (its heartbeats
         continue during a load, so a long load is not mistaken for a death)."""
         self.epoch += 1
-        for i, (stage, span) in enumerate(zip(chain, spans)):
+        chain = [self.stage(name) for name in placement.stages]
+        for i, (stage, span) in enumerate(zip(chain, placement.spans)):
             next_address = chain[i + 1].data_address if i + 1 < len(chain) else result_address
-            stage.state, stage.layers, stage.error = "loading", span, None
-            link_codec = wire[i] if wire is not None and i < len(wire) else "float32"
+            stage.state, stage.loaded, stage.error = StageState.LOADING, None, None
+            link_codec = placement.codecs[i] if i < len(placement.codecs) else "float32"
             self.send(stage, protocol.ASSIGN, epoch=self.epoch, model_dir=model_dir, layers=span.to_json(),
                       is_first=i == 0, is_last=i == len(chain) - 1, next_address=next_address,
                       num_slots=num_slots, max_context=max_context, wire=link_codec)
         deadline = self.clock() + timeout_s
-        while not all(stage.state == "ready" for stage in chain):
-            failed = [stage for stage in chain if stage.state == "failed"]
+        while True:  # a failed load is checked first: it is a ClusterError (re-plan without it), not a loss
+            failed = [(stage, span) for stage, span in zip(chain, placement.spans) if stage.state is StageState.FAILED]
             if failed:
-                raise ClusterError("; ".join(f"stage {s.name} could not load layers {s.layers}: {s.error}"
-                                             for s in failed))
+                raise ClusterError("; ".join(f"stage {s.name} could not load layers {span}: {s.error}"
+                                             for s, span in failed))
+            if all(stage.state is StageState.READY for stage in chain):
+                return
             if self.clock() > deadline:
-                waiting = [s.name for s in chain if s.state != "ready"]
+                waiting = [s.name for s in chain if s.state is not StageState.READY]
                 raise ClusterError(f"stages {waiting} did not finish loading within {timeout_s:.0f} s")
+            if liveness_window_s is not None:
+                self.check_stages(chain, liveness_window_s, stuck_s=timeout_s)
             self.poll(100)
             self.heartbeat(0.5)
-            if liveness_window_s is not None:
-                for stage in chain:
-                    if stage.state == "gone":
-                        raise StageLost(stage, "left while loading its layers")
-                self.check_liveness(chain, liveness_window_s, stuck_s=timeout_s)
+
+def lost_reason(stage: StageInfo, now: float, window_s: float, stuck_s: float) -> str | None:
+    """Why this stage of a chain can serve no more (None: it can): it left, it reported an error that
+    is not about one step, it has been silent past `window_s`, or one step or load has run past
+    `stuck_s` (its heartbeats go on, its main loop does not). The one place "stage gone" is decided."""
+    if stage.state is StageState.GONE:
+        return "it left (stopped or shut down)"
+    if stage.state is StageState.FAILED:
+        return f"it reported: {stage.error}"
+    silent = now - stage.last_seen
+    if silent > window_s:
+        return f"silent for {silent:.1f} s (liveness window {window_s:g} s)"
+    if stage.busy_s > stuck_s:
+        return f"stuck in one step or load for {stage.busy_s:.0f} s (limit {stuck_s:g} s)"
+    return None
+
+
+def _loaded_span(value: object) -> LayerRange | None:
+    try:
+        return LayerRange.from_json(value)
+    except ValueError:
+        return None

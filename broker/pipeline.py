@@ -20,33 +20,29 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 import zmq
 
-from layerbus.broker.control import ClusterError, ControlPlane, StageInfo, StageLost
+from layerbus.broker.chain import Placement
+from layerbus.broker.control import ControlPlane, StageInfo, StageLost
 from layerbus.broker.drift import DriftConfig, DriftWatch, Expected, Work
-from layerbus.broker.requests import GenerationRequest, GenerationResult
+from layerbus.broker.run_state import (  # noqa: F401  (RunStats, ListSource, ... are imported from here too)
+    EventSink,
+    InFlight,
+    ListSource,
+    RequestSource,
+    ResultSink,
+    RunState,
+    RunStats,
+)
 from layerbus.broker.scheduler import BatchingConfig, Scheduler, StepPlan
 from layerbus.stages.forward import StepRow
 from layerbus.wire import protocol
 from layerbus.wire.frames import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode, encode
 
 log = logging.getLogger("layerbus.broker")
-
-
-class RequestSource(Protocol):
-    """Where requests come from (a list, a job store). `fetch` never blocks for long."""
-
-    def fetch(self, limit: int) -> list[GenerationRequest]: ...
-
-    @property
-    def exhausted(self) -> bool: ...
-
-
-class ResultSink(Protocol):
-    def deliver(self, results: list[GenerationResult]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -69,66 +65,21 @@ class PipelineConfig:
                              f"{self.stuck_step_s}")
 
 
-@dataclass
-class RunStats:
-    """What one run did, for status lines and benchmarks."""
-
-    wall_s: float = 0.0
-    broker_cpu_s: float = 0.0  # the broker process's own CPU time during the run
-    steps: int = 0
-    new_tokens: int = 0
-    prompt_tokens: int = 0
-    finished: int = 0
-    errors: int = 0
-    resent: int = 0  # steps sent again after step_timeout_s or a failed send
-    discarded: int = 0  # late or duplicate results (from before a re-plan, or of an older attempt)
-    stage_stats: dict[str, dict] = field(default_factory=dict)  # name -> the stage's last stats
-    recoveries: list[dict] = field(default_factory=list)  # one event per lost stage (see Pipeline._recover)
-    # (clock, new tokens so far) after every step that emitted tokens: throughput over any window.
-    progress: list[tuple[float, int]] = field(default_factory=list)
-    source_exhausted_at: float | None = None  # clock when the last request was taken from the source
-
-
-@dataclass
-class _InFlight:
-    plan: StepPlan
-    step: int
-    attempt: int
-    sent_at: float
-
-
-# recover(lost, should_stop, report) -> the new chain, loaded and ready, or None when asked to stop.
-Recover = Callable[[StageLost, Callable[[], bool], Callable[..., None]], "list[StageInfo] | None"]
-# rebalance({stage: slowdown factor}, report) -> a new chain, loaded and ready, or None: no better plan.
-Rebalance = Callable[[dict, Callable[..., None]], "list[StageInfo] | None"]
-# report(kind, message, **fields): a fault-handling event (stage_lost, waiting, recovered, ...).
-EventSink = Callable[..., None]
-
-class ListSource:
-    """A fixed list of requests (tests, benchmarks, `generate`)."""
-
-    def __init__(self, requests: list[GenerationRequest]):
-        self.pending = list(reversed(requests))
-
-    def fetch(self, limit: int) -> list[GenerationRequest]:
-        taken = []
-        while self.pending and len(taken) < limit:
-            taken.append(self.pending.pop())
-        return taken
-
-    @property
-    def exhausted(self) -> bool:
-        return not self.pending
+# recover(lost, should_stop, report) -> the new placement, loaded and ready, or None when asked to stop.
+Recover = Callable[[StageLost, Callable[[], bool], EventSink], "Placement | None"]
+# rebalance({stage: slowdown factor}, report) -> a new placement, loaded and ready, or None: no better plan.
+Rebalance = Callable[[dict, EventSink], "Placement | None"]
 
 
 class Pipeline:
-    def __init__(self, context: zmq.Context, control: ControlPlane, chain: list[StageInfo],
+    def __init__(self, context: zmq.Context, control: ControlPlane, placement: Callable[[], Placement],
                  results_socket: zmq.Socket, batching: BatchingConfig, eos_ids: set[int],
                  detokenize: Callable[[list[int]], str] | None = None,
                  config: PipelineConfig = PipelineConfig(), clock: Callable[[], float] = time.monotonic,
                  recover: Recover | None = None, rebalance: Rebalance | None = None,
                  expected: Expected | None = None):
-        self.control, self.chain, self.config, self.clock = control, chain, config, clock
+        self.control, self.config, self.clock = control, config, clock
+        self.placement = placement  # the owner's placement in use (it swaps it whole on a re-plan)
         self.batching, self.eos_ids, self.detokenize = batching, eos_ids, detokenize
         self.recover = recover  # None: a lost stage ends the run with ClusterError
         self.rebalance = rebalance  # None: a slowed stage keeps its layers
@@ -138,15 +89,23 @@ class Pipeline:
         self.context = context
         self.push: zmq.Socket | None = None
         self.first_address: str | None = None
-        self.use_chain(chain)
+        self._followed: Placement | None = None
+        self._drift_watched = False
+        self._follow_placement()
         self.next_step = 0
-        self._awaiting_first_token: dict | None = None  # the recovery event waiting for its first new token
-        self._replay_event: dict | None = None  # the recovery event waiting for its re-prefill to end
 
-    def use_chain(self, chain: list[StageInfo]) -> None:
-        """Send to a new chain (after a re-plan)."""
-        self.chain = chain
-        # Decided once per chain, not per loop: CPU stages sharing one host are not watched for drift.
+    @property
+    def chain(self) -> list[StageInfo]:
+        """The stages of the placement in use, in chain order."""
+        return [self.control.stage(name) for name in self.placement().stages]
+
+    def _follow_placement(self) -> None:
+        """Send to the owner's placement in use (after a re-plan, its first stage may have changed)."""
+        placement = self.placement()
+        if placement is self._followed:
+            return
+        self._followed, chain = placement, self.chain
+        # Decided once per placement, not per loop: CPU stages sharing one host are not watched for drift.
         self._drift_watched = self.config.drift.watch_shared_cpu_host or not _shared_cpu_host(chain)
         if chain[0].data_address != self.first_address:
             self._connect_first(chain[0].data_address)
@@ -166,73 +125,54 @@ class Pipeline:
             events: EventSink | None = None) -> RunStats:
         """Serve requests from `source` until it is exhausted and nothing is in flight. `events`
         hears of every lost stage, wait and recovery (the job runner records them in the store)."""
-        scheduler = Scheduler(self.batching, len(self.chain), self.eos_ids, self.detokenize)
-        inflight: dict[int, _InFlight] = {}
-        stats = RunStats()
+        self._follow_placement()  # the owner may have re-planned between runs (keep_alive)
+        run = RunState(Scheduler(self.batching, len(self.placement().stages), self.eos_ids, self.detokenize),
+                       source, sink, should_stop, events)
         started, cpu_started = self.clock(), time.process_time()
         poller = zmq.Poller()
         poller.register(self.results, zmq.POLLIN)
         poller.register(self.control.socket, zmq.POLLIN)
         self.drift.restart(self.clock(), self._stage_stats(), self.work)
-
-        def report(kind: str, message: str, **fields) -> None:
-            log.warning("%s: %s", kind, message)
-            if events is not None:
-                events(kind, message, **fields)
-
-        def deliver(finished: list[GenerationResult]) -> None:
-            if finished:
-                for result in finished:
-                    stats.finished += 1
-                    stats.errors += result.error is not None
-                    stats.new_tokens += len(result.token_ids)
-                    stats.prompt_tokens += result.prompt_tokens
-                sink.deliver(finished)
-
-        def top_up() -> None:
-            wanted = scheduler.free_slots() + scheduler.config.num_slots // 2 - len(scheduler.waiting)
-            if wanted > 0 and not source.exhausted:
-                now = self.clock()
-                deliver([r for r in (scheduler.submit(req, now) for req in source.fetch(wanted)) if r])
-                if source.exhausted and stats.source_exhausted_at is None:
-                    stats.source_exhausted_at = self.clock()
-
         while True:
             stopping = should_stop()
             if not stopping:
-                top_up()
-                for mb in range(scheduler.num_micro_batches):
-                    if mb not in inflight:
-                        self._send(scheduler, mb, inflight)
-            if not inflight and (stopping or (scheduler.idle and source.exhausted)):
+                run.top_up(self.clock)
+                for mb in range(run.scheduler.num_micro_batches):
+                    if mb not in run.inflight:
+                        self._send(run, mb)
+            if not run.inflight and (stopping or (run.scheduler.idle and source.exhausted)):
                 break
             try:
-                for socket in dict(poller.poll(50)):
-                    if socket is self.results:
-                        self._receive_results(scheduler, inflight, deliver, stats, report)
-                    else:
-                        self._handle_control(scheduler, inflight, deliver, stats)
-                self.control.heartbeat(self.config.heartbeat_interval_s)
-                self._resend_overdue(scheduler, inflight, stats)
-                self.control.check_liveness(self.chain, self.config.liveness_window_s, self.config.stuck_step_s)
-                self._watch_speed(scheduler, inflight, report, stats)
+                self._serve_once(run, poller)
             except StageLost as lost:
-                if not self._recover(scheduler, inflight, lost, should_stop, report, stats):
+                if not self._recover(run, lost):
                     break  # asked to stop while waiting for stages: the caller hands the items back
-        stats.wall_s = self.clock() - started
-        stats.broker_cpu_s = time.process_time() - cpu_started
-        stats.stage_stats = {s.name: dict(s.stats) for s in self.chain}
-        return stats
+        run.stats.wall_s = self.clock() - started
+        run.stats.broker_cpu_s = time.process_time() - cpu_started
+        run.stats.stage_stats = {s.name: dict(s.stats) for s in self.chain}
+        return run.stats
 
+    def _serve_once(self, run: RunState, poller: zmq.Poller) -> None:
+        """Take in what arrived, keep heartbeats going, resend what is overdue, and raise StageLost
+        for a stage of the chain that can serve no more (control.lost_reason decides)."""
+        for socket in dict(poller.poll(50)):
+            if socket is self.results:
+                self._receive_results(run)
+            else:
+                self._handle_control(run)
+        self.control.heartbeat(self.config.heartbeat_interval_s)
+        self._resend_overdue(run)
+        self.control.check_stages(self.chain, self.config.liveness_window_s, self.config.stuck_step_s)
+        self._watch_speed(run)
     # -- sending -------------------------------------------------------------------------------
-    def _send(self, scheduler: Scheduler, mb: int, inflight: dict[int, _InFlight]) -> None:
-        plan = scheduler.plan_step(mb, self.clock())
+    def _send(self, run: RunState, mb: int) -> None:
+        plan = run.scheduler.plan_step(mb, self.clock())
         if plan is None:
             return
         step = self.next_step
         self.next_step += 1
-        self._transmit(scheduler, plan, step, 0)
-        inflight[mb] = _InFlight(plan, step, 0, self.clock())
+        self._transmit(run.scheduler, plan, step, 0)
+        run.inflight[mb] = InFlight(plan, step, 0, self.clock())
 
     def _transmit(self, scheduler: Scheduler, plan: StepPlan, step: int, attempt: int) -> None:
         rows, tokens = [], []
@@ -248,89 +188,94 @@ class Pipeline:
                   "epoch": self.control.epoch, "rows": protocol.rows_to_json(rows), "release": plan.released}
         self.push.send_multipart(encode(header, {"tokens": torch.tensor(tokens, dtype=torch.int64)}), copy=False)
 
-    def _resend(self, scheduler: Scheduler, current: _InFlight, stats: RunStats) -> None:
+    def _resend(self, run: RunState, current: InFlight) -> None:
         """Send a step again, same rows, next attempt: replaying a step rewrites the same cache positions."""
         current.attempt += 1
         current.sent_at = self.clock()
-        stats.resent += 1
-        self._transmit(scheduler, current.plan, current.step, current.attempt)
+        run.stats.resent += 1
+        self._transmit(run.scheduler, current.plan, current.step, current.attempt)
 
-    def _resend_overdue(self, scheduler: Scheduler, inflight: dict[int, _InFlight], stats: RunStats) -> None:
+    def _resend_overdue(self, run: RunState) -> None:
         now = self.clock()
-        for mb, current in inflight.items():
+        for mb, current in run.inflight.items():
             if now - current.sent_at > self.config.step_timeout_s:
                 log.warning("step %d of micro-batch %d not back after %.0f s: sending attempt %d",
                             current.step, mb, now - current.sent_at, current.attempt + 1)
-                self._resend(scheduler, current, stats)
+                self._resend(run, current)
 
     # -- receiving -----------------------------------------------------------------------------
-    def _receive_results(self, scheduler, inflight, deliver, stats, report) -> None:
+    def _receive_results(self, run: RunState) -> None:
         while self.results.poll(0):
-            frames = self.results.recv_multipart(copy=False)
-            try:
-                message = decode(frames, self.config.max_message_bytes)
-                header = message.header
-                protocol.require_fields(header, "result", {"mb": int, "step": int, "attempt": int, "epoch": int,
-                                                           "tokens": list})
-            except WireError as error:
-                log.error("rejected a result message: %s", error)
+            header = self._read_result()
+            if header is None:
                 continue
-            current = inflight.get(header["mb"])
+            current = run.inflight.get(header["mb"])
             if (current is None or header["epoch"] != self.control.epoch or current.step != header["step"]
                     or current.attempt != header["attempt"]):
                 log.info("discarding a late or duplicate result: micro-batch %s step %s attempt %s epoch %s",
                          header["mb"], header["step"], header["attempt"], header["epoch"])
-                stats.discarded += 1
+                run.stats.discarded += 1
                 continue
-            del inflight[header["mb"]]
-            stats.steps += 1
+            del run.inflight[header["mb"]]
+            run.stats.steps += 1
             tokens = {slot: (token, logprob) for slot, token, logprob in header["tokens"]}
             scores = {slot: values for slot, values in header.get("scores", [])}
-            deliver(scheduler.apply_result(current.plan, tokens, self.clock(), scores))
+            run.deliver(run.scheduler.apply_result(current.plan, tokens, self.clock(), scores))
             if tokens:
-                emitted = (stats.progress[-1][1] if stats.progress else 0) + len(tokens)
-                stats.progress.append((self.clock(), emitted))
-            if self._replay_event is not None and not scheduler.replaying:
-                event, self._replay_event = self._replay_event, None
-                event["reprefill_s"] = round(self.clock() - event["started"], 3)
-                report("reprefilled", f"every sequence's cache rebuilt ({event['reprefill_tokens']} tokens) "
+                emitted = (run.stats.progress[-1][1] if run.stats.progress else 0) + len(tokens)
+                run.stats.progress.append((self.clock(), emitted))
+            self._note_replan_progress(run, bool(tokens))
+            self._send(run, header["mb"])
+
+    def _read_result(self) -> dict | None:
+        """The next result's header, or None for a malformed one (logged, dropped)."""
+        frames = self.results.recv_multipart(copy=False)
+        try:
+            header = decode(frames, self.config.max_message_bytes).header
+            protocol.require_fields(header, "result", {"mb": int, "step": int, "attempt": int, "epoch": int,
+                                                       "tokens": list})
+        except WireError as error:
+            log.error("rejected a result message: %s", error)
+            return None
+        return header
+
+    def _note_replan_progress(self, run: RunState, emitted: bool) -> None:
+        """Complete the last re-plan's event: when every cache is rebuilt, when the first new token came."""
+        if run.replay_event is not None and not run.scheduler.replaying:
+            event, run.replay_event = run.replay_event, None
+            event["reprefill_s"] = round(self.clock() - event["started"], 3)
+            run.report("reprefilled", f"every sequence's cache rebuilt ({event['reprefill_tokens']} tokens) "
                                       f"{event['reprefill_s']:.2f} s after the re-plan began",
                        duration_s=event["reprefill_s"])
-            if tokens and self._awaiting_first_token is not None:
-                event, self._awaiting_first_token = self._awaiting_first_token, None
-                event["first_token_s"] = round(self.clock() - event["started"], 3)
-                report("first_token", f"first new token {event['first_token_s']:.2f} s after the re-plan began "
+        if emitted and run.awaiting_first_token is not None:
+            event, run.awaiting_first_token = run.awaiting_first_token, None
+            event["first_token_s"] = round(self.clock() - event["started"], 3)
+            run.report("first_token", f"first new token {event['first_token_s']:.2f} s after the re-plan began "
                                       f"({event['stage']})", stage=event["stage"], duration_s=event["first_token_s"])
-            self._send(scheduler, header["mb"], inflight)
 
-    def _handle_control(self, scheduler, inflight, deliver, stats) -> None:
-        chain_names = {stage.name for stage in self.chain}
+    def _handle_control(self, run: RunState) -> None:
+        """Failures of one step. A stage that left or failed as a whole is the control plane's to mark
+        (its state); `control.check_stages` then raises StageLost for it."""
         for event in self.control.poll(0):
-            if event.kind == "failure" and isinstance(event.header.get("mb"), int):
-                current = inflight.get(event.header["mb"])
-                if (current is None or current.step != event.header.get("step")
-                        or event.header.get("epoch") != self.control.epoch
-                        or event.header.get("attempt", current.attempt) != current.attempt):
-                    continue  # about a step already settled
-                if event.header.get("cause") == "send":
-                    self._resend(scheduler, current, stats)  # the next hop is the problem, not the items
-                    continue
-                del inflight[event.header["mb"]]
-                error = f"stage {event.stage}: {event.header.get('error')}"
-                deliver(scheduler.fail_step(current.plan, error, self.clock()))
-            elif event.kind == "failure" and event.stage in chain_names:  # not about a step: the stage is down
-                stage = next(s for s in self.chain if s.name == event.stage)
-                raise StageLost(stage, f"it reported: {event.header.get('error')}")
-            elif event.kind == "bye" and event.stage in chain_names:
-                stage = next(s for s in self.chain if s.name == event.stage)
-                raise StageLost(stage, "it left the pipeline (stopped or shut down)")
+            if event.kind != "failure" or not isinstance(event.header.get("mb"), int):
+                continue
+            current = run.inflight.get(event.header["mb"])
+            if (current is None or current.step != event.header.get("step")
+                    or event.header.get("epoch") != self.control.epoch
+                    or event.header.get("attempt", current.attempt) != current.attempt):
+                continue  # about a step already settled
+            if event.header.get("cause") == "send":
+                self._resend(run, current)  # the next hop is the problem, not the items
+                continue
+            del run.inflight[event.header["mb"]]
+            error = f"stage {event.stage}: {event.header.get('error')}"
+            run.deliver(run.scheduler.fail_step(current.plan, error, self.clock()))
 
-    # -- recovery ------------------------------------------------------------------------------
+    # -- re-plans ------------------------------------------------------------------------------
     def _stage_stats(self) -> dict[str, dict]:
         return {stage.name: stage.stats for stage in self.chain}
 
-    def _watch_speed(self, scheduler: Scheduler, inflight: dict[int, _InFlight], report: EventSink,
-                     stats: RunStats) -> None:
+    def _watch_speed(self, run: RunState) -> None:
         """Move layers off a stage that has slowed well below its measured normal (see broker.drift)."""
         if self.rebalance is None or not self._drift_watched:
             return
@@ -339,46 +284,44 @@ class Pipeline:
             return
         started = self.clock()
         described = ", ".join(f"{name} {factor:.1f}x slower" for name, factor in slowed.items())
-        chain = self.rebalance(slowed, report)
-        if chain is None:
-            report("slowed", f"{described} than its normal, but no other placement is faster: layers stay")
+        if self.rebalance(slowed, run.report) is None:
+            run.report("slowed", f"{described} than its normal, but no other placement is faster: layers stay")
             self.drift.restart(self.clock(), self._stage_stats(), self.work)
             return
-        event = self._resume_on(chain, scheduler, inflight, stats, started, ",".join(slowed), described)
-        report("rebalanced", f"{described} than its normal: re-planned in {event['replan_s']:.2f} s: "
-                             f"{', '.join(event['chain'])}; re-prefilling {event['reprefill_tokens']} tokens",
-               duration_s=event["replan_s"])
+        event = self._resume_on(run, started, ",".join(slowed), described)
+        run.report("rebalanced", f"{described} than its normal: re-planned in {event['replan_s']:.2f} s: "
+                                 f"{event['chain']}; re-prefilling {event['reprefill_tokens']} tokens",
+                   duration_s=event["replan_s"])
 
-    def _recover(self, scheduler: Scheduler, inflight: dict[int, _InFlight], lost: StageLost,
-                 should_stop: Callable[[], bool], report: EventSink, stats: RunStats) -> bool:
+    def _recover(self, run: RunState, lost: StageLost) -> bool:
         """Re-plan without the lost stage, then re-prefill every active sequence. False: stopping."""
         if self.recover is None:
             raise lost
         started = self.clock()
-        report("stage_lost", str(lost), stage=lost.stage.name)
-        inflight.clear()  # whatever was in flight is dropped; the re-prefill redoes it
-        chain = self.recover(lost, should_stop, report)  # marks the stage lost, re-plans, reloads
-        if chain is None:
+        run.report("stage_lost", str(lost), stage=lost.stage.name)
+        run.inflight.clear()  # whatever was in flight is dropped; the re-prefill redoes it
+        if self.recover(lost, run.should_stop, run.report) is None:  # marks it lost, re-plans, reloads
             return False
-        event = self._resume_on(chain, scheduler, inflight, stats, started, lost.stage.name, lost.reason)
-        report("recovered", f"re-planned without {lost.stage.name} in {event['replan_s']:.2f} s: "
-                            f"{', '.join(event['chain'])}; re-prefilling {event['reprefill_tokens']} tokens",
-               stage=lost.stage.name, duration_s=event["replan_s"])
+        event = self._resume_on(run, started, lost.stage.name, lost.reason)
+        run.report("recovered", f"re-planned without {lost.stage.name} in {event['replan_s']:.2f} s: "
+                                f"{event['chain']}; re-prefilling {event['reprefill_tokens']} tokens",
+                   stage=lost.stage.name, duration_s=event["replan_s"])
         return True
 
-    def _resume_on(self, chain: list[StageInfo], scheduler: Scheduler, inflight: dict[int, _InFlight],
-                   stats: RunStats, started: float, stage: str, reason: str) -> dict:
-        """Go on with a freshly loaded chain: steps in flight belong to the old epoch (its stages drop
-        them), every active sequence re-prefills, the drift watch takes a new baseline. Returns the
-        re-plan's event, which the first new token and the end of the re-prefill complete."""
-        inflight.clear()
-        self.use_chain(chain)
+    def _resume_on(self, run: RunState, started: float, stage: str, reason: str) -> dict:
+        """Go on with the owner's freshly loaded placement: steps in flight belong to the old epoch
+        (its stages drop them), every active sequence re-prefills, the drift watch takes a new
+        baseline. Returns the re-plan's event, which the first new token and the end of the re-prefill
+        complete."""
+        run.inflight.clear()
+        self._follow_placement()
         self.drift.restart(self.clock(), self._stage_stats(), self.work)
-        tokens = scheduler.reset_caches()
+        tokens = run.scheduler.reset_caches()
+        placement = self.placement()
         event = {"stage": stage, "reason": reason, "started": started, "replan_s": round(self.clock() - started, 3),
-                 "reprefill_tokens": tokens, "chain": [f"{s.name} {s.layers}" for s in chain]}
-        stats.recoveries.append(event)
-        self._awaiting_first_token = self._replay_event = event
+                 "reprefill_tokens": tokens, "chain": placement.text(), "placement": placement}
+        run.stats.recoveries.append(event)
+        run.awaiting_first_token = run.replay_event = event
         return event
 
 

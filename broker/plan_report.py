@@ -4,6 +4,7 @@ memory unused (`--explain`), and predicted against measured step times once a jo
 from __future__ import annotations
 
 from layerbus.broker.placement import Plan, SplitEstimate, StagePlacement
+from layerbus.wire.spans import format_chain
 
 
 def size(value: float) -> str:
@@ -32,6 +33,7 @@ def format_plan(plan: Plan) -> str:
     lines = [f"placement for {shapes.num_slots} slots x {shapes.max_context} tokens, micro-batches of "
              f"{shapes.micro_batch_size} ({shapes.num_micro_batches} in flight), "
              f"{plan.options.prompt_tokens_per_new_token:g} prompt tokens per new token"]
+    lines.append(f"chain: {format_chain(plan.order, plan.spans)}")
     lines += format_split("planned", plan.chosen)
     if plan.left_out:
         lines.append(f"  left out (would only slow the chain): {', '.join(plan.left_out)}")

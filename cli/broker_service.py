@@ -101,11 +101,7 @@ def _serve(store: JobStore, broker: Broker, model_dir: Path, args: argparse.Name
               "need this broker started with --advertise HOST so their last stage can reach the results port",
               file=sys.stderr, flush=True)
     broker.start()
-    print("layerbus broker: ready: " + ", ".join(f"{s.name} layers {span}" for s, span in zip(broker.chain,
-                                                                                                broker.spans)),
-          file=sys.stderr, flush=True)
-    if broker.link_codecs:
-        print(f"layerbus broker: wire: {broker.wire_summary()}", file=sys.stderr, flush=True)
+    print(f"layerbus broker: ready: {broker.placement.text()}", file=sys.stderr, flush=True)
     if args.job:
         write_run_info(args.job, broker.run_info())
         status = run_job(store, args.job, broker, results_dir())

@@ -125,6 +125,7 @@ def status_json(status: JobStatus, events: Sequence[JobEvent] | None = None) -> 
         "results_path": status.results_path,
         "error": status.error,
         "wire": _wire_links(status.job_id),
+        "chain": _chain_line(status.job_id),
     }
     if events is not None:
         out["events"] = [{"at": _iso(e.at), "kind": e.kind, "message": e.message, "duration_s": e.duration_s}
@@ -148,9 +149,9 @@ def job_report(status: JobStatus, events: Sequence[JobEvent] = ()) -> str:
     lines += [(column.removesuffix("_at"), f"{_clock(value)} UTC") for column, value in status.timestamps.items()
               if value is not None]
     lines.append(("results", status.results_path or "(not written yet)"))
-    wire = _wire_line(status.job_id)
-    if wire:
-        lines.append(("wire", wire))
+    chain = _chain_line(status.job_id)
+    if chain:
+        lines.append(("chain", chain))
     if status.error:
         lines.append(("error", status.error))
     width = max(len(label) for label, _ in lines)
@@ -179,10 +180,11 @@ def _wire_links(job_id: str) -> list[dict] | None:
     return links if isinstance(links, list) else None
 
 
-def _wire_line(job_id: str) -> str | None:
-    from layerbus.storage.run_info import read_run_info, wire_line
+def _chain_line(job_id: str) -> str | None:
+    """The chain of the job's last run on this machine, with each link's codec, or None."""
+    from layerbus.storage.run_info import chain_line, read_run_info
 
-    return wire_line(read_run_info(job_id))
+    return chain_line(read_run_info(job_id))
 
 
 def jobs_table(jobs: list[JobStatus]) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from layerbus.storage.locations import layerbus_home
+from layerbus.wire.spans import format_chain
 
 
 def run_info_path(job_id: str, home: Path | None = None) -> Path:
@@ -39,12 +40,18 @@ def read_run_info(job_id: str, home: Path | None = None) -> dict[str, Any] | Non
     return info if isinstance(info, dict) else None
 
 
-def wire_line(info: dict[str, Any] | None) -> str | None:
-    """"stage-0 -> stage-1 int8, stage-1 -> stage-2 float16" from run info, or None."""
-    links = (info or {}).get("wire")
-    if not isinstance(links, list) or not links:
-        return None
+def chain_line(info: dict[str, Any] | None) -> str | None:
+    """The run's chain in its one text form (wire.spans.format_chain), e.g.
+    "stage-0 [0, 3) -int8-> stage-1 [3, 6)", or None without run info."""
+    info = info or {}
+    stages, links = info.get("stages"), info.get("wire")
     try:
-        return ", ".join(f"{link['from']} -> {link['to']} {link['codec']}" for link in links)
-    except (KeyError, TypeError):
-        return None
+        if isinstance(stages, list) and stages:
+            codecs = [link["codec"] for link in links] if isinstance(links, list) else []
+            return format_chain([s["name"] for s in stages], [s["layers"] for s in stages], codecs)
+        if isinstance(links, list) and links:  # an older file without the stages
+            return format_chain([links[0]["from"], *(link["to"] for link in links)], None,
+                                [link["codec"] for link in links])
+    except (KeyError, TypeError, ValueError):
+        pass
+    return None

@@ -81,7 +81,7 @@ def test_cli_wire_option_and_status_line(tmp_path, tiny_models):
     assert result.returncode == 0, result.stderr
     job_id = JOB_ID.search(result.stdout).group()
     # The planner orders the chain its own way: either stage may come first.
-    assert re.search(r"\nwire +(stage-0 -> stage-1|stage-1 -> stage-0) int8\n",
+    assert re.search(r"\nchain +(stage-0 \[0, \d+\) -int8-> stage-1|stage-1 \[0, \d+\) -int8-> stage-0) \[\d+, \d+\)\n",
                      layerbus(home, "status", job_id, "--db", db).stdout)
     [link] = status_json(home, job_id, "--db", db)["wire"]
     assert {link["from"], link["to"]} == {"stage-0", "stage-1"} and link["codec"] == "int8"

@@ -1,0 +1,227 @@
+"""The values placement reads and returns: each stage's profile, the model's memory needs, the
+planner's options and shapes, and the plan (each stage's layers, memory and predicted time). Kept
+apart from broker.placement, the planner itself, so each reads in one sitting."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from layerbus.wire.spans import LayerRange
+
+
+class PlacementError(ValueError):
+    """No placement fits: says how many bytes are missing and the way out."""
+
+
+@dataclass(frozen=True)
+class StageProfile:
+    """What one stage can do, measured on its own device, dtype and threads (or described in a file)."""
+
+    name: str
+    layer_decode_s: float  # one decoder layer, one decode step of `micro_batch_size` rows
+    layer_prefill_s: float  # one decoder layer, one prefill chunk of `prefill_tokens` tokens
+    embed_s: float  # the token embedding for one decode step (first stage only)
+    head_s: float  # final norm + LM head + log-softmax for one decode step (last stage only)
+    memory_budget: int  # bytes this stage may fill: free device memory, or its --memory-budget
+    link_bandwidth: float = math.inf  # bytes/s at which this stage sends activations on
+    link_latency_s: float = 0.0  # one-way latency of that link
+    step_overhead_s: float = 0.0  # fixed cost per step whatever the layers (rotary, masks, Python)
+    micro_batch_size: int = 32  # decode rows the decode times were measured at
+    prefill_tokens: int = 256  # tokens of the measured prefill chunk
+    device: str = "cpu"  # for display
+
+    def __post_init__(self) -> None:
+        for name in ("layer_decode_s", "layer_prefill_s", "embed_s", "head_s", "link_latency_s", "step_overhead_s"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"stage {self.name!r}: {name} must be a finite number >= 0, got {value}")
+        if not self.link_bandwidth > 0:
+            raise ValueError(f"stage {self.name!r}: link_bandwidth must be > 0 bytes/s, got {self.link_bandwidth}")
+        if self.memory_budget < 0:
+            raise ValueError(f"stage {self.name!r}: memory_budget must be >= 0 bytes, got {self.memory_budget}")
+        if self.micro_batch_size < 1 or self.prefill_tokens < 1:
+            raise ValueError(f"stage {self.name!r}: micro_batch_size and prefill_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """The model's memory needs in the stages' dtype, exact from the safetensors headers."""
+
+    layer_weight_bytes: tuple[int, ...]  # weights of each decoder layer
+    embed_bytes: int  # the token embedding (first stage)
+    head_bytes: int  # final norm + LM head (last stage); tied heads count the embedding matrix again
+    head_shares_embed: bool  # tied: a stage holding both ends stores the matrix once
+    kv_bytes_per_token: int  # keys + values of one layer for one slot-token: 2 x kv_heads x head_dim x dtype
+    activation_bytes_per_token: int  # one position's hidden state as it travels: hidden x dtype
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    dtype_bytes: int  # bytes per element of the stages' dtype
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_weight_bytes)
+
+    def workspace_bytes(self, step_tokens: int, rows: int, max_context: int, is_last: bool) -> int:
+        """Activation temporaries of one step (an approximation, documented in the README): a
+        prefill chunk's MLP and attention activations, its attention scores over the full context
+        (float32), and on the last stage the float32 logits, log-softmax and probabilities."""
+        layer = step_tokens * (4 * self.hidden_size + 3 * self.intermediate_size) * self.dtype_bytes
+        scores = self.num_attention_heads * step_tokens * max_context * 4
+        logits = 3 * rows * self.vocab_size * 4 if is_last else 0
+        return layer + scores + logits
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Choices the planner does not measure."""
+
+    prompt_tokens_per_new_token: float = 1.0  # workload mix: prompt tokens prefilled per generated token
+    reserve_fraction: float = 0.05  # of each budget kept free (allocator slack, fragmentation, the runtime)
+    allow_reorder: bool = True  # choose the order of the stages (else: as given)
+    allow_drop: bool = True  # leave out stages that would only slow the chain
+    # Use fewer stages only when that is this much faster: profiles are noisy (a busy host, a tiny
+    # model whose steps are mostly fixed cost), and a stage left out for noise is a stage wasted.
+    drop_tolerance: float = 0.2
+
+    def __post_init__(self) -> None:
+        if not self.prompt_tokens_per_new_token >= 0:
+            raise ValueError(f"prompt_tokens_per_new_token must be >= 0, got {self.prompt_tokens_per_new_token}")
+        if not 0 <= self.reserve_fraction < 1:
+            raise ValueError(f"reserve_fraction must be in [0, 1), got {self.reserve_fraction}")
+        if not self.drop_tolerance >= 0:
+            raise ValueError(f"drop_tolerance must be >= 0, got {self.drop_tolerance}")
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The batching figures the plan depends on (from a resolved BatchingConfig)."""
+
+    num_slots: int  # sequences in flight: every stage holds KV for all of them
+    micro_batch_size: int  # decode rows per step
+    num_micro_batches: int  # steps in flight at once
+    max_context: int  # KV positions per slot
+    max_step_tokens: int  # tokens one step may carry (the prefill chunk)
+
+    @classmethod
+    def from_batching(cls, batching, num_stages: int) -> "Shapes":
+        resolved = batching if batching.num_slots and batching.num_micro_batches else batching.resolved(num_stages)
+        return cls(resolved.num_slots, resolved.micro_batch_size, resolved.num_micro_batches,
+                   resolved.max_context, resolved.max_step_tokens)
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    """One stage of a plan: its layers, its memory and its predicted time per step."""
+
+    name: str
+    layers: LayerRange
+    is_first: bool
+    is_last: bool
+    memory_budget: int
+    weight_bytes: int  # its layers, plus the embedding (first) and the norm + head (last)
+    kv_bytes: int  # KV of its layers for all slots at the full context
+    workspace_bytes: int
+    reserve_bytes: int
+    compute_s: float  # per step: layers + embedding + head + fixed overhead
+    send_s: float  # per step: activations over its link (0 on the last stage)
+    latency_s: float  # its link's latency (counts in the round trip, not in the pace)
+    layer_s: float  # one more layer would add this much per step
+    layer_bytes: int  # one more layer would need this many bytes (weights + KV)
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.send_s
+
+    @property
+    def used_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes + self.workspace_bytes + self.reserve_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return self.memory_budget - self.used_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.free_bytes >= 0
+
+
+@dataclass(frozen=True)
+class SplitEstimate:
+    """A chain of stages with their layers, and what it should do."""
+
+    stages: tuple[StagePlacement, ...]  # in chain order
+    step_s: float  # the slowest stage's time per step: the pipeline's pace
+    round_trip_s: float  # one step through every stage and link, back to the broker
+    tokens_per_s: float  # new tokens per second
+    bubble: float  # share of the stages' time spent waiting for the slowest one
+
+    @property
+    def fits(self) -> bool:
+        return all(stage.fits for stage in self.stages)
+
+    @property
+    def spans(self) -> list[LayerRange]:
+        return [stage.layers for stage in self.stages]
+
+    @property
+    def order(self) -> list[str]:
+        return [stage.name for stage in self.stages]
+
+    def to_json(self) -> dict:
+        return {"step_ms": 1000 * self.step_s, "round_trip_ms": 1000 * self.round_trip_s,
+                "tokens_per_s": self.tokens_per_s, "bubble": self.bubble, "fits": self.fits,
+                "stages": [{"name": s.name, "layers": s.layers.to_json(), "num_layers": len(s.layers),
+                            "embed": s.is_first, "head": s.is_last, "step_ms": 1000 * s.step_s,
+                            "compute_ms": 1000 * s.compute_s, "send_ms": 1000 * s.send_s,
+                            "memory_budget": s.memory_budget, "weight_bytes": s.weight_bytes,
+                            "kv_bytes": s.kv_bytes, "workspace_bytes": s.workspace_bytes,
+                            "reserve_bytes": s.reserve_bytes, "free_bytes": s.free_bytes}
+                           for s in self.stages]}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen placement, the stages left out, and the equal split's figures for comparison."""
+
+    chosen: SplitEstimate
+    left_out: tuple[str, ...]  # stages given no layers: they would only slow the chain
+    equal: SplitEstimate | None  # equal layer counts over all stages in the given order (None: more stages than layers)
+    shapes: Shapes
+    options: PlanOptions = field(default_factory=PlanOptions)
+
+    @property
+    def stages(self) -> tuple[StagePlacement, ...]:
+        return self.chosen.stages
+
+    @property
+    def order(self) -> list[str]:
+        return self.chosen.order
+
+    @property
+    def spans(self) -> list[LayerRange]:
+        return self.chosen.spans
+
+    @property
+    def step_s(self) -> float:
+        return self.chosen.step_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.chosen.tokens_per_s
+
+    @property
+    def bubble(self) -> float:
+        return self.chosen.bubble
+
+    @property
+    def predicted_step_s(self) -> dict[str, float]:
+        """Stage name -> predicted seconds per step (to tell a stage that has slowed down)."""
+        return {stage.name: stage.step_s for stage in self.chosen.stages}
+
+    def to_json(self) -> dict:
+        return {"chosen": self.chosen.to_json(), "left_out": list(self.left_out),
+                "equal": self.equal.to_json() if self.equal else None,
+                "shapes": vars(self.shapes), "prompt_tokens_per_new_token": self.options.prompt_tokens_per_new_token}

@@ -1,0 +1,118 @@
+"""One run of the pipeline as one value: where requests come from and where results go, the
+scheduler, the steps in flight, the stats and the events sink. The pipeline's methods take this
+one object instead of five parameters."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from layerbus.broker.requests import GenerationRequest, GenerationResult
+from layerbus.broker.scheduler import Scheduler, StepPlan
+
+log = logging.getLogger("layerbus.broker")
+
+# report(kind, message, **fields): a fault-handling event (stage_lost, waiting, recovered, ...).
+EventSink = Callable[..., None]
+
+
+class RequestSource(Protocol):
+    """Where requests come from (a list, a job store). `fetch` never blocks for long."""
+
+    def fetch(self, limit: int) -> list[GenerationRequest]: ...
+
+    @property
+    def exhausted(self) -> bool: ...
+
+
+class ResultSink(Protocol):
+    def deliver(self, results: list[GenerationResult]) -> None: ...
+
+
+class ListSource:
+    """A fixed list of requests (tests, benchmarks, `generate`)."""
+
+    def __init__(self, requests: list[GenerationRequest]):
+        self.pending = list(reversed(requests))
+
+    def fetch(self, limit: int) -> list[GenerationRequest]:
+        taken = []
+        while self.pending and len(taken) < limit:
+            taken.append(self.pending.pop())
+        return taken
+
+    @property
+    def exhausted(self) -> bool:
+        return not self.pending
+
+
+@dataclass
+class RunStats:
+    """What one run did, for status lines and benchmarks."""
+
+    wall_s: float = 0.0
+    broker_cpu_s: float = 0.0  # the broker process's own CPU time during the run
+    steps: int = 0
+    new_tokens: int = 0
+    prompt_tokens: int = 0
+    finished: int = 0
+    errors: int = 0
+    resent: int = 0  # steps sent again after step_timeout_s or a failed send
+    discarded: int = 0  # late or duplicate results (from before a re-plan, or of an older attempt)
+    stage_stats: dict[str, dict] = field(default_factory=dict)  # name -> the stage's last stats
+    recoveries: list[dict] = field(default_factory=list)  # one event per re-plan (see Pipeline._resume_on)
+    # (clock, new tokens so far) after every step that emitted tokens: throughput over any window.
+    progress: list[tuple[float, int]] = field(default_factory=list)
+    source_exhausted_at: float | None = None  # clock when the last request was taken from the source
+
+
+@dataclass
+class InFlight:
+    """A step sent down the chain and not back yet."""
+
+    plan: StepPlan
+    step: int  # the pipeline's step number (stamped on the message)
+    attempt: int  # 0, then one more per resend
+    sent_at: float  # clock of the last send
+
+
+@dataclass
+class RunState:
+    """Everything one `Pipeline.run` moves along."""
+
+    scheduler: Scheduler
+    source: RequestSource
+    sink: ResultSink
+    should_stop: Callable[[], bool]
+    events: EventSink | None = None  # hears of every lost stage, wait and recovery (the job runner stores them)
+    inflight: dict[int, InFlight] = field(default_factory=dict)  # micro-batch -> its step in flight
+    stats: RunStats = field(default_factory=RunStats)
+    awaiting_first_token: dict | None = None  # the re-plan event waiting for its first new token
+    replay_event: dict | None = None  # the re-plan event waiting for its re-prefill to end
+
+    def report(self, kind: str, message: str, **fields) -> None:
+        log.warning("%s: %s", kind, message)
+        if self.events is not None:
+            self.events(kind, message, **fields)
+
+    def deliver(self, finished: list[GenerationResult]) -> None:
+        if not finished:
+            return
+        for result in finished:
+            self.stats.finished += 1
+            self.stats.errors += result.error is not None
+            self.stats.new_tokens += len(result.token_ids)
+            self.stats.prompt_tokens += result.prompt_tokens
+        self.sink.deliver(finished)
+
+    def top_up(self, clock: Callable[[], float]) -> None:
+        """Take requests from the source while slots are free, plus half the slots waiting in line."""
+        scheduler = self.scheduler
+        wanted = scheduler.free_slots() + scheduler.config.num_slots // 2 - len(scheduler.waiting)
+        if wanted <= 0 or self.source.exhausted:
+            return
+        now = clock()
+        self.deliver([r for r in (scheduler.submit(req, now) for req in self.source.fetch(wanted)) if r])
+        if self.source.exhausted and self.stats.source_exhausted_at is None:
+            self.stats.source_exhausted_at = clock()
