@@ -80,7 +80,7 @@ def _run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.N
 
     from layerbus.broker.broker import BrokerConfig
     from layerbus.broker.control import ClusterError
-    from layerbus.broker.job_runner import run_job
+    from layerbus.jobs.runner import run_job
     from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
     from layerbus.storage.engine import layerbus_home
     from layerbus.storage.run_info import write_run_info

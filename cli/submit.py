@@ -78,7 +78,7 @@ def _task_spec(args: argparse.Namespace) -> TaskSpec:
 def _render_items(records: list[InputRecord], spec: TaskSpec, tokenizer: Any) -> tuple[
         list[NewItem], list[InvalidItem], list[str]]:
     """NewItems for the records render_prompt accepts; the others as failed items and problem lines."""
-    from layerbus.broker.job_runner import item_params
+    from layerbus.jobs.runner import item_params
     from layerbus.jobs.tasks import render_prompt
     from layerbus.storage import InvalidItem, NewItem
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from layerbus.broker.job_runner import (
+from layerbus.jobs.runner import (
     ADD_SPECIAL_TOKENS_KEY,
     StoreSink,
     StoreSource,
