@@ -16,19 +16,15 @@ from typing import Any, Protocol
 
 from layerbus.broker.control import ClusterError
 from layerbus.broker.requests import GenerationRequest, GenerationResult
+from layerbus.jobs.item_params import ADD_SPECIAL_TOKENS_KEY
 from layerbus.stages.sampling import SamplingParams
 from layerbus.storage import ClaimedItem, ItemResult, JobSettings, JobStatus, JobStore, StoreError
+from layerbus.storage.result_row import result_row
 from layerbus.storage.results import ResultWriter, settings_metadata
-from layerbus.storage.states import RUNNABLE_JOB_STATES
+from layerbus.storage.states import FINAL_JOB_STATES, RUNNABLE_JOB_STATES
 
 log = logging.getLogger("layerbus.jobs")
 
-# Keys `layerbus submit` adds to every item's params next to the user's overrides: how render_prompt
-# said to tokenize the prompt, and the item's position in the input (ClaimedItem carries no seq).
-ADD_SPECIAL_TOKENS_KEY = "add_special_tokens"
-SEQ_KEY = "seq"
-# Job states after which a run has nothing left to do.
-FINAL_JOB_STATES = ("completed", "failed", "cancelled")
 
 
 class ProgressBar(Protocol):
@@ -51,11 +47,6 @@ def item_seed(job_seed: int, seq: int) -> int:
     """An item's sampling seed when it gives none: differs between items, equal on every rerun."""
     digest = hashlib.blake2b(f"{job_seed}:{seq}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1  # < 2**63, as the input checks require of seeds
-
-
-def item_params(overrides: dict[str, Any], add_special_tokens: bool, seq: int) -> dict[str, Any]:
-    """An item's stored params: the user's overrides plus what StoreSource needs to rebuild the request."""
-    return {**overrides, ADD_SPECIAL_TOKENS_KEY: add_special_tokens, SEQ_KEY: seq}
 
 
 def default_worker_name() -> str:
@@ -90,12 +81,11 @@ class StoreSource:
     def request_for(self, item: ClaimedItem) -> GenerationRequest:
         """The item's own params override the job's settings."""
         params, job = item.params, self.settings
-        seq = int(params.get(SEQ_KEY, item.item_id))
         sampling = SamplingParams(
             temperature=float(params.get("temperature", job.temperature)),
             top_k=int(params.get("top_k", job.top_k)),
             top_p=float(params.get("top_p", job.top_p)),
-            seed=int(params.get("seed", item_seed(job.seed, seq))),
+            seed=int(params.get("seed", item_seed(job.seed, item.seq))),
         )
         stop = params.get("stop", job.extra.get("stop", ()))
         # verbose=False: a prompt over the tokenizer's max length is the scheduler's to refuse, with a clearer message.
@@ -177,12 +167,7 @@ class StoreSink:
         item_result = ItemResult(item_id=item.item_id, output=output, finish_reason=result.finish_reason,
                                  prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
                                  latency_s=result.latency_s, error=result.error)
-        row = {"custom_id": item.custom_id, "input": item.input, "output": output,
-               "finish_reason": result.finish_reason, "prompt_tokens": result.prompt_tokens,
-               "completion_tokens": result.completion_tokens, "latency_s": result.latency_s,
-               "error": result.error, "status": "failed" if result.error is not None else "completed",
-               "seq": item.params.get(SEQ_KEY)}
-        return item_result, row
+        return item_result, result_row(item, item_result)
 
 
 class CancelWatch:

@@ -8,14 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from layerbus.jobs.runner import (
-    ADD_SPECIAL_TOKENS_KEY,
-    StoreSink,
-    StoreSource,
-    item_params,
-    item_seed,
-    run_job,
-)
+from layerbus.jobs.item_params import ADD_SPECIAL_TOKENS_KEY, item_params
+from layerbus.jobs.runner import StoreSink, StoreSource, item_seed, run_job
 from layerbus.broker.model_info import load_tokenizer
 from layerbus.broker.requests import GenerationRequest, GenerationResult
 from layerbus.storage import InvalidItem, JobSettings, JobStore, NewItem
@@ -38,7 +32,7 @@ def queue_job(store: JobStore, count: int, settings: JobSettings | None = None, 
     settings = settings or JobSettings(task="generate", model="tiny", max_new_tokens=4)
     overrides = overrides or {}
     items = [NewItem(f"doc-{i}", f"input {i}", f"The stage runs item {i}.",
-                     item_params(overrides.get(i, {}), add_special_tokens=True, seq=i + 1), seq=i + 1)
+                     item_params(overrides.get(i, {}), add_special_tokens=True), seq=i + 1)
              for i in range(count)]
     refused = [InvalidItem(f"bad-{i}", "{oops", "line is not JSON", seq=count + i + 1) for i in range(invalid)]
     return store.create_job(settings, items, refused)
@@ -147,14 +141,35 @@ class RecordingTokenizer:
 
 
 def test_prompts_are_tokenized_as_rendered(store, tokenizer):
-    items = [NewItem("chat", "hi", "<|bos|><|user|>\nhi", item_params({}, False, 1), 1),
-             NewItem("raw", "hi", "hi", item_params({}, True, 2), 2),
+    items = [NewItem("chat", "hi", "<|bos|><|user|>\nhi", item_params({}, False), 1),
+             NewItem("raw", "hi", "hi", item_params({}, True), 2),
              NewItem("other-tool", "hi", "<|bos|>hi", {}, 3)]  # queued without the key: BOS means a template
     job_id = store.create_job(JobSettings(task="generate", model="tiny"), items)
     recording = RecordingTokenizer(tokenizer)
     StoreSource(store, job_id, recording, store.job_settings(job_id), "w1").fetch(3)
     assert recording.flags == [False, True, False]
     assert ADD_SPECIAL_TOKENS_KEY in items[0].params
+
+
+def test_seq_comes_from_the_column_and_is_not_stored_in_params(store, tokenizer, tmp_path):
+    job_id = queue_job(store, 2)
+    claimed = store.claim_items(job_id, "w1", 2)
+    assert [(item.custom_id, item.seq) for item in claimed] == [("doc-0", 1), ("doc-1", 2)]
+    assert all("seq" not in item.params for item in claimed)
+
+
+def test_a_store_with_seq_in_params_still_runs_the_same(store, tokenizer, tmp_path):
+    # Stores made before ClaimedItem.seq have the position in params too; it must change nothing.
+    settings = JobSettings(task="generate", model="tiny", max_new_tokens=4, seed=5)
+    items = [NewItem(f"doc-{i}", f"input {i}", f"The stage runs item {i}.", {**item_params({}, True), "seq": i + 1},
+                     seq=i + 1) for i in range(3)]
+    job_id = store.create_job(settings, items)
+    requests = StoreSource(store, job_id, tokenizer, settings, "w1").fetch(3)
+    assert [r.sampling.seed for r in requests] == [item_seed(5, seq) for seq in (1, 2, 3)]
+    store.requeue_in_flight(job_id)
+    status = run_job(store, job_id, ScriptedBroker(tokenizer, batch=2), tmp_path, poll_cancel_s=0)
+    assert [(r["custom_id"], r["seq"]) for r in final_rows(status.results_path)] == [
+        ("doc-0", 1), ("doc-1", 2), ("doc-2", 3)]
 
 
 def test_sink_decodes_skips_special_tokens_and_cuts_at_stop(store, tokenizer, tmp_path):
