@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 import zmq
 
 from layerbus.broker.control import ClusterError, ControlPlane, StageInfo, StageLost
+from layerbus.broker.detokenizer import IncrementalDetokenizer
 from layerbus.broker.model_info import ModelInfo, load_tokenizer, read_model_info
 from layerbus.broker.partition import balanced_partition, equal_partition, model_cost_from_config
 from layerbus.broker.placement import Plan, PlanOptions, StageProfile
@@ -116,7 +117,7 @@ class Broker:
         self.chain, self.spans = self.plan_chain(stages)
         self._assign()
         self.pipeline = Pipeline(self.context, self.control, self.chain, self.results, self.batching,
-                                 set(self.model.eos_ids), self._detokenize, self.config.pipeline,
+                                 set(self.model.eos_ids), self._new_detokenizer, self.config.pipeline,
                                  recover=self.recover, rebalance=self.rebalance, expected=self._expected_busy_s)
 
     def _assign(self) -> None:
@@ -233,8 +234,8 @@ class Broker:
                 "wire": [{"from": a, "to": b, "codec": codec}
                          for a, b, codec in zip(names, names[1:], self.link_codecs)]}
 
-    def _detokenize(self, token_ids: list[int]) -> str:
-        return self.tokenizer().decode(token_ids, skip_special_tokens=True)
+    def _new_detokenizer(self) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer())
 
     def run(self, source: RequestSource, sink: ResultSink, should_stop=lambda: False, events=None) -> RunStats:
         if self.pipeline is None:

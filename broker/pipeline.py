@@ -26,6 +26,7 @@ import torch
 import zmq
 
 from layerbus.broker.control import ClusterError, ControlPlane, StageInfo, StageLost
+from layerbus.broker.detokenizer import IncrementalDetokenizer
 from layerbus.broker.drift import DriftConfig, DriftWatch, Expected, Work
 from layerbus.broker.requests import GenerationRequest, GenerationResult
 from layerbus.broker.scheduler import BatchingConfig, Scheduler, StepPlan
@@ -124,7 +125,7 @@ class ListSource:
 class Pipeline:
     def __init__(self, context: zmq.Context, control: ControlPlane, chain: list[StageInfo],
                  results_socket: zmq.Socket, batching: BatchingConfig, eos_ids: set[int],
-                 detokenize: Callable[[list[int]], str] | None = None,
+                 detokenize: Callable[[], IncrementalDetokenizer] | None = None,
                  config: PipelineConfig = PipelineConfig(), clock: Callable[[], float] = time.monotonic,
                  recover: Recover | None = None, rebalance: Rebalance | None = None,
                  expected: Expected | None = None):

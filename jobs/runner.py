@@ -106,6 +106,8 @@ class StoreSource:
 class StoreSink:
     """A ResultSink that records finished items in batches: a Parquet part first, then the store.
 
+    Each result carries its text (decoded once, by the scheduler's detokenizer); the sink decodes nothing.
+
     Why that order: the store is the record of what is done, so an item is marked done only once its
     row is on disk. Killed between the two, the item is still in_progress in the store; the next run
     requeues and reruns it, and its new row lands in a later part. The final file keeps one row per
@@ -115,10 +117,10 @@ class StoreSink:
     parts would no longer hold every finished output).
     """
 
-    def __init__(self, store: JobStore, writer: ResultWriter, tokenizer: Any,
-                 claimed: MutableMapping[int, ClaimedItem], flush_every: int = 64, flush_interval_s: float = 2.0,
-                 progress: ProgressBar | None = None, clock: Callable[[], float] = time.monotonic):
-        self.store, self.writer, self.tokenizer = store, writer, tokenizer
+    def __init__(self, store: JobStore, writer: ResultWriter, claimed: MutableMapping[int, ClaimedItem],
+                 flush_every: int = 64, flush_interval_s: float = 2.0, progress: ProgressBar | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.store, self.writer = store, writer
         self.claimed = claimed  # StoreSource.outstanding: the items whose results may arrive
         self.flush_every, self.flush_interval_s = flush_every, flush_interval_s
         self.progress, self.clock = progress, clock
@@ -160,10 +162,10 @@ class StoreSink:
             self.claimed.pop(result.item_id, None)
 
     def _record(self, item: ClaimedItem, result: GenerationResult) -> tuple[ItemResult, dict[str, Any]]:
-        text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-        if result.stop_text_end is not None:
-            text = text[:result.stop_text_end]
-        output = text if result.token_ids or result.error is None else None
+        if result.text is None and result.token_ids:
+            raise ValueError(f"result for item {item.item_id} has {len(result.token_ids)} token(s) but no text: "
+                             "the broker's scheduler needs a detokenizer (Broker passes one)")
+        output = (result.text or "") if result.token_ids or result.error is None else None
         item_result = ItemResult(item_id=item.item_id, output=output, finish_reason=result.finish_reason,
                                  prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
                                  latency_s=result.latency_s, error=result.error)
@@ -239,7 +241,7 @@ def _run_rounds(store: JobStore, job_id: str, broker: Runner, writer: ResultWrit
             progress.reset(total=status.total)
             progress.update(status.completed + status.failed + status.cancelled)
         source = StoreSource(store, job_id, tokenizer, settings, worker_name)
-        sink = StoreSink(store, writer, tokenizer, source.outstanding, progress=progress)
+        sink = StoreSink(store, writer, source.outstanding, progress=progress)
         watch = CancelWatch(store, job_id, poll_cancel_s)
 
         def should_stop() -> bool:

@@ -60,14 +60,15 @@ class ScriptedBroker:
             self.requests += batch
             if self.before_deliver is not None:
                 self.before_deliver(round_number, batch)
-            results = [answer(request) for request in batch][: self.deliver_only]
+            results = [answer(request, self._tokenizer) for request in batch][: self.deliver_only]
             if results:
                 sink.deliver(results)
             round_number += 1
 
 
-def answer(request: GenerationRequest) -> GenerationResult:
-    return GenerationResult(request.request_id, token_ids=request.prompt_ids[: request.max_new_tokens],
+def answer(request: GenerationRequest, tokenizer) -> GenerationResult:
+    tokens = request.prompt_ids[: request.max_new_tokens]
+    return GenerationResult(request.request_id, token_ids=tokens, text=tokenizer.decode(tokens, skip_special_tokens=True),
                             finish_reason="length", prompt_tokens=len(request.prompt_ids), latency_s=0.01)
 
 
@@ -172,20 +173,33 @@ def test_a_store_with_seq_in_params_still_runs_the_same(store, tokenizer, tmp_pa
         ("doc-0", 1), ("doc-1", 2), ("doc-2", 3)]
 
 
-def test_sink_decodes_skips_special_tokens_and_cuts_at_stop(store, tokenizer, tmp_path):
-    job_id = queue_job(store, 2)
+def test_sink_records_the_results_text_and_one_row_in_part_and_store(store, tokenizer, tmp_path):
+    job_id = queue_job(store, 3)
     source = StoreSource(store, job_id, tokenizer, store.job_settings(job_id), "w1")
-    first, second = source.fetch(2)
-    sink = StoreSink(store, ResultWriter(tmp_path, job_id), tokenizer, source.outstanding, flush_every=100)
+    first, second, third = source.fetch(3)
+    writer = ResultWriter(tmp_path, job_id)
+    sink = StoreSink(store, writer, source.outstanding, flush_every=100)
     words = tokenizer.encode("one two three")
-    text = tokenizer.decode(words)
-    sink.deliver([GenerationResult(first.request_id, words + [tokenizer.eos_token_id], "stop", 5),
-                  GenerationResult(second.request_id, words, "stop", 5, stop_text_end=text.index("two"))])
+    sink.deliver([GenerationResult(first.request_id, words + [tokenizer.eos_token_id], "stop", 5, text="one two three"),
+                  GenerationResult(second.request_id, words, "stop", 5, stop_text_end=4, text="one "),
+                  GenerationResult(third.request_id, [], "error", 5, error="too long")])
     assert store.job_status(job_id).completed == 0, "nothing is committed before the flush"
     sink.flush()
-    outputs = {row["custom_id"]: row["output"] for row in store.item_results(job_id)}
-    assert outputs == {"doc-0": text, "doc-1": text[: text.index("two")]}
+    stored = list(store.item_results(job_id))
+    assert {row["custom_id"]: row["output"] for row in stored} == {"doc-0": "one two three", "doc-1": "one ",
+                                                                    "doc-2": None}
+    (part,) = writer.part_paths()
+    assert read_results(part).to_pylist() == stored, "the part and the store hold the same result rows"
     assert source.outstanding == {}
+
+
+def test_sink_refuses_tokens_without_text(store, tokenizer, tmp_path):
+    job_id = queue_job(store, 1)
+    source = StoreSource(store, job_id, tokenizer, store.job_settings(job_id), "w1")
+    (request,) = source.fetch(1)
+    sink = StoreSink(store, ResultWriter(tmp_path, job_id), source.outstanding)
+    with pytest.raises(ValueError, match="no text"):
+        sink.deliver([GenerationResult(request.request_id, [5, 6], "length", 5)])
 
 
 def test_killed_between_part_and_commit_gives_each_custom_id_once(store, tokenizer, tmp_path, monkeypatch):
