@@ -42,7 +42,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from layerbus.broker.broker import BrokerConfig
-    from layerbus.broker.job_runner import run_job
+    from layerbus.jobs.runner import run_job
     from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
     from layerbus.storage import JobStore
     from layerbus.storage.results import read_results

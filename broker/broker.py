@@ -12,6 +12,7 @@ import zmq
 from layerbus.broker.chain import Placement
 from layerbus.broker.control import ClusterError, ControlPlane, StageInfo, StageLost, StageState
 from layerbus.broker.drift import Work
+from layerbus.broker.detokenizer import IncrementalDetokenizer
 from layerbus.broker.model_info import ModelInfo, load_tokenizer, read_model_info
 from layerbus.broker.model_memory import model_memory
 from layerbus.broker.partition import model_cost_from_config
@@ -174,7 +175,7 @@ class Broker:
         stages = self.control.wait_for_stages(self.config.num_stages, self.config.register_timeout_s)
         self._assign(self._place(stages))
         self.pipeline = Pipeline(self.context, self.control, lambda: self.placement, self.results, self.batching,
-                                 set(self.model.eos_ids), self._detokenize, self.config.pipeline,
+                                 set(self.model.eos_ids), self._new_detokenizer, self.config.pipeline,
                                  recover=self.recover, rebalance=self.rebalance, expected=self._expected_busy_s)
 
     # -- re-planning -----------------------------------------------------------------------------
@@ -250,8 +251,8 @@ class Broker:
         return self.placement
 
     # -- serving ---------------------------------------------------------------------------------
-    def _detokenize(self, token_ids: list[int]) -> str:
-        return self.tokenizer().decode(token_ids, skip_special_tokens=True)
+    def _new_detokenizer(self) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer())
 
     def run(self, source: RequestSource, sink: ResultSink, should_stop=lambda: False, events=None) -> RunStats:
         if self.pipeline is None:

@@ -27,6 +27,7 @@ import zmq
 
 from layerbus.broker.chain import Placement
 from layerbus.broker.control import ControlPlane, StageInfo, StageLost
+from layerbus.broker.detokenizer import IncrementalDetokenizer
 from layerbus.broker.drift import DriftConfig, DriftWatch, Expected, Work
 from layerbus.broker.run_state import (  # noqa: F401  (RunStats, ListSource, ... are imported from here too)
     EventSink,
@@ -74,13 +75,13 @@ Rebalance = Callable[[dict, EventSink], "Placement | None"]
 class Pipeline:
     def __init__(self, context: zmq.Context, control: ControlPlane, placement: Callable[[], Placement],
                  results_socket: zmq.Socket, batching: BatchingConfig, eos_ids: set[int],
-                 detokenize: Callable[[list[int]], str] | None = None,
+                 new_detokenizer: Callable[[], IncrementalDetokenizer] | None = None,
                  config: PipelineConfig = PipelineConfig(), clock: Callable[[], float] = time.monotonic,
                  recover: Recover | None = None, rebalance: Rebalance | None = None,
                  expected: Expected | None = None):
         self.control, self.config, self.clock = control, config, clock
         self.placement = placement  # the owner's placement in use (it swaps it whole on a re-plan)
-        self.batching, self.eos_ids, self.detokenize = batching, eos_ids, detokenize
+        self.batching, self.eos_ids, self.new_detokenizer = batching, eos_ids, new_detokenizer
         self.recover = recover  # None: a lost stage ends the run with ClusterError
         self.rebalance = rebalance  # None: a slowed stage keeps its layers
         self.drift = DriftWatch(config.drift, expected)  # expected: each stage's price of the work sent
@@ -126,7 +127,7 @@ class Pipeline:
         """Serve requests from `source` until it is exhausted and nothing is in flight. `events`
         hears of every lost stage, wait and recovery (the job runner records them in the store)."""
         self._follow_placement()  # the owner may have re-planned between runs (keep_alive)
-        run = RunState(Scheduler(self.batching, len(self.placement().stages), self.eos_ids, self.detokenize),
+        run = RunState(Scheduler(self.batching, len(self.placement().stages), self.eos_ids, self.new_detokenizer),
                        source, sink, should_stop, events)
         started, cpu_started = self.clock(), time.process_time()
         poller = zmq.Poller()

@@ -32,6 +32,7 @@ class GenerationResult:
     latency_s: float = 0.0  # admission to finish, as measured by the broker's clock
     logprobs: list[float] | None = None  # per generated token, when asked for
     stop_text_end: int | None = None  # where a matched stop string begins in the decoded output
+    text: str | None = None  # the output text, cut before a matched stop string (None: no tokenizer given)
     prompt_logprobs: list[float] | None = None  # with score_prompt: one per prompt token after the first
 
     @property

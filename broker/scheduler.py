@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from layerbus.broker.detokenizer import IncrementalDetokenizer
 from layerbus.broker.requests import GenerationRequest, GenerationResult
 
 
@@ -62,6 +63,8 @@ class Sequence:
     prompt_logprobs: list[float] = field(default_factory=list)
     failures: int = 0  # steps with only this sequence that a stage failed to run
     suspect: bool = False  # in a failed step: runs alone until a step with it succeeds
+    detokenizer: IncrementalDetokenizer | None = None  # the output text as it grows (None: no tokenizer given)
+    stop_at: int | None = None  # where the first stop string found in the output text begins
 
     @property
     def known(self) -> list[int]:
@@ -95,15 +98,16 @@ class StepPlan:
 
 
 class Scheduler:
-    """Slots, micro-batches and sequences. `detokenize` turns token ids into text for stop strings."""
+    """Slots, micro-batches and sequences. `new_detokenizer` gives each admitted sequence its own
+    detokenizer, for stop strings and the result's text; without one, both are left out."""
 
     def __init__(self, config: BatchingConfig, num_stages: int, eos_ids: set[int],
-                 detokenize: Callable[[list[int]], str] | None = None):
+                 new_detokenizer: Callable[[], IncrementalDetokenizer] | None = None):
         config = config.resolved(num_stages)
         self.config = config
         self.num_micro_batches = config.num_micro_batches
         self.eos_ids = set(eos_ids)
-        self.detokenize = detokenize
+        self.new_detokenizer = new_detokenizer
         # Micro-batch j owns the adjacent slots [bounds[j], bounds[j+1]).
         base, extra = divmod(config.num_slots, self.num_micro_batches)
         sizes = [base + (1 if j < extra else 0) for j in range(self.num_micro_batches)]
@@ -146,7 +150,8 @@ class Scheduler:
         """The next step for a micro-batch, admitting waiting requests into its free slots."""
         for slot in self.slots_of[micro_batch]:
             if slot not in self.active and self.waiting:
-                self.active[slot] = Sequence(self.waiting.popleft(), slot, admitted_at=now)
+                detokenizer = self.new_detokenizer() if self.new_detokenizer is not None else None
+                self.active[slot] = Sequence(self.waiting.popleft(), slot, admitted_at=now, detokenizer=detokenizer)
         released, self.pending_release[micro_batch] = self.pending_release[micro_batch], []
         sequences = [self.active[s] for s in self.slots_of[micro_batch] if s in self.active]
         suspects = [seq for seq in sequences if seq.suspect]
@@ -209,6 +214,7 @@ class Scheduler:
             token, logprob = tokens[row.slot]
             seq.generated.append(token)
             seq.logprobs.append(logprob)
+            self._read_new_text(seq, token)
             reason = self._finish_reason(seq)
             if reason:
                 finished.append(self._finish(seq, reason, now))
@@ -235,7 +241,7 @@ class Scheduler:
     def _finish_reason(self, seq: Sequence) -> str | None:
         if seq.generated[-1] in self.eos_ids:
             return "stop"
-        if self._stop_string_hit(seq) is not None:
+        if seq.stop_at is not None:
             return "stop"
         if len(seq.generated) >= seq.request.max_new_tokens:
             return "length"
@@ -243,25 +249,34 @@ class Scheduler:
             return "length"
         return None
 
-    def _stop_string_hit(self, seq: Sequence) -> int | None:
-        if not seq.request.stop or self.detokenize is None:
-            return None
-        text = self.detokenize(seq.generated)
-        hits = [text.find(stop) for stop in seq.request.stop if stop and stop in text]
-        return min(hits) if hits else None
+    def _read_new_text(self, seq: Sequence, token: int) -> None:
+        """Decode the new token and look for stop strings in the text it changed, plus the
+        max(len(stop)) - 1 characters before, where a stop split across tokens begins."""
+        if seq.detokenizer is None:
+            return
+        unchanged = seq.detokenizer.add(token)
+        stops = [stop for stop in seq.request.stop if stop]
+        if not stops or seq.stop_at is not None:
+            return
+        start = max(0, unchanged - (max(map(len, stops)) - 1))
+        new_text = seq.detokenizer.visible_from(start)
+        hits = [start + at for at in (new_text.find(stop) for stop in stops) if at >= 0]
+        seq.stop_at = min(hits, default=None)
 
     def _finish(self, seq: Sequence, reason: str, now: float, error: str | None = None) -> GenerationResult:
         del self.active[seq.slot]
         self.replaying.discard(seq.slot)
         self.pending_release[self._micro_batch_of(seq.slot)].append(seq.slot)
         request = seq.request
+        stop_at = seq.stop_at if reason == "stop" else None
+        text = seq.detokenizer.finish()[:stop_at] if seq.detokenizer is not None else None
         return GenerationResult(
             request_id=request.request_id, token_ids=list(seq.generated),
             finish_reason=reason, prompt_tokens=len(request.prompt_ids), error=error,
             latency_s=now - seq.admitted_at,
             logprobs=list(seq.logprobs) if request.want_logprobs else None,
             prompt_logprobs=list(seq.prompt_logprobs) if request.score_prompt else None,
-            stop_text_end=self._stop_string_hit(seq) if reason == "stop" else None)
+            stop_text_end=stop_at, text=text)
 
     def _micro_batch_of(self, slot: int) -> int:
         for j, slots in enumerate(self.slots_of):

@@ -91,7 +91,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _serve(store: JobStore, broker: Broker, model_dir: Path, args: argparse.Namespace) -> int:
-    from layerbus.broker.job_runner import run_job
+    from layerbus.jobs.runner import run_job
     from layerbus.storage.run_info import write_run_info
 
     print(f"layerbus broker: waiting for {args.stages} stage(s) at {broker.address}: start each with "

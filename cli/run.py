@@ -24,7 +24,8 @@ from layerbus.cli.options import (
     results_dir,
 )
 from layerbus.cli.signals import Interrupted, stop_on_signals
-from layerbus.cli.status import FINAL_STATES, job_report
+from layerbus.cli.status import job_report
+from layerbus.storage.states import FINAL_JOB_STATES
 
 if TYPE_CHECKING:
     from layerbus.storage import JobStatus, JobStore
@@ -64,7 +65,7 @@ def main(args: argparse.Namespace) -> int:
 
             job_id = submit_job(store, argparse.Namespace(**{**vars(args), "model": str(model_dir)}))
         status = store.job_status(job_id)
-        if status.status not in FINAL_STATES:  # a finished job needs no cluster
+        if status.status not in FINAL_JOB_STATES:  # a finished job needs no cluster
             status = _run_locally(store, job_id, model_dir, args)
         events = store.job_events(job_id)
     print(job_report(status, events))
@@ -80,7 +81,7 @@ def _run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.N
 
     from layerbus.broker.broker import BrokerConfig
     from layerbus.broker.control import ClusterError
-    from layerbus.broker.job_runner import run_job
+    from layerbus.jobs.runner import run_job
     from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
     from layerbus.storage.engine import layerbus_home
     from layerbus.storage.run_info import write_run_info

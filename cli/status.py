@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 from layerbus.cli.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from layerbus.cli.options import add_db, add_verbose, open_store, positive_int
+from layerbus.storage.states import FINAL_JOB_STATES
 
 if TYPE_CHECKING:
     from layerbus.storage import JobEvent, JobStatus, JobStore
 
-FINAL_STATES = ("completed", "failed", "cancelled")
 WATCH_INTERVAL_S = 2.0
 
 
@@ -97,7 +97,7 @@ def _watch(store: JobStore, job_id: str, as_json: bool) -> int:
             if redraw:
                 sys.stdout.write("\x1b[H\x1b[2J")  # cursor home, clear screen
             print(json.dumps(status_json(status, events)) if as_json else job_report(status, events), flush=True)
-            if status.status in FINAL_STATES:
+            if status.status in FINAL_JOB_STATES:
                 return EXIT_OK if status.status == "completed" else EXIT_FAILED
             if not redraw and not as_json:
                 print(flush=True)

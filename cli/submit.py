@@ -55,7 +55,7 @@ def submit_job(store: JobStore, args: argparse.Namespace) -> str:
     if problems and not args.skip_invalid:
         raise UsageError("\n".join(problems + [
             f"Fix the {len(problems)} problem(s) above, or pass --skip-invalid to record those items as failed."]))
-    invalid += [_invalid_item(item) for item in read.invalid]
+    invalid += read.invalid
     settings = JobSettings(task=spec.task, model=str(model_dir), max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, seed=args.seed, target_language=spec.target_language,
                            name=args.name, input_path=str(Path(args.input).absolute()))
@@ -78,7 +78,7 @@ def _task_spec(args: argparse.Namespace) -> TaskSpec:
 def _render_items(records: list[InputRecord], spec: TaskSpec, tokenizer: Any) -> tuple[
         list[NewItem], list[InvalidItem], list[str]]:
     """NewItems for the records render_prompt accepts; the others as failed items and problem lines."""
-    from layerbus.broker.job_runner import item_params
+    from layerbus.jobs.item_params import item_params
     from layerbus.jobs.tasks import render_prompt
     from layerbus.storage import InvalidItem, NewItem
 
@@ -90,7 +90,7 @@ def _render_items(records: list[InputRecord], spec: TaskSpec, tokenizer: Any) ->
             problems.append(f"{record.source}:{record.line}: {error}")
             invalid.append(InvalidItem(record.custom_id, _input_text(record), str(error), record.line))
             continue
-        params = item_params(record.params, prompt.add_special_tokens, record.line)
+        params = item_params(record.params, prompt.add_special_tokens)
         items.append(NewItem(record.custom_id, _input_text(record), prompt.text, params, record.line))
     return items, invalid, problems
 
@@ -103,9 +103,3 @@ def _input_text(record: InputRecord) -> str:
         return record.prompt
     return json.dumps(record.messages, ensure_ascii=False)
 
-
-def _invalid_item(item: Any) -> InvalidItem:
-    """jobs.records.InvalidItem (refused when read) -> storage.records.InvalidItem (stored as failed)."""
-    from layerbus.storage import InvalidItem
-
-    return InvalidItem(custom_id=item.custom_id, input=item.raw, error=item.reason, seq=item.line)

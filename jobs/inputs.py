@@ -36,7 +36,8 @@ from typing import Callable
 
 from layerbus.jobs.formats import Found, read_csv, read_jsonl, read_parquet, read_text_dir
 from layerbus.jobs.item_checks import ItemOutcome, show
-from layerbus.jobs.records import InputError, InputProblem, InvalidItem, ReadResult
+from layerbus.jobs.records import InputError, InputProblem, ReadResult
+from layerbus.storage.records import InvalidItem
 from layerbus.jobs.tasks import TASKS
 
 ACCEPTED_INPUTS = (

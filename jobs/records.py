@@ -6,7 +6,8 @@ Readers never stop at the first problem: a user with a 50,000-line corpus should
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+
+from layerbus.storage.records import InvalidItem
 
 
 @dataclass(frozen=True)
@@ -48,20 +49,6 @@ class InputProblem:
         return f"{self.source}:{self.line}: {self.message}"
 
 
-class InvalidItem(NamedTuple):
-    """An item that was refused: recorded as a failed item when the job runs with --skip-invalid."""
-
-    # The item's own id, or a synthetic one ("line-7", "row-7") when it has none or its id repeats
-    # an earlier item's, so failed items stay unique by id.
-    custom_id: str
-    # The input as the user wrote it (the JSONL line, the CSV row's text, the .txt file's content).
-    raw: str
-    # Every reason the item was refused, joined by "; ".
-    reason: str
-    # Same meaning as InputRecord.line.
-    line: int
-
-
 @dataclass
 class ReadResult:
     """Everything read from one input: the caller decides whether the problems stop the job."""
@@ -70,7 +57,8 @@ class ReadResult:
     records: list[InputRecord]
     # Every problem found: one per bad item reason, plus whole-file problems (missing file, unknown column).
     problems: list[InputProblem]
-    # Refused items, in input order; whole-file problems have no entry here because they are not items.
+    # Refused items, in input order, as the store records them (seq: the item's line); whole-file
+    # problems have no entry here because they are not items.
     invalid: list[InvalidItem]
 
 

@@ -66,15 +66,17 @@ class NewItem:
 
 @dataclass(frozen=True)
 class InvalidItem:
-    """An input item refused at submit; stored directly as a failed item so it appears in the results."""
+    """An input item refused at submit (by the input readers or the prompt renderer); stored directly
+    as a failed item so it appears in the results."""
 
-    # The user's key, or a synthetic one when it had none; unique within the job.
+    # The user's key, or a synthetic one ("line-7", "row-7") when it has none or its id repeats an
+    # earlier item's, so failed items stay unique by id.
     custom_id: str
-    # The input as the user wrote it.
+    # The input as the user wrote it (the JSONL line, the CSV row's text, the .txt file's content).
     input: str
-    # Why it was refused, naming the offending value.
+    # Every reason it was refused, joined by "; ", naming the offending values.
     error: str
-    # Position in the input, on the same scale as NewItem.seq.
+    # Position in the input, on the same scale as NewItem.seq (the readers' 1-based line or row).
     seq: int
 
 
@@ -88,6 +90,8 @@ class ClaimedItem:
     job_id: str
     # The user's key, for logs and results.
     custom_id: str
+    # Position in the input (items.seq): orders the results and derives the item's default seed.
+    seq: int
     # The user's text as given.
     input: str
     # The rendered model prompt text.
@@ -116,6 +120,11 @@ class ItemResult:
     latency_s: float
     # Why the item failed; when set the item is stored as failed, otherwise as completed.
     error: str | None = None
+
+    @property
+    def status(self) -> str:
+        """The item state this result leaves the item in."""
+        return "failed" if self.error is not None else "completed"
 
 
 @dataclass(frozen=True)

@@ -24,21 +24,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-# Result columns, in file order; seq (the item's position in the input) orders the final file.
-RESULT_SCHEMA = pa.schema(
-    [
-        ("custom_id", pa.string()),
-        ("input", pa.string()),
-        ("output", pa.string()),
-        ("finish_reason", pa.string()),
-        ("prompt_tokens", pa.int64()),
-        ("completion_tokens", pa.int64()),
-        ("latency_s", pa.float64()),
-        ("error", pa.string()),
-        ("status", pa.string()),
-        ("seq", pa.int64()),
-    ]
-)
+from layerbus.storage.result_row import RESULT_FIELDS
+
+# The result row's columns (storage.result_row), as a Parquet schema.
+RESULT_SCHEMA = pa.schema([(name, pa.type_for_alias(kind)) for name, kind in RESULT_FIELDS])
 _PART_NAME = re.compile(r"^part-(\d{5,})\.parquet$")
 _TMP_SUFFIX = ".tmp"
 

@@ -1,5 +1,5 @@
 """Conversions between the store's records and table rows: item rows to insert, result updates,
-the columns of a result row, and naming the repeated value behind a failed insert."""
+claimed items, and naming the repeated value behind a failed insert."""
 
 from __future__ import annotations
 
@@ -11,12 +11,6 @@ from typing import Any
 from sqlalchemy.exc import IntegrityError
 
 from layerbus.storage.records import ClaimedItem, InvalidItem, ItemResult, NewItem
-
-# Columns of a finished item as item_results yields it, in the order results files use.
-RESULT_COLUMNS = (
-    "custom_id", "seq", "input", "output", "finish_reason", "prompt_tokens", "completion_tokens",
-    "latency_s", "error", "status",
-)  # fmt: skip
 
 
 def new_item_row(job_id: str, item: NewItem) -> dict[str, Any]:
@@ -30,8 +24,9 @@ def new_item_row(job_id: str, item: NewItem) -> dict[str, Any]:
 def claimed_item(job_id: str, row: Any) -> ClaimedItem:
     """The ClaimedItem for an items row read just before the claim's UPDATE (so attempts is one behind)."""
     return ClaimedItem(
-        row.id, job_id, row.custom_id, row.input, row.prompt or "", json.loads(row.params_json), row.attempts + 1
-    )
+        item_id=row.id, job_id=job_id, custom_id=row.custom_id, seq=row.seq, input=row.input,
+        prompt=row.prompt or "", params=json.loads(row.params_json), attempts=row.attempts + 1,
+    )  # fmt: skip
 
 
 def invalid_item_row(job_id: str, item: InvalidItem, now: datetime) -> dict[str, Any]:
@@ -44,7 +39,7 @@ def invalid_item_row(job_id: str, item: InvalidItem, now: datetime) -> dict[str,
 
 def result_params(result: ItemResult) -> dict[str, Any]:
     return {
-        "b_id": result.item_id, "b_status": "failed" if result.error is not None else "completed",
+        "b_id": result.item_id, "b_status": result.status,
         "b_output": result.output, "b_finish_reason": result.finish_reason,
         "b_prompt_tokens": result.prompt_tokens, "b_completion_tokens": result.completion_tokens,
         "b_latency_s": result.latency_s, "b_error": result.error,

@@ -23,6 +23,8 @@ FINISH_REASONS = ("stop", "length", "error", "cancelled")
 
 # Items in these states have their final result in the store.
 FINISHED_ITEM_STATES = ("completed", "failed", "cancelled")
+# Jobs in these states are over: a run has nothing left to do, and `status --watch` stops.
+FINAL_JOB_STATES = ("completed", "failed", "cancelled")
 # Jobs in these states still have items for a broker to claim.
 RUNNABLE_JOB_STATES = ("queued", "in_progress")
 # Jobs in these states can be cancelled; later ones have no queued work left to stop.

@@ -21,7 +21,8 @@ from layerbus.storage.engine import READ_ONLY_OPTION, create_tables, open_engine
 from layerbus.storage.errors import StoreError, mask_url
 from layerbus.storage.events import DEFAULT_EVENT_LIMIT, event_row, events_oldest_first
 from layerbus.storage.records import ClaimedItem, InvalidItem, ItemResult, JobEvent, JobSettings, JobStatus, NewItem
-from layerbus.storage.rows import RESULT_COLUMNS, claimed_item, duplicate_message, invalid_item_row, new_item_row, result_params
+from layerbus.storage.result_row import RESULT_COLUMNS
+from layerbus.storage.rows import claimed_item, duplicate_message, invalid_item_row, new_item_row, result_params
 from layerbus.storage.schema import items as items_table
 from layerbus.storage.schema import job_events as events_table
 from layerbus.storage.schema import jobs as jobs_table
@@ -139,7 +140,7 @@ class JobStore:
             if job_status not in RUNNABLE_JOB_STATES:
                 return []
             query = (
-                select(ITEM.id, ITEM.custom_id, ITEM.input, ITEM.prompt, ITEM.params_json, ITEM.attempts)
+                select(ITEM.id, ITEM.custom_id, ITEM.seq, ITEM.input, ITEM.prompt, ITEM.params_json, ITEM.attempts)
                 .where(ITEM.job_id == job_id, ITEM.status == "queued")
                 .order_by(ITEM.seq)
                 .limit(limit)

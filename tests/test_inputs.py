@@ -164,7 +164,7 @@ def test_several_problems_on_one_line_are_all_listed(tmp_path):
     messages = " | ".join(p.message for p in result.problems)
     for fragment in ("unknown key(s) 'colour'", "missing id", "text is empty", "max_tokens must be a positive"):
         assert fragment in messages
-    assert result.invalid[0].reason.count("; ") >= 3
+    assert result.invalid[0].error.count("; ") >= 3
 
 
 def test_generate_refuses_two_kinds_of_content(tmp_path):
@@ -185,7 +185,7 @@ def test_duplicate_ids_name_both_lines_and_keep_the_first(tmp_path):
     assert [r.custom_id for r in result.records] == ["a", "b"]
     assert [str(p) for p in result.problems] == [f"{path}:3: duplicate id 'a': line 1 has it already"]
     # The refused duplicate gets a synthetic id, so failed items stay unique by id.
-    assert result.invalid[0].custom_id == "line-3" and result.invalid[0].line == 3
+    assert result.invalid[0].custom_id == "line-3" and result.invalid[0].seq == 3
 
 
 def test_synthetic_ids_never_collide_with_real_ones(tmp_path):
@@ -199,8 +199,8 @@ def test_skip_invalid_returns_valid_records_and_the_invalid_items(tmp_path):
     path = write_jsonl(tmp_path / "in.jsonl", {"id": "a", "text": "ok"}, bad, "nonsense")
     result = load_inputs(path, "summarize", skip_invalid=True)
     assert [r.custom_id for r in result.records] == ["a"]
-    assert [(i.custom_id, i.raw, i.line) for i in result.invalid] == [("b", bad, 2), ("line-3", "nonsense", 3)]
-    assert "top_p must be a number in (0, 1], got 2" in result.invalid[0].reason
+    assert [(i.custom_id, i.input, i.seq) for i in result.invalid] == [("b", bad, 2), ("line-3", "nonsense", 3)]
+    assert "top_p must be a number in (0, 1], got 2" in result.invalid[0].error
 
 
 def test_invalid_utf8_on_one_line_refuses_only_that_line(tmp_path):

@@ -63,7 +63,7 @@ def test_every_bad_csv_row_is_reported_with_the_line_it_starts_on(tmp_path):
         f"{path}:8: row has 5 field(s) but the header has 4; quote any text that holds a comma",
         f"{path}:9: duplicate id 'ok': line 2 has it already",
     ]
-    assert result.invalid[3].raw == 'e,"Multi\nline",,1.5'
+    assert result.invalid[3].input == 'e,"Multi\nline",,1.5'
     assert [i.custom_id for i in result.invalid] == ["line-3", "c", "d", "e", "line-8", "line-9"]
 
 

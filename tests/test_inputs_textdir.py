@@ -55,8 +55,8 @@ def test_every_bad_file_is_reported_by_name(tmp_path):
         f"{folder}/same.txt: duplicate id 'same': file same.TXT has it already",
     ]
     # Only .txt files are items: the .md file and the subdirectory are problems, not failed items.
-    assert [(i.custom_id, i.line) for i in result.invalid] == [("empty", 1), ("latin1", 3), ("file-5", 5)]
-    assert result.invalid[1].raw == "caf\ufffd"
+    assert [(i.custom_id, i.seq) for i in result.invalid] == [("empty", 1), ("latin1", 3), ("file-5", 5)]
+    assert result.invalid[1].input == "caf\ufffd"
     with pytest.raises(InputError) as raised:
         load_inputs(folder, "summarize", skip_invalid=False)
     assert "queue the 2 valid item(s)" in str(raised.value).splitlines()[-1]

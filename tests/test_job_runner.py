@@ -8,14 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from layerbus.broker.job_runner import (
-    ADD_SPECIAL_TOKENS_KEY,
-    StoreSink,
-    StoreSource,
-    item_params,
-    item_seed,
-    run_job,
-)
+from layerbus.jobs.item_params import ADD_SPECIAL_TOKENS_KEY, item_params
+from layerbus.jobs.runner import StoreSink, StoreSource, item_seed, run_job
 from layerbus.broker.model_info import load_tokenizer
 from layerbus.broker.requests import GenerationRequest, GenerationResult
 from layerbus.storage import InvalidItem, JobSettings, JobStore, NewItem
@@ -38,7 +32,7 @@ def queue_job(store: JobStore, count: int, settings: JobSettings | None = None, 
     settings = settings or JobSettings(task="generate", model="tiny", max_new_tokens=4)
     overrides = overrides or {}
     items = [NewItem(f"doc-{i}", f"input {i}", f"The stage runs item {i}.",
-                     item_params(overrides.get(i, {}), add_special_tokens=True, seq=i + 1), seq=i + 1)
+                     item_params(overrides.get(i, {}), add_special_tokens=True), seq=i + 1)
              for i in range(count)]
     refused = [InvalidItem(f"bad-{i}", "{oops", "line is not JSON", seq=count + i + 1) for i in range(invalid)]
     return store.create_job(settings, items, refused)
@@ -66,14 +60,15 @@ class ScriptedBroker:
             self.requests += batch
             if self.before_deliver is not None:
                 self.before_deliver(round_number, batch)
-            results = [answer(request) for request in batch][: self.deliver_only]
+            results = [answer(request, self._tokenizer) for request in batch][: self.deliver_only]
             if results:
                 sink.deliver(results)
             round_number += 1
 
 
-def answer(request: GenerationRequest) -> GenerationResult:
-    return GenerationResult(request.request_id, token_ids=request.prompt_ids[: request.max_new_tokens],
+def answer(request: GenerationRequest, tokenizer) -> GenerationResult:
+    tokens = request.prompt_ids[: request.max_new_tokens]
+    return GenerationResult(request.request_id, token_ids=tokens, text=tokenizer.decode(tokens, skip_special_tokens=True),
                             finish_reason="length", prompt_tokens=len(request.prompt_ids), latency_s=0.01)
 
 
@@ -147,8 +142,8 @@ class RecordingTokenizer:
 
 
 def test_prompts_are_tokenized_as_rendered(store, tokenizer):
-    items = [NewItem("chat", "hi", "<|bos|><|user|>\nhi", item_params({}, False, 1), 1),
-             NewItem("raw", "hi", "hi", item_params({}, True, 2), 2),
+    items = [NewItem("chat", "hi", "<|bos|><|user|>\nhi", item_params({}, False), 1),
+             NewItem("raw", "hi", "hi", item_params({}, True), 2),
              NewItem("other-tool", "hi", "<|bos|>hi", {}, 3)]  # queued without the key: BOS means a template
     job_id = store.create_job(JobSettings(task="generate", model="tiny"), items)
     recording = RecordingTokenizer(tokenizer)
@@ -157,20 +152,54 @@ def test_prompts_are_tokenized_as_rendered(store, tokenizer):
     assert ADD_SPECIAL_TOKENS_KEY in items[0].params
 
 
-def test_sink_decodes_skips_special_tokens_and_cuts_at_stop(store, tokenizer, tmp_path):
+def test_seq_comes_from_the_column_and_is_not_stored_in_params(store, tokenizer, tmp_path):
     job_id = queue_job(store, 2)
+    claimed = store.claim_items(job_id, "w1", 2)
+    assert [(item.custom_id, item.seq) for item in claimed] == [("doc-0", 1), ("doc-1", 2)]
+    assert all("seq" not in item.params for item in claimed)
+
+
+def test_a_store_with_seq_in_params_still_runs_the_same(store, tokenizer, tmp_path):
+    # Stores made before ClaimedItem.seq have the position in params too; it must change nothing.
+    settings = JobSettings(task="generate", model="tiny", max_new_tokens=4, seed=5)
+    items = [NewItem(f"doc-{i}", f"input {i}", f"The stage runs item {i}.", {**item_params({}, True), "seq": i + 1},
+                     seq=i + 1) for i in range(3)]
+    job_id = store.create_job(settings, items)
+    requests = StoreSource(store, job_id, tokenizer, settings, "w1").fetch(3)
+    assert [r.sampling.seed for r in requests] == [item_seed(5, seq) for seq in (1, 2, 3)]
+    store.requeue_in_flight(job_id)
+    status = run_job(store, job_id, ScriptedBroker(tokenizer, batch=2), tmp_path, poll_cancel_s=0)
+    assert [(r["custom_id"], r["seq"]) for r in final_rows(status.results_path)] == [
+        ("doc-0", 1), ("doc-1", 2), ("doc-2", 3)]
+
+
+def test_sink_records_the_results_text_and_one_row_in_part_and_store(store, tokenizer, tmp_path):
+    job_id = queue_job(store, 3)
     source = StoreSource(store, job_id, tokenizer, store.job_settings(job_id), "w1")
-    first, second = source.fetch(2)
-    sink = StoreSink(store, ResultWriter(tmp_path, job_id), tokenizer, source.outstanding, flush_every=100)
+    first, second, third = source.fetch(3)
+    writer = ResultWriter(tmp_path, job_id)
+    sink = StoreSink(store, writer, source.outstanding, flush_every=100)
     words = tokenizer.encode("one two three")
-    text = tokenizer.decode(words)
-    sink.deliver([GenerationResult(first.request_id, words + [tokenizer.eos_token_id], "stop", 5),
-                  GenerationResult(second.request_id, words, "stop", 5, stop_text_end=text.index("two"))])
+    sink.deliver([GenerationResult(first.request_id, words + [tokenizer.eos_token_id], "stop", 5, text="one two three"),
+                  GenerationResult(second.request_id, words, "stop", 5, stop_text_end=4, text="one "),
+                  GenerationResult(third.request_id, [], "error", 5, error="too long")])
     assert store.job_status(job_id).completed == 0, "nothing is committed before the flush"
     sink.flush()
-    outputs = {row["custom_id"]: row["output"] for row in store.item_results(job_id)}
-    assert outputs == {"doc-0": text, "doc-1": text[: text.index("two")]}
+    stored = list(store.item_results(job_id))
+    assert {row["custom_id"]: row["output"] for row in stored} == {"doc-0": "one two three", "doc-1": "one ",
+                                                                    "doc-2": None}
+    (part,) = writer.part_paths()
+    assert read_results(part).to_pylist() == stored, "the part and the store hold the same result rows"
     assert source.outstanding == {}
+
+
+def test_sink_refuses_tokens_without_text(store, tokenizer, tmp_path):
+    job_id = queue_job(store, 1)
+    source = StoreSource(store, job_id, tokenizer, store.job_settings(job_id), "w1")
+    (request,) = source.fetch(1)
+    sink = StoreSink(store, ResultWriter(tmp_path, job_id), source.outstanding)
+    with pytest.raises(ValueError, match="no text"):
+        sink.deliver([GenerationResult(request.request_id, [5, 6], "length", 5)])
 
 
 def test_killed_between_part_and_commit_gives_each_custom_id_once(store, tokenizer, tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from layerbus.broker.detokenizer import IncrementalDetokenizer
 from layerbus.broker.requests import GenerationRequest, GenerationResult
 from layerbus.broker.scheduler import BatchingConfig, PlannedRow, Scheduler, StepPlan
 
@@ -22,6 +23,17 @@ def next_token(history: list[int]) -> int:
 
 def detokenize(ids: list[int]) -> str:
     return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+class LetterTokenizer:
+    """The fake model's tokenizer: one letter per token."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return detokenize(ids)
+
+
+def letters() -> IncrementalDetokenizer:
+    return IncrementalDetokenizer(LetterTokenizer())
 
 
 def logprob_of(token: int) -> float:
@@ -69,7 +81,7 @@ def make(num_slots: int = 4, micro_batches: int = 2, max_step_tokens: int = 256,
          max_context: int = 2048, stop_strings: bool = True) -> Scheduler:
     config = BatchingConfig(num_slots=num_slots, num_micro_batches=micro_batches, max_step_tokens=max_step_tokens,
                             min_prefill_chunk=min_prefill_chunk, max_context=max_context)
-    return Scheduler(config, num_stages=1, eos_ids={EOS}, detokenize=detokenize if stop_strings else None)
+    return Scheduler(config, num_stages=1, eos_ids={EOS}, new_detokenizer=letters if stop_strings else None)
 
 
 def step(scheduler: Scheduler, stages: FakeStages, mb: int, now: float = 0.0) -> tuple[StepPlan | None,
@@ -287,6 +299,7 @@ def test_stop_string_ends_with_stop_and_says_where_it_starts() -> None:
     result = finish_alone(req)
     assert result.finish_reason == "stop"
     assert detokenize(result.token_ids).find(stop) == result.stop_text_end == text.find(stop)
+    assert result.text == text[:text.find(stop)], "the result's text is cut before the stop string"
     assert len(result.token_ids) == text.find(stop) + 2
 
 
@@ -350,7 +363,7 @@ def test_a_failed_step_makes_its_sequences_suspects_that_retry_one_per_step() ->
 
 def test_a_sequence_failing_alone_ends_with_the_stage_error_and_frees_its_slot() -> None:
     config = BatchingConfig(num_slots=4, num_micro_batches=2, max_step_failures=1)
-    scheduler, stages = Scheduler(config, num_stages=1, eos_ids={EOS}, detokenize=detokenize), FakeStages()
+    scheduler, stages = Scheduler(config, num_stages=1, eos_ids={EOS}, new_detokenizer=letters), FakeStages()
     submit_all(scheduler, [request(f"r{i}", max_new_tokens=20) for i in range(5)])
     step(scheduler, stages, 0)
     step(scheduler, stages, 1)
@@ -368,7 +381,7 @@ def test_a_sequence_failing_alone_ends_with_the_stage_error_and_frees_its_slot()
 @pytest.mark.parametrize("max_step_failures", [1, 2, 3])
 def test_a_poison_item_fails_after_bounded_attempts_and_the_rest_match_the_reference(max_step_failures: int) -> None:
     config = BatchingConfig(num_slots=4, num_micro_batches=2, max_step_failures=max_step_failures)
-    scheduler, stages = Scheduler(config, num_stages=1, eos_ids={EOS}, detokenize=detokenize), FakeStages()
+    scheduler, stages = Scheduler(config, num_stages=1, eos_ids={EOS}, new_detokenizer=letters), FakeStages()
     requests = [request(f"r{i}", prompt_len=3 + i % 4, max_new_tokens=12, first=1 + 5 * i) for i in range(9)]
     requests.insert(4, request("poison", prompt_len=3, first=50))
     submit_all(scheduler, requests)

@@ -16,19 +16,15 @@ from typing import Any, Protocol
 
 from layerbus.broker.control import ClusterError
 from layerbus.broker.requests import GenerationRequest, GenerationResult
+from layerbus.jobs.item_params import ADD_SPECIAL_TOKENS_KEY
 from layerbus.stages.sampling import SamplingParams
 from layerbus.storage import ClaimedItem, ItemResult, JobSettings, JobStatus, JobStore, StoreError
+from layerbus.storage.result_row import result_row
 from layerbus.storage.results import ResultWriter, settings_metadata
-from layerbus.storage.states import RUNNABLE_JOB_STATES
+from layerbus.storage.states import FINAL_JOB_STATES, RUNNABLE_JOB_STATES
 
 log = logging.getLogger("layerbus.jobs")
 
-# Keys `layerbus submit` adds to every item's params next to the user's overrides: how render_prompt
-# said to tokenize the prompt, and the item's position in the input (ClaimedItem carries no seq).
-ADD_SPECIAL_TOKENS_KEY = "add_special_tokens"
-SEQ_KEY = "seq"
-# Job states after which a run has nothing left to do.
-FINAL_JOB_STATES = ("completed", "failed", "cancelled")
 
 
 class ProgressBar(Protocol):
@@ -51,11 +47,6 @@ def item_seed(job_seed: int, seq: int) -> int:
     """An item's sampling seed when it gives none: differs between items, equal on every rerun."""
     digest = hashlib.blake2b(f"{job_seed}:{seq}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1  # < 2**63, as the input checks require of seeds
-
-
-def item_params(overrides: dict[str, Any], add_special_tokens: bool, seq: int) -> dict[str, Any]:
-    """An item's stored params: the user's overrides plus what StoreSource needs to rebuild the request."""
-    return {**overrides, ADD_SPECIAL_TOKENS_KEY: add_special_tokens, SEQ_KEY: seq}
 
 
 def default_worker_name() -> str:
@@ -90,12 +81,11 @@ class StoreSource:
     def request_for(self, item: ClaimedItem) -> GenerationRequest:
         """The item's own params override the job's settings."""
         params, job = item.params, self.settings
-        seq = int(params.get(SEQ_KEY, item.item_id))
         sampling = SamplingParams(
             temperature=float(params.get("temperature", job.temperature)),
             top_k=int(params.get("top_k", job.top_k)),
             top_p=float(params.get("top_p", job.top_p)),
-            seed=int(params.get("seed", item_seed(job.seed, seq))),
+            seed=int(params.get("seed", item_seed(job.seed, item.seq))),
         )
         stop = params.get("stop", job.extra.get("stop", ()))
         # verbose=False: a prompt over the tokenizer's max length is the scheduler's to refuse, with a clearer message.
@@ -116,6 +106,8 @@ class StoreSource:
 class StoreSink:
     """A ResultSink that records finished items in batches: a Parquet part first, then the store.
 
+    Each result carries its text (decoded once, by the scheduler's detokenizer); the sink decodes nothing.
+
     Why that order: the store is the record of what is done, so an item is marked done only once its
     row is on disk. Killed between the two, the item is still in_progress in the store; the next run
     requeues and reruns it, and its new row lands in a later part. The final file keeps one row per
@@ -125,10 +117,10 @@ class StoreSink:
     parts would no longer hold every finished output).
     """
 
-    def __init__(self, store: JobStore, writer: ResultWriter, tokenizer: Any,
-                 claimed: MutableMapping[int, ClaimedItem], flush_every: int = 64, flush_interval_s: float = 2.0,
-                 progress: ProgressBar | None = None, clock: Callable[[], float] = time.monotonic):
-        self.store, self.writer, self.tokenizer = store, writer, tokenizer
+    def __init__(self, store: JobStore, writer: ResultWriter, claimed: MutableMapping[int, ClaimedItem],
+                 flush_every: int = 64, flush_interval_s: float = 2.0, progress: ProgressBar | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.store, self.writer = store, writer
         self.claimed = claimed  # StoreSource.outstanding: the items whose results may arrive
         self.flush_every, self.flush_interval_s = flush_every, flush_interval_s
         self.progress, self.clock = progress, clock
@@ -170,19 +162,14 @@ class StoreSink:
             self.claimed.pop(result.item_id, None)
 
     def _record(self, item: ClaimedItem, result: GenerationResult) -> tuple[ItemResult, dict[str, Any]]:
-        text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-        if result.stop_text_end is not None:
-            text = text[:result.stop_text_end]
-        output = text if result.token_ids or result.error is None else None
+        if result.text is None and result.token_ids:
+            raise ValueError(f"result for item {item.item_id} has {len(result.token_ids)} token(s) but no text: "
+                             "the broker's scheduler needs a detokenizer (Broker passes one)")
+        output = (result.text or "") if result.token_ids or result.error is None else None
         item_result = ItemResult(item_id=item.item_id, output=output, finish_reason=result.finish_reason,
                                  prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
                                  latency_s=result.latency_s, error=result.error)
-        row = {"custom_id": item.custom_id, "input": item.input, "output": output,
-               "finish_reason": result.finish_reason, "prompt_tokens": result.prompt_tokens,
-               "completion_tokens": result.completion_tokens, "latency_s": result.latency_s,
-               "error": result.error, "status": "failed" if result.error is not None else "completed",
-               "seq": item.params.get(SEQ_KEY)}
-        return item_result, row
+        return item_result, result_row(item, item_result)
 
 
 class CancelWatch:
@@ -254,7 +241,7 @@ def _run_rounds(store: JobStore, job_id: str, broker: Runner, writer: ResultWrit
             progress.reset(total=status.total)
             progress.update(status.completed + status.failed + status.cancelled)
         source = StoreSource(store, job_id, tokenizer, settings, worker_name)
-        sink = StoreSink(store, writer, tokenizer, source.outstanding, progress=progress)
+        sink = StoreSink(store, writer, source.outstanding, progress=progress)
         watch = CancelWatch(store, job_id, poll_cancel_s)
 
         def should_stop() -> bool:

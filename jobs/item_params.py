@@ -1,0 +1,17 @@
+"""What `layerbus submit` stores in an item's params_json: the user's overrides, plus how to tokenize
+the rendered prompt. Light on purpose: submit imports it, and must import neither the broker nor torch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Key added next to the user's overrides: how render_prompt said to tokenize the prompt.
+ADD_SPECIAL_TOKENS_KEY = "add_special_tokens"
+
+
+def item_params(overrides: dict[str, Any], add_special_tokens: bool) -> dict[str, Any]:
+    """An item's stored params: the user's overrides plus what the job runner needs to rebuild the request.
+
+    The item's position is not among them: it is the items.seq column (stores made by an older
+    layerbus also have it here as "seq", which nothing reads)."""
+    return {**overrides, ADD_SPECIAL_TOKENS_KEY: add_special_tokens}
