@@ -8,7 +8,6 @@ from dataclasses import dataclass, field, replace
 import zmq
 
 from layerbus.broker.control import ClusterError, ControlPlane, StageInfo, StageLost
-from layerbus.broker.model_info import ModelInfo, load_tokenizer, read_model_info
 from layerbus.broker.partition import balanced_partition, equal_partition, model_cost_from_config
 from layerbus.broker.placement import Plan, PlanOptions, StageProfile
 from layerbus.broker.profiling import ProfilingConfig
@@ -16,6 +15,7 @@ from layerbus.broker.pipeline import ListSource, Pipeline, PipelineConfig, Reque
 from layerbus.broker.requests import GenerationRequest, GenerationResult
 from layerbus.broker.scheduler import BatchingConfig
 from layerbus.broker.wire_choice import AutoWireInputs, plan_link_codecs
+from layerbus.models.model_info import ModelInfo, load_tokenizer, read_model_info
 from layerbus.wire.spans import LayerRange
 
 log = logging.getLogger("layerbus.broker")

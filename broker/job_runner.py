@@ -16,10 +16,10 @@ from typing import Any, Protocol
 
 from layerbus.broker.control import ClusterError
 from layerbus.broker.requests import GenerationRequest, GenerationResult
-from layerbus.stages.sampling import SamplingParams
 from layerbus.storage import ClaimedItem, ItemResult, JobSettings, JobStatus, JobStore, StoreError
 from layerbus.storage.results import ResultWriter, settings_metadata
 from layerbus.storage.states import RUNNABLE_JOB_STATES
+from layerbus.wire.sampling import SamplingParams
 
 log = logging.getLogger("layerbus.jobs")
 

@@ -29,9 +29,9 @@ from layerbus.broker.control import ClusterError, ControlPlane, StageInfo, Stage
 from layerbus.broker.drift import DriftConfig, DriftWatch, Expected, Work
 from layerbus.broker.requests import GenerationRequest, GenerationResult
 from layerbus.broker.scheduler import BatchingConfig, Scheduler, StepPlan
-from layerbus.stages.forward import StepRow
 from layerbus.wire import protocol
 from layerbus.wire.frames import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode, encode
+from layerbus.wire.protocol import StepRow
 
 log = logging.getLogger("layerbus.broker")
 

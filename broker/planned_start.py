@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Any
 
 from layerbus.broker.control import StageInfo
 from layerbus.broker.model_memory import model_memory
@@ -15,10 +15,11 @@ from layerbus.broker.placement import Plan, PlacementError, StageProfile, estima
 from layerbus.broker.plan_report import format_plan
 from layerbus.broker.profiling import collect_profiles
 
-if TYPE_CHECKING:
-    from layerbus.broker.broker import Broker
-
 log = logging.getLogger("layerbus.broker")
+
+# The functions below read (and replan_slowed sets) attributes of the Broker. Its class is not
+# imported, not even for type checking: broker.py imports this module, and modules import one way.
+Broker = Any
 
 
 def plan_chain(broker: Broker, stages: list[StageInfo],

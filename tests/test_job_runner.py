@@ -16,8 +16,8 @@ from layerbus.broker.job_runner import (
     item_seed,
     run_job,
 )
-from layerbus.broker.model_info import load_tokenizer
 from layerbus.broker.requests import GenerationRequest, GenerationResult
+from layerbus.models.model_info import load_tokenizer
 from layerbus.storage import InvalidItem, JobSettings, JobStore, NewItem
 from layerbus.storage.results import ResultWriter, read_results, results_metadata
 
