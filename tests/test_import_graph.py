@@ -9,20 +9,20 @@ The intended layering, `ALLOWED` below, in the order wire, models -> stages, sto
 -> cli (lower never imports higher; the broker and the stages meet only in `wire`, and both read model
 directories through `models`):
 
-| package | may import                          | what it is, and why it sits there                             |
-|---------|-------------------------------------|---------------------------------------------------------------|
-| wire    | -                                   | the vocabulary both sides speak: frames, codecs, message kinds,|
-|         |                                     | step rows, sampling parameters, identities, layer spans; no    |
-|         |                                     | transformers either, so importing it changes nobody's state    |
-| models  | -                                   | reading model directories: config, safetensors headers, weight |
-|         |                                     | sizes, the attention shape, tokenizer, default model, GGUF     |
-|         |                                     | import, and the home folder; plain file reading both sides use |
-| stages  | wire, models                        | the stage process: shards, KV cache, forward step, sampling    |
-| storage | models                              | job store and Parquet results (models only for the home folder)|
-| broker  | wire, models, storage               | drives stages over the wire and never imports them             |
-| jobs    | wire, models, storage, broker       | job logic: inputs, task and corpus prompts; the job runner     |
-|         |                                     | drives the broker, so jobs sit above it                        |
-| cli     | everything                          | the `layerbus` command wires everything together               |
+  package  may import                     what it is, and why it sits there
+  -------  -----------------------------  ---------------------------------------------------------------
+  wire     -                              the vocabulary both sides speak: frames, codecs, message kinds,
+                                          step rows, sampling parameters, identities, layer spans; no
+                                          transformers either, so importing it changes no global state
+  models   -                              reading model directories: config, safetensors headers, weight
+                                          sizes, attention shape, tokenizer, default model, GGUF import,
+                                          and the home folder: plain file reading that both sides use
+  stages   wire, models                   the stage process: shards, KV cache, forward step, sampling
+  storage  models                         job store and Parquet results (models for the home folder only)
+  broker   wire, models, storage          drives the stages over the wire and never imports them
+  jobs     wire, models, storage, broker  job logic: inputs, task and corpus prompts; the job runner
+                                          drives the broker, so jobs sit above it
+  cli      all of them                    the `layerbus` command wires everything together
 
 An import of `layerbus.a.b` counts as an edge to module `layerbus.a.b` only (not to the
 package `layerbus.a` that Python also runs first): a package's `__init__` that lazily imports its own
@@ -34,11 +34,15 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: pytest itself depends on tomli there
+    import tomli as tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 NAMESPACE = "layerbus"
