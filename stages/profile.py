@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from layerbus.models.attention_shape import attention_shape
+from layerbus.models.home import layerbus_home
 from layerbus.models.model_files import open_model_dir
 from layerbus.stages.forward import head_logits, run_step
 from layerbus.stages.kv_cache import KVArena
@@ -201,8 +202,6 @@ def _cache_key(model_path: Path, request: ProfileRequest, device: str, dtype: st
 
 
 def _default_cache_dir() -> Path:
-    from layerbus.models.home import layerbus_home
-
     return layerbus_home() / "profiles"
 
 
