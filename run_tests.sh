@@ -19,5 +19,5 @@ if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb 
     fi
 fi
 
-.venv/bin/python -c "from layerbus.stages.default_model import default_model_dir; default_model_dir()" >/dev/null
+.venv/bin/python -c "from layerbus.models.default_model import default_model_dir; default_model_dir()" >/dev/null
 exec .venv/bin/python -m pytest -q "$@"

@@ -105,7 +105,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from layerbus.stages.default_model import default_model_dir
+    from layerbus.models.default_model import default_model_dir
 
     model_dir = args.model or default_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

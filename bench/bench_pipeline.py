@@ -108,8 +108,8 @@ def main() -> None:
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bench_pipeline.json")
     args = parser.parse_args()
-    from layerbus.broker.model_info import load_tokenizer, read_model_info
-    from layerbus.stages.default_model import default_model_dir
+    from layerbus.models.default_model import default_model_dir
+    from layerbus.models.model_info import load_tokenizer, read_model_info
 
     model_dir = args.model or default_model_dir()
     info = read_model_info(model_dir)

@@ -83,8 +83,8 @@ def main() -> None:
     parser.add_argument("--skip", choices=["A", "B"], default=None)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bench_placement.json")
     args = parser.parse_args()
-    from layerbus.broker.model_info import load_tokenizer
-    from layerbus.stages.default_model import default_model_dir
+    from layerbus.models.default_model import default_model_dir
+    from layerbus.models.model_info import load_tokenizer
 
     model_dir = args.model or default_model_dir()
     prompts = tokenized_prompts(load_tokenizer(model_dir), args.prompts)
@@ -111,9 +111,9 @@ def main() -> None:
         speeds = ("--emulate-speed", "0.33")
         stage_args = [speeds, (*speeds, "--memory-budget", args.small_budget), speeds]
         planned = run(model_dir, prompts, args.max_new_tokens, batching, "planned", stage_args, options)
-        from layerbus.broker.model_info import read_model_info
         from layerbus.broker.model_memory import model_memory
         from layerbus.broker.placement import Shapes
+        from layerbus.models.model_info import read_model_info
 
         memory = model_memory(read_model_info(model_dir).files)
         shapes = Shapes(**planned["plan"]["shapes"])

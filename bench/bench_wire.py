@@ -28,7 +28,8 @@ from bench.netns import StageNamespaces, unavailable_reason  # noqa: E402
 from layerbus.broker.broker import Broker, BrokerConfig  # noqa: E402
 from layerbus.broker.requests import GenerationRequest  # noqa: E402
 from layerbus.broker.scheduler import BatchingConfig  # noqa: E402
-from layerbus.stages.wire_quality import SAMPLE_CORPUS, quality_report  # noqa: E402
+from layerbus.jobs.corpus import SAMPLE_CORPUS, corpus_prompts  # noqa: E402
+from layerbus.stages.wire_quality import quality_report  # noqa: E402
 from layerbus.wire.codecs import CODEC_NAMES, wire_bytes  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -109,8 +110,8 @@ def main() -> None:
     parser.add_argument("--skip-quality", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bench_wire.json")
     args = parser.parse_args()
-    from layerbus.broker.model_info import load_tokenizer, read_model_info
-    from layerbus.stages.default_model import default_model_dir
+    from layerbus.models.default_model import default_model_dir
+    from layerbus.models.model_info import load_tokenizer, read_model_info
 
     model_dir = args.model or default_model_dir()
     hidden = read_model_info(model_dir).files.config.hidden_size
@@ -122,7 +123,9 @@ def main() -> None:
         print(f"| {codec} | {ratio:.3f}x |")
 
     if not args.skip_quality:
-        quality = quality_report(model_dir, None, [13, 26], max_documents=args.documents)
+        prompts = corpus_prompts(load_tokenizer(model_dir))
+        prompts = prompts[:args.documents] if args.documents else prompts
+        quality = quality_report(model_dir, prompts, str(SAMPLE_CORPUS), [13, 26])
         report["quality"] = quality
         first = next(iter(quality["codecs"].values()))
         print(f"\nquality: {quality['prompts']} prompts, {first['positions']} positions, cuts {quality['cuts']}, "

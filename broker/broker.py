@@ -13,7 +13,6 @@ from layerbus.broker.chain import Placement
 from layerbus.broker.control import ClusterError, ControlPlane, StageInfo, StageLost, StageState
 from layerbus.broker.drift import Work
 from layerbus.broker.detokenizer import IncrementalDetokenizer
-from layerbus.broker.model_info import ModelInfo, load_tokenizer, read_model_info
 from layerbus.broker.model_memory import model_memory
 from layerbus.broker.partition import model_cost_from_config
 from layerbus.broker.pipeline import ListSource, Pipeline, PipelineConfig, RequestSource, ResultSink, RunStats
@@ -35,6 +34,7 @@ from layerbus.broker.profiling import ProfilingConfig, collect_profiles
 from layerbus.broker.requests import GenerationRequest, GenerationResult
 from layerbus.broker.scheduler import BatchingConfig
 from layerbus.broker.wire_choice import AutoWireInputs, plan_link_codecs
+from layerbus.models.model_info import ModelInfo, load_tokenizer, read_model_info
 from layerbus.wire.spans import LayerRange
 
 log = logging.getLogger("layerbus.broker")

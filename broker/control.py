@@ -14,9 +14,9 @@ from typing import Callable
 import zmq
 
 from layerbus.broker.chain import Placement
-from layerbus.stages.heartbeat import HEARTBEAT_IDENTITY_SUFFIX
 from layerbus.wire import protocol
 from layerbus.wire.frames import WireError, decode, encode
+from layerbus.wire.protocol import HEARTBEAT_IDENTITY_SUFFIX
 from layerbus.wire.spans import LayerRange
 
 log = logging.getLogger("layerbus.broker")

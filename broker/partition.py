@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from layerbus.models.attention_shape import attention_shape
 from layerbus.wire.spans import LayerRange
 
 
@@ -29,10 +30,8 @@ def model_cost_from_config(config) -> ModelCost:
     """FLOPs per token from the config's shapes (2 FLOPs per weight; attention over the cache is
     left out: it is small next to the weights at the context lengths of batch jobs)."""
     hidden = config.hidden_size
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    shape = attention_shape(config)
+    attention = hidden * shape.head_dim * (2 * shape.heads + 2 * shape.kv_heads)
     mlp = 3 * hidden * config.intermediate_size
     layer = 2.0 * (attention + mlp)
     return ModelCost(layer=(layer,) * config.num_hidden_layers, embed=0.0, head=2.0 * hidden * config.vocab_size)

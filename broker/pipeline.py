@@ -39,9 +39,9 @@ from layerbus.broker.run_state import (  # noqa: F401  (RunStats, ListSource, ..
     RunStats,
 )
 from layerbus.broker.scheduler import BatchingConfig, Scheduler, StepPlan
-from layerbus.stages.forward import StepRow
 from layerbus.wire import protocol
 from layerbus.wire.frames import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode, encode
+from layerbus.wire.protocol import StepRow
 
 log = logging.getLogger("layerbus.broker")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from layerbus.stages.sampling import SamplingParams
+from layerbus.wire.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

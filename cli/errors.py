@@ -50,9 +50,9 @@ def failure_message(error: BaseException) -> str | None:
 
 
 _HEAVY_USER_ERRORS = {
-    "layerbus.stages.model_files": ("ModelDirError",),
-    "layerbus.stages.default_model": ("DefaultModelError",),
-    "layerbus.stages.gguf_import": ("GGUFImportError",),
+    "layerbus.models.model_files": ("ModelDirError",),
+    "layerbus.models.default_model": ("DefaultModelError",),
+    "layerbus.models.gguf_import": ("GGUFImportError",),
     "layerbus.broker.placement": ("PlacementError",),
     "layerbus.broker.cluster_file": ("ClusterFileError",),
     "layerbus.broker.wire_choice": ("WireConfigError",),

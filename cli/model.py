@@ -34,7 +34,7 @@ def print_default(args: argparse.Namespace) -> int:
 
 
 def import_gguf_file(args: argparse.Namespace) -> int:
-    from layerbus.stages.gguf_import import import_gguf
+    from layerbus.models.gguf_import import import_gguf
 
     print(f"layerbus: importing {args.file} into {args.out}", file=sys.stderr)
     print(import_gguf(Path(args.file), Path(args.out)))

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from layerbus.cli.errors import UsageError
 
 if TYPE_CHECKING:
-    from layerbus.broker.model_info import ModelInfo
+    from layerbus.models.model_info import ModelInfo
     from layerbus.storage import JobStore
 
 TASKS = ("summarize", "translate", "generate")  # as jobs.tasks.TASKS, without importing it for --help
@@ -190,14 +190,14 @@ def resolve_model(model: str | None) -> Path:
     """The model directory: --model as given, or the default model (prepared on first use)."""
     if model:
         return Path(model).expanduser().absolute()
-    from layerbus.stages.default_model import default_model_dir
+    from layerbus.models.default_model import default_model_dir
 
     return default_model_dir(progress=lambda message: print(message, file=sys.stderr))
 
 
 def model_for_stages(model_dir: Path, num_stages: int) -> ModelInfo:
     """The model's info, after checking it has a layer for every stage."""
-    from layerbus.broker.model_info import read_model_info
+    from layerbus.models.model_info import read_model_info
 
     info = read_model_info(model_dir)
     layers = info.files.num_layers

@@ -52,10 +52,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from layerbus.broker.model_info import read_model_info
     from layerbus.broker.model_memory import model_memory
     from layerbus.broker.placement import PlanOptions, Shapes, plan_placement
     from layerbus.broker.plan_report import format_explain, format_plan
+    from layerbus.models.model_info import read_model_info
 
     if args.cluster and (args.emulate_speed or args.memory_budget or args.threads_per_stage):
         raise UsageError("--emulate-speed, --memory-budget and --threads-per-stage are for local --stages; "

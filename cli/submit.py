@@ -43,7 +43,7 @@ def submit_job(store: JobStore, args: argparse.Namespace) -> str:
     spec = _task_spec(args)
     read = load_inputs(Path(args.input), spec.task, args.skip_invalid)  # InputError lists every problem
     model_dir = resolve_model(args.model)
-    from layerbus.broker.model_info import load_tokenizer, read_model_info
+    from layerbus.models.model_info import load_tokenizer, read_model_info
     from layerbus.storage import JobSettings
 
     read_model_info(model_dir)  # ModelDirError names what is wrong with the directory

@@ -42,9 +42,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from layerbus.broker.model_info import read_model_info
     from layerbus.broker.partition import balanced_partition, model_cost_from_config
     from layerbus.broker.wire_choice import saved_table_path
+    from layerbus.jobs.corpus import SAMPLE_CORPUS, corpus_prompts
+    from layerbus.models.model_info import load_tokenizer, read_model_info
     from layerbus.stages.wire_quality import quality_report
     from layerbus.wire.codecs import CODEC_NAMES
 
@@ -74,7 +75,10 @@ def main(args: argparse.Namespace) -> int:
     def progress(done: int, total: int) -> None:
         print(f"\rlayerbus wire-quality: {done}/{total} prompts", end="", file=sys.stderr, flush=True)
 
-    report = quality_report(model_dir, args.corpus, cuts, codec_names, args.documents,
+    prompts = corpus_prompts(load_tokenizer(model_dir), args.corpus)
+    if args.documents:
+        prompts = prompts[:args.documents]
+    report = quality_report(model_dir, prompts, str(args.corpus or SAMPLE_CORPUS), cuts, codec_names,
                             progress if sys.stderr.isatty() else None)
     if sys.stderr.isatty():
         print(file=sys.stderr)

@@ -17,11 +17,11 @@ from typing import Any, Protocol
 from layerbus.broker.control import ClusterError
 from layerbus.broker.requests import GenerationRequest, GenerationResult
 from layerbus.jobs.item_params import ADD_SPECIAL_TOKENS_KEY
-from layerbus.stages.sampling import SamplingParams
 from layerbus.storage import ClaimedItem, ItemResult, JobSettings, JobStatus, JobStore, StoreError
 from layerbus.storage.result_row import result_row
 from layerbus.storage.results import ResultWriter, settings_metadata
 from layerbus.storage.states import FINAL_JOB_STATES, RUNNABLE_JOB_STATES
+from layerbus.wire.sampling import SamplingParams
 
 log = logging.getLogger("layerbus.jobs")
 

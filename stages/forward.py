@@ -8,24 +8,13 @@ prompt never multiplies the work of the short ones.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from layerbus.stages.kv_cache import CacheGroup, KVArena
 from layerbus.stages.shard import StageShard
-
-
-@dataclass(frozen=True)
-class StepRow:
-    """One sequence's part of a step, as the broker sent it."""
-
-    slot: int  # the sequence's slot (its KV cache place on every stage)
-    start: int  # position of the first new token
-    length: int  # new tokens in this step
-    emit: bool = False  # the last stage returns the next token after this row's last position
-    sampling: dict = field(default_factory=dict)  # temperature, top_k, top_p, seed (empty = greedy)
-    targets: list[int] | None = None  # log-probs of these next tokens at the row's first positions
+from layerbus.wire.protocol import StepRow
 
 
 @dataclass

@@ -19,9 +19,7 @@ import zmq
 
 from layerbus.wire import protocol
 from layerbus.wire.frames import encode
-
-# Appended to the stage's control identity: the broker counts this socket's traffic as the stage's.
-HEARTBEAT_IDENTITY_SUFFIX = b"\x00heartbeat"
+from layerbus.wire.protocol import HEARTBEAT_IDENTITY_SUFFIX
 
 
 class HeartbeatThread(threading.Thread):

@@ -22,12 +22,15 @@ from typing import Callable
 
 import torch
 
-from layerbus.stages.forward import StepRow, head_logits, run_step
+from layerbus.models.attention_shape import attention_shape
+from layerbus.models.home import layerbus_home
+from layerbus.models.model_files import open_model_dir
+from layerbus.stages.forward import head_logits, run_step
 from layerbus.stages.kv_cache import KVArena
-from layerbus.stages.model_files import open_model_dir
 from layerbus.stages.shard import ShardSpec, StageShard, load_shard
 from layerbus.wire import protocol
 from layerbus.wire.frames import WireError
+from layerbus.wire.protocol import StepRow
 from layerbus.wire.spans import LayerRange
 
 log = logging.getLogger("layerbus.stage")
@@ -87,11 +90,9 @@ def measure_timings(files, request: ProfileRequest, device: str, dtype: str) -> 
         return StageShard(ShardSpec(LayerRange(0, count), False, False, device, dtype), config, None,
                           list(full.layers)[:count], None, None, full.rotary_emb)
 
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    shape = attention_shape(config)
     rows = request.micro_batch_size
-    arena = KVArena(list(range(held)), rows, kv_heads, head_dim, full.dtype, full.device,
+    arena = KVArena(list(range(held)), rows, shape.kv_heads, shape.head_dim, full.dtype, full.device,
                     max(request.kv_length + 1, request.prefill_tokens))
     generator = torch.Generator().manual_seed(0)
     hidden_rows = torch.randn(rows, config.hidden_size, generator=generator).to(full.dtype)
@@ -201,8 +202,6 @@ def _cache_key(model_path: Path, request: ProfileRequest, device: str, dtype: st
 
 
 def _default_cache_dir() -> Path:
-    from layerbus.storage.locations import layerbus_home
-
     return layerbus_home() / "profiles"
 
 

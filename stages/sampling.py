@@ -6,46 +6,11 @@ stage count produced them, so rerunning a job reproduces its sampled outputs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from layerbus.wire.sampling import SamplingParams
+
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) over the seed space
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick the next token; temperature 0 means greedy."""
-
-    temperature: float = 0.0  # 0 = greedy (argmax)
-    top_k: int = 0  # keep the k most likely tokens (0 = all)
-    top_p: float = 1.0  # keep the smallest set whose probability reaches p
-    seed: int = 0  # per-item seed; with the position it fixes the random draw
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0:  # also refuses NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:  # also refuses NaN
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def to_json(self) -> dict:
-        """Only what differs from greedy travels, keeping decode headers small."""
-        if self.greedy:
-            return {}
-        return {"t": self.temperature, "k": self.top_k, "p": self.top_p, "s": self.seed}
-
-    @classmethod
-    def from_json(cls, value: dict) -> "SamplingParams":
-        if not value:
-            return cls()
-        return cls(temperature=float(value["t"]), top_k=int(value["k"]), top_p=float(value["p"]),
-                   seed=int(value["s"]))
 
 
 def choose_token(logits: torch.Tensor, params: SamplingParams, position: int,

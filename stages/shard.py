@@ -14,9 +14,9 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from layerbus.models.model_files import ModelDirError, ModelFiles
+from layerbus.models.tensor_reader import TensorReader
 from layerbus.stages.attention import ATTENTION_NAME
-from layerbus.stages.model_files import ModelDirError, ModelFiles
-from layerbus.stages.tensor_reader import TensorReader
 from layerbus.wire.spans import LayerRange
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

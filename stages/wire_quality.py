@@ -18,14 +18,14 @@ from typing import Callable
 
 import torch
 
-from layerbus.stages.forward import StepRow, head_logits, run_step
+from layerbus.models.attention_shape import attention_shape
+from layerbus.models.model_files import open_model_dir
+from layerbus.stages.forward import head_logits, run_step
 from layerbus.stages.kv_cache import KVArena
-from layerbus.stages.model_files import open_model_dir
 from layerbus.stages.shard import ShardSpec, load_shard
 from layerbus.wire import codecs
+from layerbus.wire.protocol import StepRow
 from layerbus.wire.spans import LayerRange
-
-SAMPLE_CORPUS = Path(__file__).resolve().parent.parent / "examples" / "sample_corpus"
 
 
 @dataclass
@@ -93,10 +93,9 @@ def measure_wire_quality(model_dir: str | Path, prompts: list[list[int]], cuts: 
     config = files.config
     spans = spans_for_cuts(config.num_hidden_layers, cuts)
     shards = [load_shard(files, ShardSpec(span, i == 0, i == len(spans) - 1)) for i, span in enumerate(spans)]
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    shape = attention_shape(config)
     longest = max(len(p) for p in prompts)
-    arenas = [KVArena(list(span), 1, kv_heads, head_dim, shard.dtype, shard.device, longest)
+    arenas = [KVArena(list(span), 1, shape.kv_heads, shape.head_dim, shard.dtype, shard.device, longest)
               for span, shard in zip(spans, shards)]
     hidden = config.hidden_size
     results = {name: CodecQuality(name, bytes_ratio=codecs.wire_bytes(name, 1, hidden) / codecs.wire_bytes(
@@ -122,41 +121,13 @@ def measure_wire_quality(model_dir: str | Path, prompts: list[list[int]], cuts: 
     return results
 
 
-def corpus_prompts(tokenizer, corpus: Path | None = None, max_tokens: int = 2048) -> list[list[int]]:
-    """Token ids to score. Default: the bundled sample corpus, each document rendered as a summarize
-    prompt (through the chat template when there is one). A folder takes its .txt files as
-    documents; a file is plain text, split at blank lines into chunks of at most max_tokens."""
-    from layerbus.jobs.records import InputRecord
-    from layerbus.jobs.tasks import TaskSpec, render_prompt
-
-    if corpus is None or corpus.is_dir():
-        folder = corpus or SAMPLE_CORPUS
-        documents = sorted(folder.glob("*.txt"))
-        if not documents:
-            raise FileNotFoundError(f"no .txt documents in {folder}")
-        prompts = []
-        for path in documents:
-            record = InputRecord(custom_id=path.stem, text=path.read_text().strip(), prompt=None, messages=None)
-            rendered = render_prompt(record, TaskSpec("summarize"), tokenizer)
-            ids = tokenizer(rendered.text, add_special_tokens=rendered.add_special_tokens).input_ids
-            prompts.append(ids[:max_tokens])
-        return prompts
-    ids = tokenizer(corpus.read_text()).input_ids
-    return [ids[i:i + max_tokens] for i in range(0, len(ids), max_tokens) if len(ids[i:i + max_tokens]) > 1]
-
-
-def quality_report(model_dir: str | Path, corpus: Path | None, cuts: list[int],
-                   codec_names: tuple[str, ...] = codecs.CODEC_NAMES[1:], max_documents: int = 0,
+def quality_report(model_dir: str | Path, prompts: list[list[int]], corpus: str, cuts: list[int],
+                   codec_names: tuple[str, ...] = codecs.CODEC_NAMES[1:],
                    progress: Callable[[int, int], None] | None = None) -> dict:
-    """The JSON `layerbus wire-quality --json` prints and auto mode reads."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = corpus_prompts(tokenizer, corpus)
-    if max_documents:
-        prompts = prompts[:max_documents]
+    """The JSON `layerbus wire-quality --json` prints and auto mode reads; `corpus` names where the
+    prompts came from (jobs/corpus.py renders them)."""
     started = time.monotonic()
     results = measure_wire_quality(model_dir, prompts, cuts, codec_names, progress)
-    return {"model": str(model_dir), "corpus": str(corpus or SAMPLE_CORPUS), "cuts": cuts,
+    return {"model": str(model_dir), "corpus": corpus, "cuts": cuts,
             "prompts": len(prompts), "seconds": round(time.monotonic() - started, 1),
             "codecs": {name: quality.to_json() for name, quality in results.items()}}

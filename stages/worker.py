@@ -20,14 +20,17 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from layerbus.stages.forward import StepRow, head_logits, run_step
+from layerbus.models.attention_shape import attention_shape
+from layerbus.models.model_files import open_model_dir
+from layerbus.stages.forward import head_logits, run_step
 from layerbus.stages.heartbeat import HeartbeatThread, busy_for
 from layerbus.stages.kv_cache import KVArena
-from layerbus.stages.model_files import open_model_dir
-from layerbus.stages.sampling import SamplingParams, choose_token, target_log_probs
+from layerbus.stages.sampling import choose_token, target_log_probs
 from layerbus.stages.shard import ShardSpec, StageShard, load_shard
 from layerbus.wire import codecs, protocol
 from layerbus.wire.frames import DEFAULT_MAX_MESSAGE_BYTES, Message, WireError, decode, encode
+from layerbus.wire.protocol import StepRow
+from layerbus.wire.sampling import SamplingParams
 from layerbus.wire.spans import LayerRange
 
 log = logging.getLogger("layerbus.stage")
@@ -255,10 +258,8 @@ class StageWorker:
                              self.config.device, self.config.dtype)
             self.shard, self.arena, self.epoch = None, None, -1  # drop the old span before loading the new one
             shard = load_shard(open_model_dir(header["model_dir"]), spec)
-            config = shard.config
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-            kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-            arena = KVArena(list(spec.layers), header["num_slots"], kv_heads, head_dim,
+            shape = attention_shape(shard.config)
+            arena = KVArena(list(spec.layers), header["num_slots"], shape.kv_heads, shape.head_dim,
                             shard.dtype, shard.device, header["max_context"])
             self._connect_next(header["next_address"])
             # Only a fully set-up stage serves the new epoch: a failure above leaves it serving none.

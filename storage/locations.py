@@ -1,17 +1,11 @@
-"""Where layerbus keeps its files by default; the standard library only, so light commands
+"""Where the job store and results live by default; the standard library only, so light commands
 (`layerbus status`) can find the store without importing a database toolkit."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-
-def layerbus_home() -> Path:
-    """$LAYERBUS_HOME (default ~/.local/share/layerbus), created if missing."""
-    home = Path(os.environ.get("LAYERBUS_HOME") or Path.home() / ".local" / "share" / "layerbus")
-    home.mkdir(parents=True, exist_ok=True)
-    return home
+from layerbus.models.home import layerbus_home
 
 
 def default_db_url() -> str:

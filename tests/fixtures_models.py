@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from layerbus.stages.default_model import WheelDownloadError, default_model_dir
+from layerbus.models.default_model import WheelDownloadError, default_model_dir
 from tests.tiny_models import make_tiny_model
 
 TinyModelFactory = Callable[..., Path]

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from layerbus.broker.detokenizer import IncrementalDetokenizer
-from layerbus.broker.model_info import load_tokenizer
+from layerbus.models.model_info import load_tokenizer
 from layerbus.broker.requests import GenerationRequest
 from layerbus.broker.scheduler import BatchingConfig, Scheduler
 from tests.tiny_models import make_tiny_tokenizer

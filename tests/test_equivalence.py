@@ -19,10 +19,11 @@ from layerbus.broker.broker import BrokerConfig
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.requests import GenerationRequest
 from layerbus.broker.scheduler import BatchingConfig
-from layerbus.stages.forward import StepRow, head_logits, run_step
+from layerbus.models.model_files import open_model_dir
+from layerbus.stages.forward import head_logits, run_step
 from layerbus.stages.kv_cache import KVArena
-from layerbus.stages.model_files import open_model_dir
 from layerbus.stages.shard import ShardSpec, load_shard
+from layerbus.wire.protocol import StepRow
 from layerbus.wire.spans import LayerRange
 
 NEAR_TIE = 1e-4

@@ -181,7 +181,7 @@ def test_survivors_too_small_for_the_model_wait_for_a_stage_to_join(model_dir, r
     hold it, the job waits (and says why) instead of failing, and goes on when a new stage registers."""
     from layerbus.broker.model_memory import model_memory
     from layerbus.broker.placement import PlacementError, StageProfile, plan_placement
-    from layerbus.stages.model_files import open_model_dir
+    from layerbus.models.model_files import open_model_dir
 
     batching = BatchingConfig(num_slots=8, num_micro_batches=4, max_step_tokens=32, max_context=128)
     memory = model_memory(open_model_dir(model_dir))

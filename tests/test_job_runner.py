@@ -10,8 +10,8 @@ import pytest
 
 from layerbus.jobs.item_params import ADD_SPECIAL_TOKENS_KEY, item_params
 from layerbus.jobs.runner import StoreSink, StoreSource, item_seed, run_job
-from layerbus.broker.model_info import load_tokenizer
 from layerbus.broker.requests import GenerationRequest, GenerationResult
+from layerbus.models.model_info import load_tokenizer
 from layerbus.storage import InvalidItem, JobSettings, JobStore, NewItem
 from layerbus.storage.results import ResultWriter, read_results, results_metadata
 

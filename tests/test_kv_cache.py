@@ -10,10 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
 
-from layerbus.stages.forward import StepRow, head_logits, run_step
+from layerbus.models.model_files import open_model_dir
+from layerbus.stages.forward import head_logits, run_step
 from layerbus.stages.kv_cache import CacheGroup, KVArena
-from layerbus.stages.model_files import open_model_dir
 from layerbus.stages.shard import ShardSpec, StageShard, load_shard
+from layerbus.wire.protocol import StepRow
 from layerbus.wire.spans import LayerRange
 
 ATOL = 1e-4

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from layerbus.stages.model_files import ModelDirError, open_model_dir
+from layerbus.models.model_files import ModelDirError, open_model_dir
+from layerbus.models.tensor_reader import TensorReader
 from layerbus.stages.shard import ShardSpec, load_shard
-from layerbus.stages.tensor_reader import TensorReader
 from tests.tiny_models import make_sharded_copy
 from layerbus.wire.spans import LayerRange
 

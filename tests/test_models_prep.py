@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from layerbus.stages.default_model import (
+from layerbus.models.default_model import (
     DEFAULT_MODEL_SOURCE,
     MARKER_NAME,
     DefaultModelError,
@@ -24,7 +24,7 @@ from layerbus.stages.default_model import (
     model_cache_dir,
     prepare_once,
 )
-from layerbus.stages.gguf_import import GGUFImportError, import_gguf
+from layerbus.models.gguf_import import GGUFImportError, import_gguf
 from tests.tiny_models import (
     CONFIG_CLASSES,
     make_sharded_copy,
@@ -261,7 +261,7 @@ def test_prepare_once_in_two_processes_builds_once(tmp_path):
         f"""
         import time
         from pathlib import Path
-        from layerbus.stages.default_model import prepare_once
+        from layerbus.models.default_model import prepare_once
 
         def build(staging):
             with open({str(tmp_path / "log")!r}, "a") as f:

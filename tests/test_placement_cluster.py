@@ -13,7 +13,7 @@ from layerbus.broker.placement import PlanOptions
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.requests import GenerationRequest
 from layerbus.broker.scheduler import BatchingConfig
-from layerbus.stages.model_files import open_model_dir
+from layerbus.models.model_files import open_model_dir
 from layerbus.stages.profile import ProfileRequest, profile_stage
 
 

@@ -9,7 +9,8 @@ from collections import Counter
 import pytest
 import torch
 
-from layerbus.stages.sampling import SamplingParams, choose_token, target_log_probs
+from layerbus.stages.sampling import choose_token, target_log_probs
+from layerbus.wire.sampling import SamplingParams
 
 
 def random_logits(seed: int, vocab: int = 50) -> torch.Tensor:

@@ -19,9 +19,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from layerbus.broker.control import ControlPlane
-from layerbus.stages.heartbeat import HEARTBEAT_IDENTITY_SUFFIX
 from layerbus.wire import protocol
 from layerbus.wire.frames import Message, decode, encode
+from layerbus.wire.protocol import HEARTBEAT_IDENTITY_SUFFIX
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,

@@ -11,9 +11,8 @@ import pytest
 import torch
 import zmq
 
-from layerbus.stages.forward import StepRow
 from layerbus.wire.frames import MAX_HEADER_BYTES, WIRE_DTYPES, WIRE_VERSION, WireError, decode, encode
-from layerbus.wire.protocol import rows_from_json, rows_to_json
+from layerbus.wire.protocol import StepRow, rows_from_json, rows_to_json
 from layerbus.wire.spans import LayerRange
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")  # read-only frames, as frames.py says

@@ -28,9 +28,9 @@ Control plane (DEALER at each stage, ROUTER at the broker), headers only:
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
-from layerbus.stages.forward import StepRow
 from layerbus.wire.frames import WireError
 
 # Control-plane kinds.
@@ -40,6 +40,22 @@ REGISTER, ASSIGN, READY, HEARTBEAT, FAILURE, REJECTED, SHUTDOWN, BYE, RESET = (
 PROFILE, PROFILE_RESULT, PROBE, PROBE_ECHO = "profile", "profile_result", "probe", "probe_echo"
 # Data-plane kinds.
 STEP, RESULT = "step", "result"
+
+# Appended to a stage's control identity by its heartbeat socket: the broker counts this socket's
+# traffic as the stage's.
+HEARTBEAT_IDENTITY_SUFFIX = b"\x00heartbeat"
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One sequence's part of a step, as the broker sent it."""
+
+    slot: int  # the sequence's slot (its KV cache place on every stage)
+    start: int  # position of the first new token
+    length: int  # new tokens in this step
+    emit: bool = False  # the last stage returns the next token after this row's last position
+    sampling: dict = field(default_factory=dict)  # temperature, top_k, top_p, seed (empty = greedy)
+    targets: list[int] | None = None  # log-probs of these next tokens at the row's first positions
 
 
 def rows_to_json(rows: list[StepRow]) -> list[list[Any]]:

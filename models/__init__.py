@@ -1,0 +1,1 @@
+"""Reading model directories: config, safetensors headers, tokenizer, the default model, GGUF import."""
