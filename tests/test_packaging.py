@@ -7,6 +7,7 @@ virtual environment to prove they are gone and the console script still works.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import venv
@@ -15,6 +16,11 @@ from pathlib import Path
 
 import pytest
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: pytest itself depends on tomli there
+    import tomli as tomllib
+
 REPO = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.cluster  # builds a wheel and a virtual environment: seconds, in subprocesses
@@ -22,10 +28,17 @@ pytestmark = pytest.mark.cluster  # builds a wheel and a virtual environment: se
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
+    out, source = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("source")
+    # Built from a copy of what the wheel is made of: pip builds in the source tree, and its build/
+    # folder must not be left in the repository.
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    package_dir = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for folder in package_dir.values():
+        shutil.copytree(REPO / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
     # No build isolation: the test venv has setuptools, and CI should not depend on fetching it again.
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--disable-pip-version-check", str(REPO), "-w", str(out)], check=True, cwd=out)
+                    "--disable-pip-version-check", str(source), "-w", str(out)], check=True, cwd=out)
     (built,) = out.glob("layerbus-*.whl")
     return built
 
