@@ -39,6 +39,9 @@ class MultipleChoiceDoc:
     gold: tuple[int, ...]
     # Cluster for clustered standard errors (documents sharing a passage, a source...); None: own cluster.
     group: str | None = None
+    # Put before each choice when scoring (a task YAML's target_delimiter, " " by default there; "" for task
+    # files). Kept apart because acc_norm divides by the length of the choice alone, as lm-eval does.
+    target_delimiter: str = ""
 
 
 @dataclass(frozen=True)
