@@ -207,7 +207,13 @@ def apply_filters(response: str, steps: tuple[FilterStep, ...]) -> str:
     return response
 
 
+def _regex_replace(string: str, pattern: str, repl: str, count: int = 0) -> str:
+    """The one custom Jinja2 filter lm-eval's templates may use (lm_eval.utils.regex_replace)."""
+    return re.sub(pattern, repl, string, count=count)
+
+
 _JINJA = SandboxedEnvironment(undefined=StrictUndefined, keep_trailing_newline=True)
+_JINJA.filters["regex_replace"] = _regex_replace
 
 
 def render(spec: object, doc: dict) -> object:
@@ -219,21 +225,68 @@ def render(spec: object, doc: dict) -> object:
     return spec
 
 
+# What follows reads doc_to_text / doc_to_choice / doc_to_target as ConfigurableTask does in lm-eval 0.4.13
+# (api/task.py), including its coercions, so a prompt built here is byte-identical to the one it builds.
+
+
+def text_of(task: TaskYaml, doc: dict) -> object:
+    """doc_to_text: a string, or an int where a digit-only rendering meets doc_to_choice (lm-eval's multiple input)."""
+    if isinstance(task.doc_to_text, int):
+        return task.doc_to_text
+    value = render(task.doc_to_text, doc)
+    is_template = isinstance(task.doc_to_text, str) and task.doc_to_text not in doc
+    if is_template and value.isdigit() and task.doc_to_choice is not None:
+        return ast.literal_eval(value)
+    return value
+
+
 def choices_of(task: TaskYaml, doc: dict) -> list[str]:
-    value = render(task.doc_to_choice, doc)
-    return ast.literal_eval(value) if isinstance(value, str) else list(value)
+    """doc_to_choice: a column, a template rendering a Python list literal, a list, or a dict (its values)."""
+    spec = task.doc_to_choice
+    if isinstance(spec, dict):
+        return list(spec.values())
+    if isinstance(spec, str) and spec not in doc:
+        return ast.literal_eval(render(spec, doc))
+    return render(spec, doc)
+
+
+def target_value(task: TaskYaml, doc: dict) -> object:
+    """doc_to_target as lm-eval returns it: an int, a string, or a list (a rendered "[...]" is read as a literal)."""
+    spec = task.doc_to_target
+    if not isinstance(spec, str) or spec in doc:
+        return render(spec, doc)
+    value = render(spec, doc)
+    if value.isdigit() and task.doc_to_choice is not None:
+        return ast.literal_eval(value)
+    if len(value) >= 2 and value[0] == "[" and value[-1] == "]":
+        try:
+            return ast.literal_eval(value)
+        except (SyntaxError, ValueError):
+            return value
+    return value
 
 
 def target_of(task: TaskYaml, doc: dict, choices: list[str] | None) -> object:
-    """doc_to_target as lm-eval reads it: an index for multiple choice (a digit string or a choice's text)."""
-    value = render(task.doc_to_target, doc)
+    """The target for scoring: for multiple choice an index (or list of indices) as lm-eval's process_results
+    reads it (a choice's text becomes its index; -100 where it names no choice), otherwise the target value."""
+    value = target_value(task, doc)
     if choices is None:
         return value
-    if isinstance(value, str) and value.strip().isdigit():
-        return int(value)
-    if isinstance(value, str) and value in choices:
-        return choices.index(value)
+    if isinstance(value, str):
+        return choices.index(value) if value in choices else -100
     return value
+
+
+def answer_text(task: TaskYaml, doc: dict) -> str | None:
+    """A few-shot example's answer as lm-eval writes it (build_qa_turn): the gold choice's text, the first of
+    several targets, or the target itself; None when the example has no answer (None or "")."""
+    value = target_value(task, doc)
+    if value is None or value == "":
+        return None
+    choices = choices_of(task, doc) if task.doc_to_choice is not None else None
+    if choices and isinstance(value, int):
+        return choices[value]
+    return value[0] if isinstance(value, list) else value
 
 
 def fewshot_examples(pool: list[dict], docs: list[dict], n: int, seed: int, same_split: bool) -> list[list[dict]]:
@@ -253,15 +306,15 @@ def fewshot_examples(pool: list[dict], docs: list[dict], n: int, seed: int, same
 
 
 def context_of(task: TaskYaml, doc: dict, examples: list[dict]) -> str:
-    """description + each example's question, target delimiter, answer, few-shot delimiter + the question."""
-    parts = [task.description or ""]
+    """The prompt lm-eval 0.4.13's ConfigurableTask.fewshot_context builds as plain text (no chat template).
+
+    The description is rendered against the document (a template, or a column name); each example is its
+    question, target_delimiter, answer, fewshot_delimiter (an example without an answer adds neither
+    delimiter); then the document's question, with nothing after it.
+    """
+    parts = [str(render(task.description, doc)) if task.description else ""]
     for example in examples:
-        choices = choices_of(task, example) if task.doc_to_choice is not None else None
-        answer = target_of(task, example, choices)
-        if choices is not None and isinstance(answer, int):
-            answer = choices[answer]
-        if isinstance(answer, list):
-            answer = answer[0]
-        parts.append(f"{render(task.doc_to_text, example)}{task.target_delimiter}{answer}{task.fewshot_delimiter}")
-    parts.append(str(render(task.doc_to_text, doc)))
+        question, answer = str(text_of(task, example)), answer_text(task, example)
+        parts.append(question if answer is None else f"{question}{task.target_delimiter}{answer}{task.fewshot_delimiter}")
+    parts.append(str(text_of(task, doc)))
     return "".join(parts)
