@@ -1,6 +1,7 @@
 """The subset of lm-evaluation-harness task YAML layerbus runs offline: a local dataset, Jinja2 prompts, few-shot, filters.
 
-Supported: task, output_type, dataset_path (json | parquet | csv) with data_files, test_split, fewshot_split,
+Supported: task, output_type, dataset_path (json | parquet | csv) with data_files (lm-eval's
+`dataset_kwargs: {data_files: ...}`, or `data_files` at the top level), test_split, fewshot_split,
 doc_to_text / doc_to_target / doc_to_choice (Jinja2, sandboxed; or a column name; doc_to_choice also a list),
 target_delimiter, fewshot_delimiter, description, num_fewshot, metric_list, generation_kwargs, filter_list
 (regex, take_first, lowercase, remove_whitespace), metadata. Anything else is refused with one message that
@@ -22,7 +23,7 @@ from jinja2 import StrictUndefined
 from jinja2.sandbox import SandboxedEnvironment
 
 SUPPORTED_KEYS = (
-    "task", "output_type", "dataset_path", "data_files", "test_split", "fewshot_split", "doc_to_text",
+    "task", "output_type", "dataset_path", "dataset_kwargs", "data_files", "test_split", "fewshot_split", "doc_to_text",
     "doc_to_target", "doc_to_choice", "target_delimiter", "fewshot_delimiter", "description", "num_fewshot",
     "metric_list", "generation_kwargs", "filter_list", "metadata",
 )
@@ -30,7 +31,6 @@ SUPPORTED_KEYS = (
 REFUSED_KEYS = {
     "dataset_name": "hub datasets are not fetched: export the split to a local file and use dataset_path: json "
                     "(or parquet, csv) with data_files",
-    "dataset_kwargs": "use dataset_path: json|parquet|csv with data_files instead",
     "process_docs": "Python hooks are not run: preprocess the documents into the data file",
     "process_results": "Python hooks are not run: use metric_list with acc, acc_norm, exact_match or a perplexity",
     "group": "groups are not supported: list the tasks in a suite file",
@@ -117,12 +117,8 @@ def parse_task_yaml(text: str, source: str = "<task yaml>") -> TaskYaml:
     if config.get("dataset_path") not in DATASET_PATHS:
         problems.append(f"dataset_path {config.get('dataset_path')!r}: give one of {', '.join(DATASET_PATHS)} "
                         "(local files named in data_files); hub datasets are not fetched")
-    data_files = config.get("data_files")
-    if isinstance(data_files, str):
-        data_files = {"train": data_files}
-    if not isinstance(data_files, dict) or not data_files:
-        problems.append("data_files: give the local file of each split, e.g. {test: questions.jsonl}")
-        data_files = {}
+    data_files, data_problems = _data_files(config)
+    problems += data_problems
     test_split = config.get("test_split", next(iter(data_files), "test"))
     if data_files and test_split not in data_files:
         problems.append(f"test_split {test_split!r} is not in data_files ({', '.join(data_files)})")
@@ -146,6 +142,26 @@ def parse_task_yaml(text: str, source: str = "<task yaml>") -> TaskYaml:
         num_fewshot=num_fewshot, metric_list=tuple(config.get("metric_list", [])),
         generation_kwargs=dict(config.get("generation_kwargs") or {}), filters=filters, raw=config,
     )
+
+
+def _data_files(config: dict) -> tuple[dict[str, str], list[str]]:
+    """Split name -> file, from lm-eval's dataset_kwargs.data_files or a top-level data_files (not both)."""
+    kwargs = config.get("dataset_kwargs")
+    if kwargs is not None and (not isinstance(kwargs, dict) or set(kwargs) - {"data_files"}):
+        other = sorted(set(kwargs) - {"data_files"}) if isinstance(kwargs, dict) else kwargs
+        return {}, [f"dataset_kwargs: only data_files is read, got {other!r}; remove the other keys"]
+    if kwargs is not None and "data_files" in config:
+        return {}, ["data_files is given twice (top level and in dataset_kwargs); keep one"]
+    data_files = (kwargs or {}).get("data_files", config.get("data_files"))
+    if isinstance(data_files, str):
+        data_files = {"train": data_files}
+    if not isinstance(data_files, dict) or not data_files:
+        return {}, ["data_files: give the local file of each split, e.g. {test: questions.jsonl}"]
+    lists = [split for split, path in data_files.items() if not isinstance(path, str)]
+    if lists:
+        return {}, [f"data_files: split(s) {', '.join(map(str, lists))} must name one file each (a path string); "
+                    "join several files into one"]
+    return data_files, []
 
 
 def _key_problems(config: dict) -> list[str]:
