@@ -1,5 +1,8 @@
 """Reading a task file (JSONL or Parquet, one document per row) into typed documents, with every problem found in one pass.
 
+A folder of .txt files is a rolling (perplexity, bits-per-byte) task: one document per file, as `layerbus
+submit` reads such a folder (id = file name without .txt, final newline dropped), so a corpus needs no copy.
+
 A file holds one kind of document, told by the fields of its rows (see task_rows.py); the first row whose kind
 can be told sets it. Ids are unique within a file. Any problem refuses the whole file: an eval scored on the
 rows that happened to be valid would not be comparable with the next night's run.
@@ -15,7 +18,8 @@ from pathlib import Path
 from layerbus.evals.documents import KIND_NAMES, Document, TaskFileError, TaskProblem
 from layerbus.evals.task_rows import check_row, row_kind, show, type_name
 
-ACCEPTED = "accepted: a .jsonl file (one JSON object per line) or a .parquet file (one document per row)"
+ACCEPTED = ("accepted: a .jsonl file (one JSON object per line), a .parquet file (one document per row), or a folder "
+            "of .txt files (one rolling document each)")
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,9 @@ def load_task_file(path: str | Path) -> TaskFile:
     suffix = path.suffix.lower()
     if not path.exists():
         raise TaskFileError([TaskProblem(source, 0, f"does not exist; {ACCEPTED}")])
-    if suffix in (".jsonl", ".json"):
+    if path.is_dir():
+        rows = _text_folder_rows(path)
+    elif suffix in (".jsonl", ".json"):
         rows = _jsonl_rows(path.read_text(encoding="utf-8"))
     elif suffix == ".parquet":
         rows = _parquet_rows(path)
@@ -97,6 +103,20 @@ def _jsonl_rows(text: str) -> Iterator[tuple[int, dict | str]]:
             yield line, f"expected a JSON object, got {type_name(row)}"
             continue
         yield line, {k: v for k, v in row.items() if v is not None}
+
+
+def _text_folder_rows(path: Path) -> Iterator[tuple[int, dict | str]]:
+    """One {id, text} row per .txt file directly inside, in name order; row numbers count those files."""
+    entries = sorted((e for e in path.iterdir() if not e.name.startswith(".")), key=lambda e: e.name)
+    texts = [e for e in entries if e.is_file() and e.suffix.lower() == ".txt"]
+    for number, entry in enumerate(texts, start=1):
+        try:
+            # The final newline is a file convention, not part of the document (as layerbus submit reads it).
+            yield number, {"id": entry.stem, "text": entry.read_bytes().decode("utf-8-sig").rstrip("\r\n")}
+        except UnicodeDecodeError as e:
+            yield number, f"{entry.name} is not UTF-8 ({e.reason} at byte {e.start}); save it as UTF-8"
+    if not texts:
+        yield 0, "no .txt files in this folder (a folder task is one rolling document per .txt file)"
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[int, dict | str]]:

@@ -142,3 +142,16 @@ def test_whole_file_problems(tmp_path, name, content, message):
 def test_a_missing_file_says_what_is_accepted(tmp_path):
     with pytest.raises(TaskFileError, match="does not exist; accepted: a .jsonl file"):
         load_task_file(tmp_path / "nope.jsonl")
+
+
+def test_a_folder_of_text_files_is_a_rolling_task(tmp_path):
+    (tmp_path / "b.txt").write_text("Second.\n")
+    (tmp_path / "a.txt").write_text("First,\nand more.\n\n")
+    (tmp_path / ".hidden.txt").write_text("ignored")
+    assert load_task_file(tmp_path).docs == (RollingDoc("a", "First,\nand more."), RollingDoc("b", "Second."))
+    (tmp_path / "c.txt").write_bytes(b"\xff bad")
+    with pytest.raises(TaskFileError, match=r":3: c.txt is not UTF-8"):
+        load_task_file(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TaskFileError, match="no .txt files in this folder"):
+        load_task_file(tmp_path / "empty")
