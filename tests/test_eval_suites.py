@@ -86,3 +86,20 @@ def test_a_bad_task_in_a_suite_reports_its_file_and_line(tmp_path):
     (tmp_path / "suite.toml").write_text('name = "n"\n' + GOOD_TASK)
     with pytest.raises(SuiteError, match=r"t.jsonl:1: gold 5 is out of range for 2 choices"):
         load_suite_tasks(load_suite(tmp_path / "suite.toml"))
+
+
+def test_lm_eval_reads_the_bundled_task_yaml_into_the_same_requests(tmp_path, monkeypatch):
+    """units.yaml is plain lm-eval YAML: run from its folder, lm-eval 0.4.13 builds the requests we build."""
+    import yaml
+
+    task_module = pytest.importorskip("lm_eval.api.task")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.chdir(NIGHTLY.parent)
+    config = yaml.safe_load((NIGHTLY.parent / "units.yaml").read_text())
+    config["dataset_kwargs"]["cache_dir"] = str(tmp_path / "hf")
+    theirs = task_module.ConfigurableTask(config=config)
+    theirs.set_fewshot_seed(1234)
+    theirs.build_all_requests()
+    units = {t.name: t for t in load_suite_tasks(load_suite(NIGHTLY))}["units"]
+    ours = [(int(d.id), (d.context, d.target_delimiter + c)) for d in units.docs for c in d.choices]
+    assert ours == [(i.doc_id, i.arguments) for i in theirs.instances]
