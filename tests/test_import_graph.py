@@ -6,7 +6,7 @@ parsed with `ast`, never imported: every import statement counts, at module leve
 under `if TYPE_CHECKING:`, relative ones resolved against the file's package.
 
 The intended layering, `ALLOWED` below, in the order wire, models -> stages, storage -> broker -> jobs
--> cli (lower never imports higher; the broker and the stages meet only in `wire`, and both read model
+-> evals -> cli (lower never imports higher; the broker and the stages meet only in `wire`, and both read model
 directories through `models`):
 
   package  may import                     what it is, and why it sits there
@@ -23,6 +23,9 @@ directories through `models`):
   broker   wire, models, storage          drives the stages over the wire and never imports them
   jobs     wire, models, storage, broker  job logic: inputs, task and corpus prompts; the job runner
                                           drives the broker, so jobs sit above it
+  evals    wire, models, storage, broker, jobs
+                                          eval tasks, encodings, metrics and comparisons; evals run as
+                                          jobs, so they sit above them
   cli      all of them                    the `layerbus` command wires everything together
 
 An import of `layerbus.a.b` counts as an edge to module `layerbus.a.b` only (not to the
@@ -55,7 +58,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "storage": ("wire", "models"),
     "broker": ("wire", "models", "storage"),
     "jobs": ("wire", "models", "storage", "broker"),
-    "cli": ("wire", "models", "stages", "storage", "broker", "jobs"),
+    "evals": ("wire", "models", "storage", "broker", "jobs"),
+    "cli": ("wire", "models", "stages", "storage", "broker", "jobs", "evals"),
 }
 # Third-party imports a package must not make anywhere (module-level or not).
 BANNED_THIRD_PARTY = {"wire": ("transformers",)}
