@@ -256,6 +256,7 @@ def test_prepare_once_builds_then_reuses(tmp_path):
     assert sorted(p.name for p in target.parent.iterdir()) == [".m.lock", "m"]
 
 
+@pytest.mark.cluster
 def test_prepare_once_in_two_processes_builds_once(tmp_path):
     script = textwrap.dedent(
         f"""

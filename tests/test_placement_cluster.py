@@ -17,6 +17,7 @@ from layerbus.stages.model_files import open_model_dir
 from layerbus.stages.profile import ProfileRequest, profile_stage
 
 
+@pytest.mark.cluster
 def test_slow_stage_gets_fewer_layers_end_to_end(tiny_models, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LAYERBUS_HOME", str(tmp_path))  # profiles are measured afresh, not read from a cache
     model_dir = tiny_models("llama", num_hidden_layers=8, hidden_size=128, intermediate_size=512)
@@ -45,6 +46,7 @@ def test_slow_stage_gets_fewer_layers_end_to_end(tiny_models, tmp_path, monkeypa
     assert len(cached) == 2 and all("timings" in json.loads(p.read_text()) for p in cached)
 
 
+@pytest.mark.cluster
 def test_memory_budget_caps_a_stage_end_to_end(tiny_models, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LAYERBUS_HOME", str(tmp_path))
     model_dir = tiny_models("llama", num_hidden_layers=8, hidden_size=128, intermediate_size=512)

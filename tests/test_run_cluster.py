@@ -15,6 +15,8 @@ import pytest
 
 from tests.test_cli_helpers import REPO, cli_env, layerbus, status_json, write_jsonl
 
+pytestmark = pytest.mark.cluster  # run_cluster.sh: a broker and stage processes
+
 SCRIPT = REPO / "run_cluster.sh"
 STARTED = re.compile(r"^(broker|stage-\d+) pid (\d+)", re.MULTILINE)
 TIMEOUT_S = 90

@@ -314,6 +314,7 @@ def _collect(results, workers: list) -> dict[str, list[int]]:  # type: ignore[no
     return per_worker
 
 
+@pytest.mark.cluster
 def test_eight_claimer_processes_claim_every_item_exactly_once(store: JobStore, store_url: str) -> None:
     job_id = store.create_job(SETTINGS, new_items(2000))
     context = multiprocessing.get_context("spawn")
