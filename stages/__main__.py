@@ -8,6 +8,7 @@ import re
 import sys
 
 from layerbus.stages.worker import StageConfig, run_stage
+from layerbus.wire.frames import DEFAULT_MAX_MESSAGE_BYTES
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -23,7 +24,7 @@ def byte_size(text: str) -> int:
                                          f"(KB, MB, GB, KiB, MiB, GiB), e.g. 300MB or 1.5GiB")
     value = int(float(match.group(1)) * _UNITS[unit])
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: a memory budget must be at least 1 byte")
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be at least 1 byte")
     return value
 
 
@@ -70,13 +71,16 @@ def add_stage_arguments(parser: argparse.ArgumentParser) -> None:
                              "throttling card would (its profile, taken before, does not see it)")
     parser.add_argument("--broker-timeout", type=float, default=15.0,
                         help="exit when the broker is silent this many seconds (default: 15)")
+    parser.add_argument("--max-message-bytes", type=byte_size, default=DEFAULT_MAX_MESSAGE_BYTES, metavar="SIZE",
+                        help="reject data messages larger than this, in bytes or with a unit (default: 1GiB)")
 
 
 def config_from_args(args: argparse.Namespace) -> StageConfig:
     return StageConfig(broker=args.broker, name=args.name, bind=args.bind, advertise=args.advertise,
                        device=args.device, dtype=args.dtype, threads=args.threads,
                        memory_budget=args.memory_budget, broker_timeout_s=args.broker_timeout,
-                       emulate_speed=args.emulate_speed, emulate_slowdown=args.emulate_slowdown)
+                       emulate_speed=args.emulate_speed, emulate_slowdown=args.emulate_slowdown,
+                       max_message_bytes=args.max_message_bytes)
 
 
 def main(argv: list[str] | None = None) -> int:

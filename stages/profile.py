@@ -3,8 +3,10 @@ time of one decoder layer for a decode step and for a prefill chunk, the embeddi
 costs, and its memory budget.
 
 It times the very code that serves steps (`load_shard`, `run_step`, `head_logits`) on the model's
-first layers. Results are cached as JSON under $LAYERBUS_HOME/profiles, keyed by everything they
-depend on, so a restarted stage answers at once; the memory budget is read afresh every time.
+first layers. The measured times are cached as JSON under $LAYERBUS_HOME/profiles, keyed by everything
+they depend on, so a restarted stage answers at once; the memory budget is read afresh every time.
+An emulated speed is applied to the measured times, not measured: stages that differ only in
+--emulate-speed share one measurement, and their profiles differ by exactly that factor.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from layerbus.wire.spans import LayerRange
 
 log = logging.getLogger("layerbus.stage")
 
-PROFILE_VERSION = 1  # bump when what is measured changes: older cache files are then ignored
+PROFILE_VERSION = 2  # bump when what is measured changes: older cache files are then ignored
 TIMING_FIELDS = ("layer_decode_s", "layer_prefill_s", "embed_s", "head_s", "step_overhead_s")
 
 
@@ -60,24 +62,28 @@ class ProfileRequest:
 
 def profile_stage(request: ProfileRequest, device: str, dtype: str, threads: int, emulate_speed: float = 1.0,
                   memory_budget: int | None = None, cache_dir: Path | None = None) -> dict:
-    """The PROFILE_RESULT fields: timings (from the cache when this exact setup was measured before,
-    slowed by the emulated speed), the memory budget and the shapes they were measured at."""
+    """The PROFILE_RESULT fields: timings (measured, or from the cache when this setup was measured
+    before, then slowed by the emulated speed), the memory budget and the shapes they were measured at."""
     files = open_model_dir(request.model_dir)
-    key = _cache_key(files.path, request, device, dtype, threads, emulate_speed)
+    key = _cache_key(files.path, request, device, dtype, threads)
     path = (cache_dir or _default_cache_dir()) / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}.json"
-    timings, cached = _read_cache(path, key), True
-    if timings is None:
+    measured, cached = _read_cache(path, key), True
+    if measured is None:
         cached = False
         started = time.monotonic()
         measured = measure_timings(files, request, device, dtype)
-        # An emulated device runs at a fraction of the real speed (the worker sleeps the rest), so
-        # its profile is the measured time divided by that fraction.
-        timings = {name: value / emulate_speed for name, value in measured.items()}
-        _write_cache(path, key, timings)
+        _write_cache(path, key, measured)
         log.info("profiled %s on %s/%s in %.1f s: %s", files.path.name, device, dtype, time.monotonic() - started,
-                 ", ".join(f"{k} {1000 * v:.2f} ms" for k, v in timings.items()))
-    return dict(timings, memory_budget=memory_budget if memory_budget is not None else free_memory_bytes(device),
+                 ", ".join(f"{k} {1000 * v:.2f} ms" for k, v in measured.items()))
+    return dict(emulated_timings(measured, emulate_speed),
+                memory_budget=memory_budget if memory_budget is not None else free_memory_bytes(device),
                 micro_batch_size=request.micro_batch_size, prefill_tokens=request.prefill_tokens, cached=cached)
+
+
+def emulated_timings(measured: dict[str, float], emulate_speed: float) -> dict[str, float]:
+    """The profile of a device running at `emulate_speed` of this one: the worker sleeps the rest of
+    each step, so every time is the measured one divided by that fraction."""
+    return {name: value / emulate_speed for name, value in measured.items()}
 
 
 def measure_timings(files, request: ProfileRequest, device: str, dtype: str) -> dict[str, float]:
@@ -192,12 +198,11 @@ def device_description(device: str) -> str:
     return parsed.type
 
 
-def _cache_key(model_path: Path, request: ProfileRequest, device: str, dtype: str, threads: int,
-               emulate_speed: float) -> dict:
+def _cache_key(model_path: Path, request: ProfileRequest, device: str, dtype: str, threads: int) -> dict:
     config_text = (model_path / "config.json").read_bytes()
     return {"version": PROFILE_VERSION, "device": device, "device_name": device_description(device),
             "model": str(model_path.resolve()), "config_sha256": hashlib.sha256(config_text).hexdigest(),
-            "dtype": dtype, "threads": threads, "emulate_speed": emulate_speed, "torch": torch.__version__,
+            "dtype": dtype, "threads": threads, "torch": torch.__version__,
             "shapes": asdict(request) | {"model_dir": None}}
 
 

@@ -1,6 +1,88 @@
-"""Shared pytest configuration: each fixture family lives in its own module, named here."""
+"""Shared pytest configuration: isolation from the user's home, the test tiers, and the fixture
+families (each in its own module, named here).
+
+Isolation: every test gets its own empty LAYERBUS_HOME, so no test reads what another run left
+behind and nothing lands in ~/.local/share/layerbus. The default real model is the one thing
+shared: it is prepared once into LAYERBUS_MODEL_CACHE, which points at $LAYERBUS_TEST_MODEL_CACHE
+when set (run_tests.sh keeps it under .pytest_cache/ in the checkout) and at a session temporary
+folder otherwise. Both are environment variables, so processes started by tests inherit them.
+
+Tiers: `cluster` marks tests that start processes (stage processes, brokers, CLI runs, PostgreSQL
+servers), `slow` those that use the default real model. The inner loop is
+`pytest -m "not cluster and not slow"`. Markers that follow from fixtures are added here, so they
+cannot be forgotten: the PostgreSQL fixtures (or the `postgres` marker) imply `cluster`, the
+`default_model` fixture implies `slow`. A test outside `cluster` that starts a layerbus or
+PostgreSQL process fails, naming the marker to add.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
 
 pytest_plugins = [
     "tests.fixtures_models",
     "tests.fixtures_postgres",
 ]
+
+POSTGRES_FIXTURES = {"postgres_server", "postgres_url", "postgres_fresh_url"}
+# Programs that make a process a cluster-tier one: the CLI, the local cluster script, a PostgreSQL server.
+CLUSTER_PROGRAMS = {"layerbus", "run_cluster.sh", "initdb", "pg_ctl", "postgres"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & POSTGRES_FIXTURES:
+            item.add_marker(pytest.mark.postgres)
+        if item.get_closest_marker("postgres") is not None:
+            item.add_marker(pytest.mark.cluster)
+        if "default_model" in fixtures:
+            item.add_marker(pytest.mark.slow)
+
+
+def is_cluster_command(words: list[str]) -> bool:
+    """True for `python -m layerbus...` and for the programs in CLUSTER_PROGRAMS, wherever they live."""
+    modules = [words[i + 1] for i, word in enumerate(words[:-1]) if word == "-m"]
+    return (any(m == "layerbus" or m.startswith("layerbus.") for m in modules)
+            or any(Path(word).name in CLUSTER_PROGRAMS for word in words))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """LAYERBUS_MODEL_CACHE for the whole session: never the user's real cache."""
+    given = os.environ.get("LAYERBUS_TEST_MODEL_CACHE")
+    cache = Path(given).resolve() if given else tmp_path_factory.mktemp("model_cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LAYERBUS_MODEL_CACHE", str(cache))
+        yield cache
+
+
+@pytest.fixture(autouse=True)
+def _own_layerbus_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh, empty LAYERBUS_HOME for each test (a test may still point it elsewhere)."""
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("LAYERBUS_HOME", str(home))
+    return home
+
+
+@pytest.fixture(autouse=True)
+def _cluster_processes_need_the_marker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside the `cluster` tier, starting a layerbus or PostgreSQL process fails the test."""
+    if request.node.get_closest_marker("cluster") is not None:
+        return
+    original = subprocess.Popen.__init__
+
+    def guarded(self, args, *more, **kwargs):  # type: ignore[no-untyped-def]
+        words = str(args).split() if isinstance(args, (str, bytes, os.PathLike)) else [str(a) for a in args]
+        if is_cluster_command(words):
+            pytest.fail(f"{request.node.nodeid} starts {' '.join(words)!r}: tests that start processes belong to "
+                        f"the cluster tier; mark them `pytest.mark.cluster` (module-level `pytestmark`)",
+                        pytrace=False)
+        original(self, args, *more, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)

@@ -10,10 +10,13 @@ import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 from layerbus.storage import JobStore
 from tests.test_cli_helpers import JOB_ID, layerbus, status_json, write_jsonl
 from tests.test_cli_run import RUN_TIMEOUT_S, assert_parquet_matches_store, start_run, wait_for_job
+
+pytestmark = pytest.mark.cluster  # a broker and stage processes, killed and restarted
 
 RUN_ARGS = ("--task", "summarize", "--stages", "2", "--max-new-tokens", "48", "--slots", "2",
             "--threads-per-stage", "1")

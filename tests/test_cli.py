@@ -11,6 +11,8 @@ import pytest
 
 from tests.test_cli_helpers import JOB_ID, REPO, layerbus, status_json, write_jsonl
 
+pytestmark = pytest.mark.cluster  # the `layerbus` console script in subprocesses
+
 DOCS = [{"id": f"doc-{i}", "text": f"The broker keeps a queue of jobs, number {i}."} for i in range(3)]
 
 

@@ -98,6 +98,7 @@ def assert_stage_memory_is_partial(broker) -> None:
             f"{stage.name}: load grew memory by {growth} bytes for {stage.param_bytes} parameter bytes")
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("num_stages", [1, 2, 3])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma"])
 def test_tiny_models_match_transformers(tiny_models, arch, num_stages):
@@ -176,6 +177,7 @@ def smollm2_case(default_model):
     return default_model, model, requests, references
 
 
+@pytest.mark.cluster
 @pytest.mark.slow
 @pytest.mark.parametrize("num_stages", [1, 2, 3])
 def test_default_model_matches_transformers(smollm2_case, num_stages):
@@ -186,6 +188,7 @@ def test_default_model_matches_transformers(smollm2_case, num_stages):
     assert any(r.finish_reason == "stop" for r in results), "some summaries should end at EOS"
 
 
+@pytest.mark.cluster
 def test_prompt_scores_match_transformers(tiny_models):
     """Teacher-forced log-probs of every prompt token (what evals need), across 2 stages and chunks."""
     model_dir = tiny_models("llama", num_hidden_layers=4)

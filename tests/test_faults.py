@@ -20,6 +20,8 @@ from layerbus.broker.pipeline import ListSource, PipelineConfig
 from layerbus.broker.requests import GenerationRequest, GenerationResult
 from layerbus.broker.scheduler import BatchingConfig
 
+pytestmark = pytest.mark.cluster  # stage processes, killed and stopped
+
 FAST_LIVENESS = PipelineConfig(heartbeat_interval_s=0.2, liveness_window_s=1.5)
 
 

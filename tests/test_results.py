@@ -82,6 +82,7 @@ def _write_parts_forever(results_dir: str) -> None:
         writer.write_part(batch)
 
 
+@pytest.mark.cluster
 def test_a_writer_killed_mid_write_never_leaves_an_unreadable_final_name(tmp_path: Path) -> None:
     context = multiprocessing.get_context("spawn")
     parts = tmp_path / JOB

@@ -12,8 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
+import zmq
 
+from layerbus.wire import protocol
+from layerbus.wire.frames import decode
 from tests.test_cli_helpers import REPO, cli_env, layerbus, status_json, write_jsonl
+
+pytestmark = pytest.mark.cluster  # run_cluster.sh: a broker and stage processes
 
 SCRIPT = REPO / "run_cluster.sh"
 STARTED = re.compile(r"^(broker|stage-\d+) pid (\d+)", re.MULTILINE)
@@ -130,7 +135,25 @@ def test_ctrl_c_to_the_process_group_stops_everything(tmp_path, tiny):
         script.kill()
 
 
-def test_stage_mode_runs_a_stage(tmp_path):
-    result = subprocess.run(["bash", str(SCRIPT), "stage", "--help"], env=cli_env(tmp_path / "home"), cwd=REPO,
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0 and "--broker" in result.stdout
+def test_stage_mode_runs_a_stage_that_registers_and_stops_on_sigterm(tmp_path):
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)  # the broker's control socket, played by the test
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    with open(tmp_path / "stage.log", "wb") as log:
+        stage = subprocess.Popen(["bash", str(SCRIPT), "stage", "--broker", f"tcp://127.0.0.1:{port}", "--name",
+                                  "remote-1", "--threads", "1"], env=cli_env(tmp_path / "home"), cwd=REPO,
+                                 stdout=log, stderr=subprocess.STDOUT)
+    try:
+        kinds = []
+        deadline = time.monotonic() + TIMEOUT_S
+        while protocol.REGISTER not in kinds and router.poll(max(0, int(1000 * (deadline - time.monotonic())))):
+            message = decode(router.recv_multipart()[1:])
+            kinds.append(message.kind)
+        assert protocol.REGISTER in kinds, f"no registration: {kinds}\n{(tmp_path / 'stage.log').read_text()}"
+        assert message.header["name"] == "remote-1"
+        stage.send_signal(signal.SIGTERM)
+        assert stage.wait(30) == 128 + signal.SIGTERM
+    finally:
+        stage.kill()
+        context.destroy(linger=0)

@@ -28,7 +28,8 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
             vocab_size=100, max_position_embeddings=128, initializer_range=0.1)
 PROMPT = [11, 42, 7, 93, 5, 60]
 NUM_SLOTS, MAX_CONTEXT = 4, 64
-pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+pytestmark = [pytest.mark.cluster,  # stage processes
+              pytest.mark.filterwarnings("ignore:The given buffer is not writable")]
 REGISTER_TIMEOUT_S = 90  # the first import of torch + transformers on a busy machine
 
 
@@ -161,8 +162,9 @@ def fleet(tmp_path_factory):
     context = zmq.Context()
     log_dir = tmp_path_factory.mktemp("stage_logs")
     quiet = ("--broker-timeout", "300")  # these tests send no heartbeats; the timeout has its own test
-    processes = {name: StageProcess(context, log_dir, name, *quiet)
-                 for name in ("s0", "sigterm", "nested-json", "huge-dim", "bad-next-hop")}
+    extra = {"oversized": ("--max-message-bytes", "1KiB")}
+    processes = {name: StageProcess(context, log_dir, name, *quiet, *extra.get(name, ()))
+                 for name in ("s0", "sigterm", "nested-json", "huge-dim", "bad-next-hop", "oversized")}
     yield processes
     for process in processes.values():
         process.stop()
@@ -367,11 +369,14 @@ def test_malformed_step_is_rejected_and_the_next_one_served(stage: StageProcess,
     assert_serves_prompt(stage, models, step=20)
 
 
-@pytest.mark.skip(reason="no way to lower the stage's message limit: `python -m layerbus.stages` has no flag or "
-                         "environment variable for StageConfig.max_message_bytes (default 1 GiB); the limit "
-                         "itself is covered by test_wire.py::test_message_size_limit_counts_every_frame")
-def test_oversized_step_is_rejected() -> None:
-    pass
+def test_oversized_step_is_rejected_and_the_next_one_served(fleet, models) -> None:
+    stage = fleet["oversized"]  # started with --max-message-bytes 1KiB
+    serve_full_model(stage, models)
+    stage.send_frames(step_frames(stage.epoch, [[1, 0, 200, 1, {}]], [5] * 200))  # 1,600 bytes of tokens alone
+    rejected = stage.broker.expect(protocol.REJECTED)
+    assert re.search(r"message of \d+ bytes exceeds the limit of 1024 bytes", rejected["error"]), rejected["error"]
+    assert not stage.results.poll(0)
+    assert_serves_prompt(stage, models, step=21)
 
 
 FAILING_STEPS = {
@@ -429,11 +434,9 @@ def test_sigterm_stops_the_stage_with_a_bye(fleet) -> None:
     stage = fleet["sigterm"]
     stage.registered()
     stage.broker.expect(protocol.HEARTBEAT, timeout_s=5)  # the main loop is running
-    started = time.monotonic()
     stage.process.send_signal(signal.SIGTERM)
     bye = stage.broker.expect(protocol.BYE, timeout_s=5)
     assert stage.wait_exit(5.0) == 128 + signal.SIGTERM  # stopped by a signal, as shells report it
-    assert time.monotonic() - started < 5.0
     assert bye["stats"]["steps"] == 0 and bye["stats"]["rejected"] == 0
 
 
@@ -446,11 +449,8 @@ def test_stage_exits_by_itself_when_the_broker_goes_silent(tmp_path, models) -> 
         assert ready["param_bytes"] == checkpoint_bytes(models["untied"][0], ("model.embed_tokens.",
                                                                               "model.layers.0."))
         stage.broker.router.close(linger=0)  # the broker is gone: nothing more is heard
-        silent_since = time.monotonic()
-        assert stage.wait_exit(8.0) == 3
-        exited = time.monotonic()
-        assert exited - stage.assigned_at >= 2.0  # the assignment was the last thing it heard
-        assert exited - silent_since <= 5.0
+        assert stage.wait_exit(30.0) == 3  # a generous bound: load may slow it, not make it wrong
+        assert time.monotonic() - stage.assigned_at >= 2.0  # it waited out --broker-timeout after the assignment
         assert "silent for" in stage.log_path.read_text()
     finally:
         stage.stop()

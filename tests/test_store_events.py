@@ -137,6 +137,7 @@ def test_sqlite_path_reads_events_like_the_store_and_tolerates_old_stores(tmp_pa
     assert read_job_events(url, job_id) == [] and read_job_status(url, job_id) is not None
 
 
+@pytest.mark.cluster
 def test_status_shows_events_as_text_and_json(tmp_path: Path) -> None:
     url, job_id = _store_with_events(tmp_path)
     # The plain URL takes the standard-library path; a query string makes `status` use JobStore.
@@ -161,6 +162,7 @@ def test_status_shows_events_as_text_and_json(tmp_path: Path) -> None:
     assert "events" not in listing[0], "the jobs table stays one query"
 
 
+@pytest.mark.cluster
 def test_status_of_a_job_without_events_and_of_an_old_store(tmp_path: Path) -> None:
     url, job_id = _store_with_events(tmp_path)
     with sqlite3.connect(tmp_path / "jobs.db") as conn:
@@ -173,6 +175,7 @@ def test_status_of_a_job_without_events_and_of_an_old_store(tmp_path: Path) -> N
     assert "job_events" not in tables, "the read-only path never writes"
 
 
+@pytest.mark.cluster
 def test_status_watch_shows_events(tmp_path: Path) -> None:
     url, job_id = _store_with_events(tmp_path)
     with JobStore.open(url) as store:

@@ -7,6 +7,8 @@ import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import pytest
+
 from layerbus.storage import InvalidItem, ItemResult, JobSettings, JobStore, NewItem
 from layerbus.storage.sqlite_status import read_job_events, read_job_status, read_recent_jobs, sqlite_file
 
@@ -53,6 +55,7 @@ def test_sqlite_read_path_declines_what_it_cannot_answer(tmp_path):
     assert read_job_status(f"sqlite:///{tmp_path / 'junk.db'}", "job_x") is None
 
 
+@pytest.mark.cluster
 def test_status_command_on_sqlite_imports_no_sqlalchemy(tmp_path):
     url, ids = make_store(tmp_path)
     code = ("import sys, runpy; sys.argv = ['layerbus', 'status', %r, '--db', %r];"

@@ -30,7 +30,8 @@ from tests.test_equivalence import (  # noqa: F401 - smollm2_case is a fixture
 INT8_TIE = 0.05
 
 
-pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+pytestmark = [pytest.mark.cluster,  # stage processes and `layerbus run`
+              pytest.mark.filterwarnings("ignore:The given buffer is not writable")]
 
 
 def run_with_wire(model_dir, num_stages: int, requests, wire, num_slots: int = 4, **batching):
