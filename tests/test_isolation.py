@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from layerbus.stages.default_model import model_cache_dir
+from layerbus.models.default_model import model_cache_dir
 from layerbus.storage.locations import layerbus_home
 from tests.conftest import is_cluster_command
 from tests.test_cli_helpers import REPO, layerbus_executable, write_jsonl

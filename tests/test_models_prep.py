@@ -367,7 +367,7 @@ def test_default_model_is_prepared_and_reused(default_model, monkeypatch):
     assert prompt.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
 
     # Reused: a later call returns the prepared directory and builds nothing.
-    monkeypatch.setattr("layerbus.stages.default_model._build_default_model",
+    monkeypatch.setattr("layerbus.models.default_model._build_default_model",
                         lambda *args: pytest.fail("the prepared default model was built again"))
     assert default_model_dir() == default_model
 
