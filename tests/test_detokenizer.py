@@ -19,7 +19,8 @@ from tests.tiny_models import make_tiny_tokenizer
 MULTI_BYTE = "café naïve 東京 😀🎉 ñ e\u0301 — «ok» Ω≈ç √ 𝔘"
 
 
-@pytest.fixture(scope="module", params=["tiny", "default"])
+# The default model's tokenizer is the slow tier's: preparing the model costs half a minute cold.
+@pytest.fixture(scope="module", params=["tiny", pytest.param("default", marks=pytest.mark.slow)])
 def tokenizer(request):
     if request.param == "tiny":
         return make_tiny_tokenizer()
