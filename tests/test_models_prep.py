@@ -137,16 +137,12 @@ def test_overrides_reach_the_config(tiny_models):
 
 
 def test_same_seed_gives_identical_bytes_and_another_seed_does_not(tmp_path):
-    # CPU time, not wall time: other test workers on the machine must not make this flaky.
-    started = time.process_time()
     first = make_tiny_model("gemma", tmp_path / "a", seed=3)
-    elapsed = time.process_time() - started
     second = make_tiny_model("gemma", tmp_path / "b", seed=3)
     other = make_tiny_model("gemma", tmp_path / "c", seed=4)
     weights = [(d / "model.safetensors").read_bytes() for d in (first, second, other)]
     assert weights[0] == weights[1]
     assert weights[0] != weights[2]
-    assert elapsed < 2.0, f"make_tiny_model took {elapsed:.2f} s of CPU time"
 
 
 def test_unknown_arch_names_the_choices(tmp_path):

@@ -52,8 +52,9 @@ def test_rate_limited_link_between_stage_namespaces():
             receiver.kill()
             receiver.wait()
         seconds = float(sent.stdout)
-        # 8 Mbit at 4 Mbit/s is 2 s; the bucket's 32 KiB burst shaves a little off.
-        assert 1.6 < seconds < 6, f"1 MB took {seconds:.2f} s over a 4 Mbit/s link"
+        # 8 Mbit at 4 Mbit/s is 2 s; the bucket's 32 KiB burst shaves a little off. Only the lower
+        # bound proves the limit: load on the machine can slow the sender, never speed it past the link.
+        assert seconds > 1.6, f"1 MB took {seconds:.2f} s over a 4 Mbit/s link: the rate limit is not applied"
     assert not {"lb5-ta", "lb5-tb"} & namespaces(), "namespaces are removed on exit"
 
 
