@@ -134,7 +134,7 @@ def main() -> None:
     args.out.write_text(json.dumps(report, indent=2))
     print(f"\n{len(prompts)} prompts ({report['prompt_tokens']} prompt tokens), max_new_tokens {args.max_new_tokens}, "
           f"{cores} cores, float32 matmul peak {peak:.0f} GFLOP/s, {flops_per_token / 1e6:.0f} MFLOP/token")
-    print(f"| system | threads | useful tok/s | MFU | wall s | useful / computed tokens | stage busy | broker CPU ms/token |")
+    print("| system | threads | useful tok/s | MFU | wall s | useful / computed tokens | stage busy | broker CPU ms/token |")
     print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         busy = ", ".join(f"{v:.0%}" for v in row.get("busy_fraction", {}).values()) or "-"

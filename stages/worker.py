@@ -90,7 +90,7 @@ def check_device(device: str, dtype: str) -> None:
         if (parsed.index or 0) >= count:
             raise ValueError(f"--device {device}: only {count} CUDA device(s) here (cuda:0 to cuda:{count - 1})")
     elif parsed.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"--device mps: Metal is not available on this machine; use --device cpu")
+        raise ValueError("--device mps: Metal is not available on this machine; use --device cpu")
     elif parsed.type not in ("cpu", "cuda", "mps"):
         raise ValueError(f"--device {device}: layerbus runs on cpu, cuda:N or mps")
     if dtype not in ("float32", "bfloat16", "float16"):
