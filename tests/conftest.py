@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from layerbus.models.home import home_path
+
 pytest_plugins = [
     "tests.fixtures_models",
     "tests.fixtures_postgres",
@@ -60,6 +62,29 @@ def _session_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[P
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("LAYERBUS_MODEL_CACHE", str(cache))
         yield cache
+
+
+def _home_snapshot(home: Path) -> dict[str, float]:
+    """Path -> mtime of everything in the top two levels of a layerbus home (where every file that
+    layerbus writes lands: the store, profiles/*.json, runs/*.json, results/*, logs/<job>/, models/*)."""
+    entries = [*home.glob("*"), *home.glob("*/*")] if home.is_dir() else []
+    return {str(path): path.stat().st_mtime for path in entries if path.exists()}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_layerbus_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """LAYERBUS_HOME for what runs before any test's own home is set (module- and session-scoped
+    fixtures that start clusters), and a check at the end that the real home was left alone."""
+    real = home_path(os.environ)
+    before = _home_snapshot(real)
+    home = tmp_path_factory.mktemp("session_home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LAYERBUS_HOME", str(home))
+        yield home
+    touched = sorted(path for path, mtime in _home_snapshot(real).items() if before.get(path) != mtime)
+    if touched:
+        pytest.fail(f"the test session wrote into the real LAYERBUS_HOME {real}: {touched[:5]}; a test or fixture "
+                    f"ran without the per-test home (tests/conftest.py)", pytrace=False)
 
 
 @pytest.fixture(autouse=True)
