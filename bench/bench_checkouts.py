@@ -53,9 +53,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="alternating runs of each checkout (2)")
     parser.add_argument("--model", type=Path, default=None, help="model dir (default: the default model)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bench_checkouts.json")
-    parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="after --: passed to bench_pipeline.py")
-    args = parser.parse_args()
-    bench_args = [a for a in args.bench_args if a != "--"]
+    # What follows `--` goes to bench_pipeline.py untouched (argparse's REMAINDER would also swallow
+    # this script's own options when they come after the two checkouts).
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:split])
+    bench_args = argv[split + 1:]
     if args.model is None:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
         from layerbus.models.default_model import default_model_dir

@@ -45,8 +45,13 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> int:
         """Append a token; returns the index in `visible` before which nothing changed."""
+        return self.extend([token_id])
+
+    def extend(self, token_ids: list[int]) -> int:
+        """Append tokens with one decode (a sequence with no stop strings needs its text only at the
+        end, so it is fed once); returns the index in `visible` before which nothing changed."""
         unchanged = len(self.text)
-        self.ids.append(token_id)
+        self.ids.extend(token_ids)
         window = self._decode(self.ids[self.prefix_offset:])
         self.tail = window[len(self._prefix_text):]
         if self.tail and not window.endswith(REPLACEMENT_CHAR):

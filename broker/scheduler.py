@@ -252,12 +252,10 @@ class Scheduler:
     def _read_new_text(self, seq: Sequence, token: int) -> None:
         """Decode the new token and look for stop strings in the text it changed, plus the
         max(len(stop)) - 1 characters before, where a stop split across tokens begins."""
-        if seq.detokenizer is None:
-            return
-        unchanged = seq.detokenizer.add(token)
         stops = [stop for stop in seq.request.stop if stop]
-        if not stops or seq.stop_at is not None:
-            return
+        if seq.detokenizer is None or not stops or seq.stop_at is not None:
+            return  # without stop strings the text is needed only at the end: `_finish` decodes it once
+        unchanged = seq.detokenizer.add(token)
         start = max(0, unchanged - (max(map(len, stops)) - 1))
         new_text = seq.detokenizer.visible_from(start)
         hits = [start + at for at in (new_text.find(stop) for stop in stops) if at >= 0]
@@ -269,7 +267,10 @@ class Scheduler:
         self.pending_release[self._micro_batch_of(seq.slot)].append(seq.slot)
         request = seq.request
         stop_at = seq.stop_at if reason == "stop" else None
-        text = seq.detokenizer.finish()[:stop_at] if seq.detokenizer is not None else None
+        text = None
+        if seq.detokenizer is not None:
+            seq.detokenizer.extend(seq.generated[len(seq.detokenizer.ids):])  # what was not read token by token
+            text = seq.detokenizer.finish()[:stop_at]
         return GenerationResult(
             request_id=request.request_id, token_ids=list(seq.generated),
             finish_reason=reason, prompt_tokens=len(request.prompt_ids), error=error,

@@ -53,6 +53,21 @@ def test_text_equals_the_full_decode_at_every_step(tokenizer) -> None:
         assert detokenizer.finish() == full_decode(tokenizer, ids), ids
 
 
+def test_tokens_fed_in_runs_give_the_same_text(tokenizer) -> None:
+    # The scheduler feeds a sequence without stop strings all at once at its end, and one that
+    # found its stop string the rest of its tokens then: any split must give the full decode.
+    rng = random.Random(1)
+    for _ in range(150):
+        ids = random_ids(tokenizer, rng, rng.randrange(1, 30))
+        detokenizer = IncrementalDetokenizer(tokenizer)
+        cut = rng.randrange(0, len(ids) + 1)
+        for token in ids[:cut]:
+            detokenizer.add(token)
+        detokenizer.extend(ids[cut:])
+        assert detokenizer.visible == full_decode(tokenizer, ids), (cut, ids)
+        assert detokenizer.finish() == full_decode(tokenizer, ids), (cut, ids)
+
+
 def test_the_tokens_of_real_text_come_back_exactly(tokenizer) -> None:
     ids = tokenizer.encode(MULTI_BYTE, add_special_tokens=False)
     detokenizer = IncrementalDetokenizer(tokenizer)
