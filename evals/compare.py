@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from layerbus.evals.metrics import clustered_mean_stderr, mean_stderr
 
@@ -122,26 +122,6 @@ def flips(doc_ids: Sequence[str], base: Sequence[float], cand: Sequence[float],
     return sorted(found, key=lambda f: min(abs(m) for m in (f.base_margin, f.cand_margin, math.inf) if m is not None))
 
 
-@dataclass(frozen=True)
-class Row:
-    """One (task, metric) line of a comparison."""
-
-    task: str
-    metric: str
-    base: float
-    cand: float
-    # cand - base, and its 95% interval.
-    diff: float
-    low: float
-    high: float
-    # Raw p-value, the test that gave it ("exact", "chi2", "bootstrap"), and Holm-adjusted p over the suite.
-    p: float
-    test: str
-    p_holm: float
-    # "better", "worse", "no significant change" or "below min effect".
-    verdict: str
-
-
 def verdict(diff: float, p_holm: float, higher_is_better: bool, min_effect: float = 0.0,
             alpha: float = ALPHA) -> str:
     """What a row says: significant after Holm and at least min_effect in size, in which direction."""
@@ -160,12 +140,23 @@ class Test:
     metric: str
     base: float
     cand: float
+    # cand - base, and its 95% interval.
     diff: float
     low: float
     high: float
+    # Raw p-value and the test that gave it ("exact", "chi2", "bootstrap").
     p: float
     test: str
     higher_is_better: bool
+
+
+@dataclass(frozen=True)
+class Row(Test):
+    """One (task, metric) line of a comparison: the test, with Holm's correction over the suite."""
+
+    p_holm: float
+    # "better", "worse", "no significant change" or "below min effect".
+    verdict: str
 
 
 def binary_test(task: str, metric: str, base: Sequence[float], cand: Sequence[float],
@@ -192,7 +183,7 @@ def suite_rows(tests: Sequence[Test], min_effect: float = 0.0, alpha: float = AL
     """Every test of a suite with its Holm-adjusted p-value and verdict."""
     adjusted = holm([t.p for t in tests])
     return [
-        Row(t.task, t.metric, t.base, t.cand, t.diff, t.low, t.high, t.p, t.test, p_holm,
-            verdict(t.diff, p_holm, t.higher_is_better, min_effect, alpha))
+        Row(**{f.name: getattr(t, f.name) for f in fields(Test)}, p_holm=p_holm,
+            verdict=verdict(t.diff, p_holm, t.higher_is_better, min_effect, alpha))
         for t, p_holm in zip(tests, adjusted)
     ]
