@@ -15,7 +15,7 @@ from layerbus.broker.drift import Work
 from layerbus.broker.detokenizer import IncrementalDetokenizer
 from layerbus.broker.model_memory import model_memory
 from layerbus.broker.partition import model_cost_from_config
-from layerbus.broker.pipeline import ListSource, Pipeline, PipelineConfig, RequestSource, ResultSink, RunStats
+from layerbus.broker.pipeline import Pipeline, PipelineConfig
 from layerbus.broker.placement import PlacementError, Plan, PlanOptions, StageProfile
 from layerbus.broker.plan_report import format_plan, step_time_report
 from layerbus.broker.planning import (
@@ -32,6 +32,7 @@ from layerbus.broker.planning import (
 )
 from layerbus.broker.profiling import ProfilingConfig, collect_profiles
 from layerbus.broker.requests import GenerationRequest, GenerationResult
+from layerbus.broker.run_state import ListSource, RequestSource, ResultSink, RunStats
 from layerbus.broker.scheduler import BatchingConfig
 from layerbus.broker.wire_choice import AutoWireInputs, plan_link_codecs
 from layerbus.models.model_info import ModelInfo, load_tokenizer, read_model_info

@@ -29,10 +29,9 @@ from layerbus.broker.chain import Placement
 from layerbus.broker.control import ControlPlane, StageInfo, StageLost
 from layerbus.broker.detokenizer import IncrementalDetokenizer
 from layerbus.broker.drift import DriftConfig, DriftWatch, Expected, Work
-from layerbus.broker.run_state import (  # noqa: F401  (RunStats, ListSource, ... are imported from here too)
+from layerbus.broker.run_state import (
     EventSink,
     InFlight,
-    ListSource,
     RequestSource,
     ResultSink,
     RunState,

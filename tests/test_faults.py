@@ -16,7 +16,8 @@ from layerbus.broker.broker import BrokerConfig
 from layerbus.broker.drift import DriftConfig
 from layerbus.broker.placement import PlanOptions
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
-from layerbus.broker.pipeline import ListSource, PipelineConfig
+from layerbus.broker.pipeline import PipelineConfig
+from layerbus.broker.run_state import ListSource
 from layerbus.broker.requests import GenerationRequest, GenerationResult
 from layerbus.broker.scheduler import BatchingConfig
 
