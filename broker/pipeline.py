@@ -178,8 +178,8 @@ class Pipeline:
         rows, tokens = [], []
         for row in plan.rows:
             request = scheduler.active[row.slot].request
-            rows.append(StepRow(row.slot, row.start, len(row.tokens), row.emit, request.sampling.to_json(),
-                                row.targets))
+            sampling = request.sampling.to_json() if row.emit else {}  # only emitting rows sample
+            rows.append(StepRow(row.slot, row.start, len(row.tokens), row.emit, sampling, row.targets))
             tokens.extend(row.tokens)
         prefill = sum(len(row.tokens) for row in plan.rows if len(row.tokens) > 1)
         self.work = Work(self.work.steps + 1, self.work.decode_rows + sum(len(row.tokens) == 1 for row in plan.rows),
@@ -219,7 +219,7 @@ class Pipeline:
             del run.inflight[header["mb"]]
             run.stats.steps += 1
             tokens = {slot: (token, logprob) for slot, token, logprob in header["tokens"]}
-            scores = {slot: values for slot, values in header.get("scores", [])}
+            scores = {entry[0]: (entry[1], entry[2]) for entry in header.get("scores", [])}
             run.deliver(run.scheduler.apply_result(current.plan, tokens, self.clock(), scores))
             if tokens:
                 emitted = (run.stats.progress[-1][1] if run.stats.progress else 0) + len(tokens)

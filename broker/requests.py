@@ -1,4 +1,4 @@
-"""What the broker is asked to generate, and what it hands back: the runtime's public values."""
+"""What the broker is asked to generate or score, and what it hands back: the runtime's public values."""
 
 from __future__ import annotations
 
@@ -20,6 +20,51 @@ class GenerationRequest:
     score_prompt: bool = False  # return log P(prompt[i] | prompt[:i]) for i >= 1 (teacher-forced evals)
 
 
+@dataclass(frozen=True)
+class ScoreSegment:
+    """A context and the continuations scored after it, the context computed once for all of them
+    (a multiple-choice question's choices share their question)."""
+
+    context_ids: tuple[int, ...]  # >= 1 token; what the continuations are conditioned on
+    continuations: tuple[tuple[int, ...], ...]  # each >= 1 token
+
+    def __post_init__(self) -> None:
+        if not self.context_ids or not self.continuations or not all(self.continuations):
+            raise ValueError(f"a score segment needs a context and continuations of at least one token each, got "
+                             f"{len(self.context_ids)} context token(s) and continuation lengths "
+                             f"{[len(c) for c in self.continuations]}")
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """Teacher-forced scoring (evals): log P(continuation | context) for every continuation of every
+    segment, with whether greedy decoding would have produced it. Nothing is generated."""
+
+    request_id: str  # caller's id (a job item id); returned unchanged
+    segments: tuple[ScoreSegment, ...]
+
+    @property
+    def max_position(self) -> int:
+        """Positions the longest continuation reaches: what must fit the context budget."""
+        return max(len(s.context_ids) + max(map(len, s.continuations)) - 1 for s in self.segments)
+
+
+@dataclass(frozen=True)
+class ContinuationScore:
+    """One scored continuation: per-token log-probabilities and whether each token was the argmax."""
+
+    logprobs: tuple[float, ...]
+    greedy: tuple[bool, ...]
+
+    @property
+    def ll(self) -> float:
+        return sum(self.logprobs)
+
+    @property
+    def is_greedy(self) -> bool:
+        return all(self.greedy)
+
+
 @dataclass
 class GenerationResult:
     """The outcome of one request; `error` is set (and finish_reason "error") when it failed."""
@@ -34,6 +79,7 @@ class GenerationResult:
     stop_text_end: int | None = None  # where a matched stop string begins in the decoded output
     text: str | None = None  # the output text, cut before a matched stop string (None: no tokenizer given)
     prompt_logprobs: list[float] | None = None  # with score_prompt: one per prompt token after the first
+    scores: list[ContinuationScore] | None = None  # a ScoreRequest's continuations, segments flattened in order
 
     @property
     def completion_tokens(self) -> int:

@@ -14,7 +14,10 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from layerbus.broker.detokenizer import IncrementalDetokenizer
-from layerbus.broker.requests import GenerationRequest, GenerationResult
+from layerbus.broker.requests import GenerationRequest, GenerationResult, ScoreRequest
+from layerbus.broker.scoring import ScoringFeed
+
+Request = GenerationRequest | ScoreRequest
 
 
 @dataclass(frozen=True)
@@ -52,9 +55,10 @@ class BatchingConfig:
 
 @dataclass
 class Sequence:
-    """A request in a slot: its prompt, what is cached on the stages, what it has generated."""
+    """A request in a slot: its prompt, what is cached on the stages, what it has generated (or, for
+    a ScoreRequest, its feed: the phases to send and the scores so far)."""
 
-    request: GenerationRequest
+    request: Request
     slot: int
     admitted_at: float
     cached: int = 0  # tokens whose keys/values every stage holds
@@ -65,6 +69,7 @@ class Sequence:
     suspect: bool = False  # in a failed step: runs alone until a step with it succeeds
     detokenizer: IncrementalDetokenizer | None = None  # the output text as it grows (None: no tokenizer given)
     stop_at: int | None = None  # where the first stop string found in the output text begins
+    feed: ScoringFeed | None = None  # a ScoreRequest's progress (None: a generation)
 
     @property
     def known(self) -> list[int]:
@@ -75,7 +80,9 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         """Still filling the stages' caches: the prompt at first, or all known tokens after a
-        recovery emptied them (see Scheduler.reset_caches)."""
+        recovery emptied them (see Scheduler.reset_caches). A scoring sequence only ever prefills."""
+        if self.feed is not None:
+            return not self.feed.done
         return self.cached < len(self.request.prompt_ids) + max(len(self.generated) - 1, 0)
 
 
@@ -116,14 +123,16 @@ class Scheduler:
         for size in sizes:
             self.slots_of.append(list(range(start, start + size)))
             start += size
-        self.waiting: deque[GenerationRequest] = deque()
+        self.waiting: deque[Request] = deque()
         self.active: dict[int, Sequence] = {}  # slot -> sequence
         self.pending_release: dict[int, list[int]] = {j: [] for j in range(self.num_micro_batches)}
         self.replaying: set[int] = set()  # slots still re-prefilling after reset_caches
 
     # -- queue --------------------------------------------------------------------------------
-    def submit(self, request: GenerationRequest, now: float) -> GenerationResult | None:
+    def submit(self, request: Request, now: float) -> GenerationResult | None:
         """Queue a request; a prompt that can never fit is answered at once with an error."""
+        if isinstance(request, ScoreRequest):
+            return self._submit_scoring(request)
         prompt_len = len(request.prompt_ids)
         if prompt_len == 0:
             return _failed(request, "empty prompt: nothing to generate from")
@@ -135,6 +144,17 @@ class Scheduler:
             return _failed(request, f"prompt of {prompt_len} tokens does not fit the context of "
                                     f"{self.config.max_context} tokens (with at least one new token); "
                                     "shorten the input or raise --max-context up to the model's limit")
+        self.waiting.append(request)
+        return None
+
+    def _submit_scoring(self, request: ScoreRequest) -> GenerationResult | None:
+        if not request.segments:
+            return _failed(request, "a score request needs at least one segment")
+        if request.max_position > self.config.max_context:
+            return _failed(request, f"context and continuation reach position {request.max_position}, past the "
+                                    f"context of {self.config.max_context} tokens; truncate the context to fit "
+                                    "(evals do, as lm-evaluation-harness does) or raise --max-context up to the "
+                                    "model's limit")
         self.waiting.append(request)
         return None
 
@@ -150,8 +170,12 @@ class Scheduler:
         """The next step for a micro-batch, admitting waiting requests into its free slots."""
         for slot in self.slots_of[micro_batch]:
             if slot not in self.active and self.waiting:
+                request = self.waiting.popleft()
+                if isinstance(request, ScoreRequest):
+                    self.active[slot] = Sequence(request, slot, admitted_at=now, feed=ScoringFeed(request))
+                    continue
                 detokenizer = self.new_detokenizer() if self.new_detokenizer is not None else None
-                self.active[slot] = Sequence(self.waiting.popleft(), slot, admitted_at=now, detokenizer=detokenizer)
+                self.active[slot] = Sequence(request, slot, admitted_at=now, detokenizer=detokenizer)
         released, self.pending_release[micro_batch] = self.pending_release[micro_batch], []
         sequences = [self.active[s] for s in self.slots_of[micro_batch] if s in self.active]
         suspects = [seq for seq in sequences if seq.suspect]
@@ -164,6 +188,11 @@ class Scheduler:
         budget = max(self.config.max_step_tokens - len(rows), self.config.min_prefill_chunk)
         for seq in sequences:
             if not seq.prefilling or budget <= 0:
+                continue
+            if seq.feed is not None:
+                chunk = seq.feed.next_chunk(budget)
+                budget -= len(chunk.tokens)
+                rows.append(PlannedRow(seq.slot, chunk.start, chunk.tokens, emit=False, targets=chunk.targets))
                 continue
             known = seq.known
             chunk = known[seq.cached:seq.cached + budget]
@@ -190,6 +219,10 @@ class Scheduler:
         self.replaying = set(self.active)
         for seq in self.active.values():
             seq.cached = 0
+            if seq.feed is not None:
+                seq.feed.restart()  # its phases rewind the slot anyway: start over, scores recomputed
+                total += seq.feed.positions
+                continue
             if seq.request.score_prompt:
                 seq.prompt_logprobs.clear()  # scored again, identically, during the re-prefill
             total += len(seq.known)
@@ -197,18 +230,26 @@ class Scheduler:
 
     # -- results ------------------------------------------------------------------------------
     def apply_result(self, plan: StepPlan, tokens: dict[int, tuple[int, float]], now: float,
-                     scores: dict[int, list[float]] | None = None) -> list[GenerationResult]:
+                     scores: dict[int, tuple[list[float], list[bool]]] | None = None) -> list[GenerationResult]:
         """Advance each row's sequence; `tokens` maps slot -> (token, logprob) for emitting rows,
-        `scores` slot -> log-probs of the row's targets."""
+        `scores` slot -> (log-probs of the row's targets, whether each target was the argmax)."""
         finished = []
         for row in plan.rows:
             seq = self.active[row.slot]
+            if seq.feed is not None:
+                logprobs, greedy = (scores or {}).get(row.slot, (None, None))
+                seq.feed.apply(len(row.tokens), logprobs if row.targets else None, greedy if row.targets else None)
+                seq.suspect = False
+                if seq.feed.done:
+                    self.replaying.discard(row.slot)
+                    finished.append(self._finish(seq, "stop", now))
+                continue
             seq.cached = row.start + len(row.tokens)
             seq.suspect = False
             if not seq.prefilling:
                 self.replaying.discard(row.slot)
             if row.targets:
-                seq.prompt_logprobs.extend((scores or {}).get(row.slot, []))
+                seq.prompt_logprobs.extend((scores or {}).get(row.slot, ([], []))[0])
             if not row.emit:
                 continue
             token, logprob = tokens[row.slot]
@@ -266,6 +307,10 @@ class Scheduler:
         self.replaying.discard(seq.slot)
         self.pending_release[self._micro_batch_of(seq.slot)].append(seq.slot)
         request = seq.request
+        if seq.feed is not None:
+            return GenerationResult(request_id=request.request_id, token_ids=[], finish_reason=reason,
+                                    prompt_tokens=seq.feed.positions, error=error, latency_s=now - seq.admitted_at,
+                                    scores=seq.feed.scores() if error is None else None)
         stop_at = seq.stop_at if reason == "stop" else None
         text = None
         if seq.detokenizer is not None:
@@ -286,6 +331,10 @@ class Scheduler:
         raise KeyError(slot)
 
 
-def _failed(request: GenerationRequest, error: str) -> GenerationResult:
+def _failed(request: Request, error: str) -> GenerationResult:
+    if isinstance(request, ScoreRequest):
+        prompt_tokens = ScoringFeed(request).positions if request.segments else 0
+    else:
+        prompt_tokens = len(request.prompt_ids)
     return GenerationResult(request_id=request.request_id, token_ids=[], finish_reason="error",
-                            prompt_tokens=len(request.prompt_ids), error=error)
+                            prompt_tokens=prompt_tokens, error=error)

@@ -7,6 +7,8 @@ from typing import Any
 
 # Key added next to the user's overrides: how render_prompt said to tokenize the prompt.
 ADD_SPECIAL_TOKENS_KEY = "add_special_tokens"
+# Token ids given by whoever queued the item (evals tokenize as lm-evaluation-harness does): used as is.
+PROMPT_IDS_KEY = "prompt_ids"
 
 
 def item_params(overrides: dict[str, Any], add_special_tokens: bool) -> dict[str, Any]:

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from layerbus.broker.control import ClusterError
-from layerbus.broker.requests import GenerationRequest, GenerationResult
-from layerbus.jobs.item_params import ADD_SPECIAL_TOKENS_KEY
+from layerbus.broker.requests import GenerationRequest, GenerationResult, ScoreRequest
+from layerbus.jobs.item_params import ADD_SPECIAL_TOKENS_KEY, PROMPT_IDS_KEY
+from layerbus.jobs.score_items import is_scoring, score_output, score_request
 from layerbus.storage import ClaimedItem, ItemResult, JobSettings, JobStatus, JobStore, StoreError
 from layerbus.storage.result_row import result_row
 from layerbus.storage.results import ResultWriter, settings_metadata
@@ -78,9 +79,11 @@ class StoreSource:
             self.outstanding[item.item_id] = item
         return [self.request_for(item) for item in claimed]
 
-    def request_for(self, item: ClaimedItem) -> GenerationRequest:
+    def request_for(self, item: ClaimedItem) -> GenerationRequest | ScoreRequest:
         """The item's own params override the job's settings."""
         params, job = item.params, self.settings
+        if is_scoring(params):
+            return score_request(str(item.item_id), params)
         sampling = SamplingParams(
             temperature=float(params.get("temperature", job.temperature)),
             top_k=int(params.get("top_k", job.top_k)),
@@ -89,8 +92,11 @@ class StoreSource:
         )
         stop = params.get("stop", job.extra.get("stop", ()))
         # verbose=False: a prompt over the tokenizer's max length is the scheduler's to refuse, with a clearer message.
-        prompt_ids = self.tokenizer.encode(item.prompt, add_special_tokens=self._add_special_tokens(item),
-                                           verbose=False)
+        if PROMPT_IDS_KEY in params:  # tokenized by whoever queued it (evals, as lm-eval tokenizes)
+            prompt_ids = params[PROMPT_IDS_KEY]
+        else:
+            prompt_ids = self.tokenizer.encode(item.prompt, add_special_tokens=self._add_special_tokens(item),
+                                               verbose=False)
         return GenerationRequest(request_id=str(item.item_id), prompt_ids=list(prompt_ids),
                                  max_new_tokens=int(params.get("max_tokens", job.max_new_tokens)),
                                  sampling=sampling, stop=tuple([stop] if isinstance(stop, str) else stop))
@@ -165,7 +171,10 @@ class StoreSink:
         if result.text is None and result.token_ids:
             raise ValueError(f"result for item {item.item_id} has {len(result.token_ids)} token(s) but no text: "
                              "the broker's scheduler needs a detokenizer (Broker passes one)")
-        output = (result.text or "") if result.token_ids or result.error is None else None
+        if is_scoring(item.params):
+            output = score_output(result)
+        else:
+            output = (result.text or "") if result.token_ids or result.error is None else None
         item_result = ItemResult(item_id=item.item_id, output=output, finish_reason=result.finish_reason,
                                  prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
                                  latency_s=result.latency_s, error=result.error)

@@ -38,8 +38,10 @@ def choose_token(logits: torch.Tensor, params: SamplingParams, position: int,
     return token, float(log_probs[token])
 
 
-def target_log_probs(logits: torch.Tensor, targets: list[int]) -> list[float]:
-    """Log-probabilities of given next tokens, one per position: logits [T, vocab], targets [T]."""
+def target_log_probs(logits: torch.Tensor, targets: list[int]) -> tuple[list[float], list[bool]]:
+    """Log-probabilities of given next tokens, one per position (logits [T, vocab], targets [T]), and
+    whether each target is the argmax: lm-evaluation-harness's is_greedy, position by position."""
     log_probs = torch.log_softmax(logits, dim=-1)
     index = torch.tensor(targets, dtype=torch.long).unsqueeze(1)
-    return log_probs.gather(1, index).squeeze(1).tolist()
+    greedy = logits.argmax(dim=-1) == index.squeeze(1)
+    return log_probs.gather(1, index).squeeze(1).tolist(), greedy.tolist()

@@ -407,7 +407,7 @@ class StageWorker:
             end = offset + row.length
             if row.targets:
                 scored = hidden[offset:offset + len(row.targets)]
-                scores.append([row.slot, target_log_probs(head_logits(self.shard, scored).cpu(), row.targets)])
+                scores.append([row.slot, *target_log_probs(head_logits(self.shard, scored).cpu(), row.targets)])
             if row.emit:
                 emitting.append(row)
                 last_positions.append(end - 1)

@@ -204,3 +204,43 @@ def test_prompt_scores_match_transformers(tiny_models):
         expected = log_probs.gather(1, ids[0, 1:].unsqueeze(1)).squeeze(1)
         assert len(result.prompt_logprobs) == len(request.prompt_ids) - 1
         torch.testing.assert_close(torch.tensor(result.prompt_logprobs), expected, atol=1e-4, rtol=1e-4)
+
+
+def full_pass_scores(model, context: list[int], continuation: list[int]) -> tuple[torch.Tensor, list[bool]]:
+    """What lm-evaluation-harness computes: one forward over context + continuation[:-1]."""
+    ids = torch.tensor([context + continuation[:-1]])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(context) - 1:].float()
+    targets = torch.tensor(continuation)
+    log_probs = torch.log_softmax(logits, -1).gather(1, targets.unsqueeze(1)).squeeze(1)
+    return log_probs, (logits.argmax(-1) == targets).tolist()
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("num_stages", [1, 3])
+def test_score_requests_match_a_full_pass(tiny_models, num_stages):
+    """Evals' shared-context scoring: each choice's log-probs and argmax flags equal one plain forward
+    over context + choice, across stages, chunks (max_step_tokens 8) and several windows per request."""
+    from layerbus.broker.requests import ScoreRequest, ScoreSegment
+
+    model_dir = tiny_models("qwen2", num_hidden_layers=4)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    requests = []
+    for i, prompt in enumerate(TINY_PROMPTS[:6]):
+        ids = tokenizer(prompt).input_ids
+        choices = tuple(tuple(tokenizer(f" {word}").input_ids) for word in ("yes", "no idea at all", "maybe so"))
+        segments = [ScoreSegment(tuple(ids), choices)]
+        if i % 2:  # a second window, as rolling log-likelihood sends
+            segments.append(ScoreSegment(tuple(ids[-3:]), (tuple(ids[:5]),)))
+        requests.append(ScoreRequest(f"q{i}", tuple(segments)))
+    results, stats = run_pipeline(model_dir, num_stages, requests, num_slots=3, max_step_tokens=8, min_prefill_chunk=4)
+    for request, result in zip(requests, results):
+        assert result.error is None, result.error
+        pairs = [(list(s.context_ids), list(c)) for s in request.segments for c in s.continuations]
+        assert len(result.scores) == len(pairs)
+        for (context, continuation), score in zip(pairs, result.scores):
+            expected, greedy = full_pass_scores(model, context, continuation)
+            torch.testing.assert_close(torch.tensor(score.logprobs), expected, atol=1e-4, rtol=0)
+            assert list(score.greedy) == greedy
+    assert stats.prompt_tokens == sum(r.prompt_tokens for r in results)

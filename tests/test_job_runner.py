@@ -308,3 +308,36 @@ def test_recovery_events_of_a_run_are_recorded_in_the_store(store, tokenizer, tm
     status = run_job(store, job_id, RecoveringBroker(tokenizer), tmp_path, poll_cancel_s=0)
     assert status.status == "completed"
     assert [(e.kind, e.duration_s) for e in store.job_events(job_id)] == [("stage_lost", None), ("recovered", 1.2)]
+
+
+def test_scoring_items_become_score_requests_and_their_scores_the_output(store, tokenizer, tmp_path):
+    """An eval item's params carry its token ids: no tokenizing, and the output is the scores as JSON."""
+    import json
+
+    from layerbus.broker.requests import ContinuationScore, ScoreRequest, ScoreSegment
+
+    items = [NewItem("mc/q1", "{}", "Question?", {"score": [[[5, 6, 7], [[8, 9], [10]]]]}, seq=1),
+             NewItem("gen/q2", "{}", "Prompt", {"prompt_ids": [1, 2, 3], "max_tokens": 2, "stop": ["\n"]}, seq=2)]
+    job_id = store.create_job(JobSettings(task="eval", model="tiny"), items)
+    source = StoreSource(store, job_id, tokenizer, store.job_settings(job_id), "w1")
+    scored, generated = source.fetch(2)
+    assert isinstance(scored, ScoreRequest)
+    assert scored.segments == (ScoreSegment((5, 6, 7), ((8, 9), (10,))),)
+    assert isinstance(generated, GenerationRequest) and generated.prompt_ids == [1, 2, 3]
+    assert (generated.max_new_tokens, generated.stop) == (2, ("\n",))
+    sink = StoreSink(store, ResultWriter(tmp_path, job_id), source.outstanding)
+    scores = [ContinuationScore((-1.0, -0.5), (True, False)), ContinuationScore((-0.25,), (True,))]
+    sink.deliver([GenerationResult(scored.request_id, [], "stop", 4, scores=scores),
+                  GenerationResult(generated.request_id, [7, 8], "length", 3, text="ok")])
+    sink.flush()
+    outputs = {row["custom_id"]: row["output"] for row in store.item_results(job_id)}
+    assert json.loads(outputs["mc/q1"]) == {"ll": [-1.5, -0.25], "is_greedy": [False, True], "tokens": [2, 1]}
+    assert outputs["gen/q2"] == "ok"
+
+
+def test_a_malformed_score_item_is_refused_with_its_id(store, tokenizer):
+    items = [NewItem("mc/bad", "{}", "Q", {"score": [[[5, 6], [[]]]]}, seq=1)]
+    job_id = store.create_job(JobSettings(task="eval", model="tiny"), items)
+    source = StoreSource(store, job_id, tokenizer, store.job_settings(job_id), "w1")
+    with pytest.raises(ValueError, match=r"item \d+: .*at least one token"):
+        source.fetch(1)

@@ -107,10 +107,16 @@ def test_target_log_probs_gather_the_log_softmax() -> None:
     logits = torch.randn(6, 30, generator=torch.Generator().manual_seed(0)) * 4
     targets = [3, 0, 29, 3, 17, 8]
     expected = torch.log_softmax(logits, dim=-1)[torch.arange(6), torch.tensor(targets)]
-    got = target_log_probs(logits, targets)
+    got, greedy = target_log_probs(logits, targets)
     assert got == pytest.approx(expected.tolist(), abs=1e-6)
     assert all(value <= 0 for value in got)
-    assert target_log_probs(torch.zeros(2, 4), [1, 2]) == pytest.approx([math.log(0.25)] * 2)
+    assert greedy == (logits.argmax(-1) == torch.tensor(targets)).tolist()
+    assert target_log_probs(torch.zeros(2, 4), [1, 2])[0] == pytest.approx([math.log(0.25)] * 2)
+
+
+def test_target_is_greedy_exactly_when_it_is_the_argmax() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.5, 0.1], [0.0, 0.0, 9.0]])
+    assert target_log_probs(logits, [1, 1, 2])[1] == [True, False, True]
 
 
 @pytest.mark.parametrize("fields, message", [

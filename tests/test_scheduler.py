@@ -433,7 +433,8 @@ def test_losing_every_cache_at_random_steps_changes_no_output(seed: int) -> None
         plan = scheduler.plan_step(i % 3, float(i))
         if plan is None:
             continue
-        scores = {row.slot: [-float(t) for t in row.targets] for row in plan.rows if row.targets}
+        scores = {row.slot: ([-float(t) for t in row.targets], [False] * len(row.targets))
+                  for row in plan.rows if row.targets}
         for result in scheduler.apply_result(plan, stages.run(plan), float(i), scores):
             results[result.request_id] = result
     assert resets > 0 and sorted(results) == sorted(r.request_id for r in requests)

@@ -7,7 +7,8 @@ Data plane (PUSH/PULL, broker -> stage 0 -> ... -> last stage -> broker):
           "hidden" (float codecs) or "hidden.q", "hidden.scale", "hidden.outlier_index",
           "hidden.outlier_value" (int8, int4); see wire/codecs.py
   result  header {mb, step, attempt, epoch, tokens: [[slot, token, logprob], ...],
-          scores: [[slot, [logprob of each target], ...]} (last stage -> broker)
+          scores: [[slot, [logprob of each target], [target is the argmax: bool each]], ...]}
+          (last stage -> broker)
 
 Control plane (DEALER at each stage, ROUTER at the broker), headers only:
   stage -> broker: register {name, device, dtype, threads, memory_budget, data_address, pid, host}
