@@ -66,7 +66,7 @@ def main(args: argparse.Namespace) -> int:
             job_id = submit_job(store, argparse.Namespace(**{**vars(args), "model": str(model_dir)}))
         status = store.job_status(job_id)
         if status.status not in FINAL_JOB_STATES:  # a finished job needs no cluster
-            status = _run_locally(store, job_id, model_dir, args)
+            status = run_locally(store, job_id, model_dir, args)
         events = store.job_events(job_id)
     print(job_report(status, events))
     if status.status != "completed":
@@ -76,7 +76,8 @@ def main(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.Namespace) -> JobStatus:
+def run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.Namespace) -> JobStatus:
+    """Run a queued or interrupted job on a broker here and args.stages local stage processes."""
     from tqdm import tqdm
 
     from layerbus.broker.broker import BrokerConfig
