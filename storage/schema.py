@@ -157,7 +157,7 @@ class EvalRunRow(Base):
     suite: Mapped[str]  # suite name, or "" for an ad-hoc list of tasks
     model: Mapped[str]  # model name or path, as given
     fingerprint_hash: Mapped[str] = mapped_column(String(64))  # sha256 hex of fingerprint_json
-    fingerprint_json: Mapped[str]  # canonical JSON: config and weight hashes, dtype, codecs, tokenizer, version, settings
+    fingerprint_json: Mapped[str]  # canonical JSON: config/weight hashes, dtype, codecs, tokenizer, version, settings
     settings_json: Mapped[str]  # the eval's settings as JSON text (limit, few-shot, seeds, ...)
     samples_path: Mapped[str | None]  # per-document samples file, once written
     results_path: Mapped[str | None]  # results JSON in lm-evaluation-harness's layout, once written
