@@ -15,8 +15,10 @@ def canonical_fingerprint(fingerprint: Mapping[str, Any]) -> tuple[str, str]:
     """(fingerprint_json, fingerprint_hash) for EvalRun: the JSON with sorted keys and no spaces, and its sha256 hex.
 
     Two runs have the same hash exactly when their fingerprints hold the same values, whatever the key order.
+    The text is json.dumps(sort_keys=True, separators=(",", ":")) with non-ASCII escaped (json's default),
+    the canonical form models/fingerprint.py hashes, so both give one hash for one value. NaN is refused.
     """
-    text = json.dumps(fingerprint, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    text = json.dumps(fingerprint, sort_keys=True, separators=(",", ":"), allow_nan=False)
     return text, fingerprint_hash(text)
 
 

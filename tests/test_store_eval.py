@@ -114,6 +114,10 @@ def test_the_fingerprint_is_canonical_whatever_the_key_order() -> None:
     assert first[0] == '{"dtype":"bfloat16","weights":{"a":"1","b":"2"}}'
     assert first[1] == hashlib.sha256(first[0].encode()).hexdigest()
     assert canonical_fingerprint({"dtype": "float16"})[1] != first[1]
+    # Non-ASCII is escaped, as json.dumps does by default: the same text, and hash, as models/fingerprint.py's.
+    assert canonical_fingerprint({"model": "/mod\u00e8les/x"})[0] == '{"model":"/mod\\u00e8les/x"}'
+    with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):
+        canonical_fingerprint({"temperature": float("nan")})
 
 
 def test_finishing_again_replaces_the_metrics_and_paths(store: JobStore, store_url: str) -> None:
