@@ -1,4 +1,5 @@
-"""The job store (jobs, items and job events in SQLite or PostgreSQL) and the Parquet results of finished jobs.
+"""The job store (jobs, items, job events and eval runs in SQLite or PostgreSQL) and the Parquet results of
+finished jobs.
 
 The store's names are re-exported here, resolved on first use (PEP 562): `import storage.locations`
 or `storage.sqlite_status` then costs no SQLAlchemy import, which is most of `layerbus status`'s
@@ -12,6 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "ClaimedItem": "layerbus.storage.records",
+    "EvalMetric": "layerbus.storage.eval_records",
+    "EvalRun": "layerbus.storage.eval_records",
+    "canonical_fingerprint": "layerbus.storage.eval_records",
     "InvalidItem": "layerbus.storage.records",
     "ItemResult": "layerbus.storage.records",
     "JobEvent": "layerbus.storage.records",
@@ -27,6 +31,7 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from layerbus.storage.errors import StoreError
+    from layerbus.storage.eval_records import EvalMetric, EvalRun, canonical_fingerprint
     from layerbus.storage.locations import default_db_url, default_results_dir
     from layerbus.storage.records import ClaimedItem, InvalidItem, ItemResult, JobEvent, JobSettings, JobStatus, NewItem
     from layerbus.storage.store import JobStore

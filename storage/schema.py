@@ -1,4 +1,5 @@
-"""The job store's tables, `jobs`, `items` and `job_events`, as SQLAlchemy declarative models.
+"""The job store's tables, `jobs`, `items`, `job_events`, `eval_runs` and `eval_metrics`, as SQLAlchemy
+declarative models.
 
 Users query these tables with plain SQL (see storage/SCHEMA.md), so they stay flat: text states,
 JSON as text, one timestamp column per job state. Timestamps are UTC: `timestamptz` on PostgreSQL,
@@ -141,6 +142,49 @@ class JobEventRow(Base):
     duration_s: Mapped[float | None] = mapped_column(Float)  # how long it took, when it is a span of time
 
 
+class EvalRunRow(Base):
+    """One eval run: the job that scored a suite's documents (its items), and what exactly was run.
+
+    The fingerprint says whether two runs are comparable: same hash, same model, weights, dtype, codecs,
+    tokenizer and settings. One row per eval job; the job's metrics are in eval_metrics.
+    """
+
+    __tablename__ = "eval_runs"
+    # "Runs of this suite, newest first" (history, compare with the previous run) reads this index.
+    __table_args__ = (Index("eval_runs_suite_created_at", "suite", "created_at"),)
+
+    job_id: Mapped[str] = mapped_column(String(32), ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    suite: Mapped[str]  # suite name, or "" for an ad-hoc list of tasks
+    model: Mapped[str]  # model name or path, as given
+    fingerprint_hash: Mapped[str] = mapped_column(String(64))  # sha256 hex of fingerprint_json
+    fingerprint_json: Mapped[str]  # canonical JSON: config/weight hashes, dtype, codecs, tokenizer, version, settings
+    settings_json: Mapped[str]  # the eval's settings as JSON text (limit, few-shot, seeds, ...)
+    samples_path: Mapped[str | None]  # per-document samples file, once written
+    results_path: Mapped[str | None]  # results JSON in lm-evaluation-harness's layout, once written
+    created_at: Mapped[datetime]  # when the run was started
+    finished_at: Mapped[datetime | None]  # when its metrics were recorded; NULL while it runs or if it never finished
+
+
+class EvalMetricRow(Base):
+    """One aggregated metric of one task in one eval run (lm-eval's "<metric>,<filter>" result key)."""
+
+    __tablename__ = "eval_metrics"
+    # Also the index for "the metrics of this run" (its job_id prefix).
+    __table_args__ = (UniqueConstraint("job_id", "task", "metric", "filter", name="eval_metrics_key_unique"),)
+
+    # BIGINT on PostgreSQL; SQLite needs exactly INTEGER PRIMARY KEY for an auto-assigned rowid.
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer(), "sqlite"), primary_key=True)
+    job_id: Mapped[str] = mapped_column(String(32), ForeignKey("eval_runs.job_id", ondelete="CASCADE"))
+    task: Mapped[str]  # task name, e.g. arc_easy
+    metric: Mapped[str]  # metric name, e.g. acc, acc_norm, exact_match, bits_per_byte
+    filter: Mapped[str] = mapped_column(default="none", server_default="none")  # lm-eval filter; "none": unfiltered
+    value: Mapped[float | None] = mapped_column(Float)  # the corpus value; NULL when it is NaN (undefined)
+    stderr: Mapped[float | None] = mapped_column(Float)  # standard error; NULL when there is none (lm-eval's "N/A")
+    n: Mapped[int] = mapped_column(Integer)  # documents scored for this task
+
+
 jobs = Job.__table__
 items = Item.__table__
 job_events = JobEventRow.__table__
+eval_runs = EvalRunRow.__table__
+eval_metrics = EvalMetricRow.__table__

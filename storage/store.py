@@ -19,6 +19,8 @@ from sqlalchemy.exc import IntegrityError
 
 from layerbus.storage.engine import READ_ONLY_OPTION, create_tables, open_engine
 from layerbus.storage.errors import StoreError, mask_url
+from layerbus.storage.eval_records import EvalMetric, EvalRun
+from layerbus.storage.eval_store import DEFAULT_EVAL_LIMIT, EvalTables
 from layerbus.storage.events import DEFAULT_EVENT_LIMIT, event_row, events_oldest_first
 from layerbus.storage.records import ClaimedItem, InvalidItem, ItemResult, JobEvent, JobSettings, JobStatus, NewItem
 from layerbus.storage.result_row import RESULT_COLUMNS
@@ -70,6 +72,8 @@ class JobStore:
         self._row_locks = engine.dialect.name == "postgresql"
         # The URL with its password masked, for messages.
         self.url = mask_url(url)
+        # The eval queries (storage/eval_store.py); each eval method below is one transaction around one of them.
+        self._evals = EvalTables(self.url, self._row_locks)
 
     @classmethod
     def open(cls, url: str) -> JobStore:
@@ -341,6 +345,72 @@ class JobStore:
         with self._read() as conn:
             self._job_field(conn, job_id, JOB.id)
         return self._result_pages(job_id)
+
+    # --- eval runs ------------------------------------------------------------------------------------
+
+    def record_eval_run(self, run: EvalRun) -> None:
+        """Record that job `run.job_id` is an eval run; StoreError if the job is missing or already has a run.
+
+        ValueError when fingerprint_hash is not the sha256 of fingerprint_json (see canonical_fingerprint),
+        a JSON field is not JSON, or a time is naive.
+        """
+        with self._write() as conn:
+            self._evals.record(conn, run)
+
+    def finish_eval_run(
+        self,
+        job_id: str,
+        samples_path: str | Path | None,
+        results_path: str | Path | None,
+        metrics: Sequence[EvalMetric],
+        now: datetime | None = None,
+    ) -> None:
+        """Set the run's samples and results paths and finished_at, and replace all its metric rows with `metrics`.
+
+        Atomic: finishing again (a re-finalize after a crash) leaves exactly `metrics`, nothing lost or doubled.
+        NaN values are stored as NULL. StoreError when the job has no recorded eval run.
+        """
+        now = _utc(now)
+        with self._write() as conn:
+            self._evals.finish(conn, job_id, samples_path, results_path, metrics, now)
+
+    def eval_run(self, job_id: str) -> EvalRun:
+        """The eval run of job `job_id`; StoreError naming the job when it has none."""
+        with self._read() as conn:
+            return self._evals.run(conn, job_id)
+
+    def eval_runs(
+        self, suite: str | None = None, limit: int = DEFAULT_EVAL_LIMIT, *, include_unfinished: bool = False
+    ) -> list[EvalRun]:
+        """The `limit` newest finished runs (created_at, then job_id, descending), of one suite unless None.
+
+        suite "" selects the ad-hoc runs; include_unfinished adds runs not finished (running or crashed).
+        """
+        with self._read() as conn:
+            return self._evals.runs(conn, suite, limit, include_unfinished)
+
+    def previous_eval_run(self, suite: str, before_job_id: str) -> EvalRun | None:
+        """The latest finished run of `suite` created before run `before_job_id` (ties: lower job id), or None.
+
+        StoreError when `before_job_id` has no recorded eval run.
+        """
+        with self._read() as conn:
+            return self._evals.previous(conn, suite, before_job_id)
+
+    def eval_metrics(self, job_id: str) -> list[EvalMetric]:
+        """The run's metrics ordered by task, metric, filter ([] until finished); StoreError when there is no run."""
+        with self._read() as conn:
+            return self._evals.metrics(conn, job_id)
+
+    def eval_history(
+        self, suite: str, metric: str | None = None, limit: int = DEFAULT_EVAL_LIMIT
+    ) -> list[tuple[EvalRun, list[EvalMetric]]]:
+        """The suite's last `limit` finished runs, oldest first, each with its metrics (only `metric`'s, if given).
+
+        Two queries: the runs, then their metrics.
+        """
+        with self._read() as conn:
+            return self._evals.history(conn, suite, metric, limit)
 
     # --- internals --------------------------------------------------------------------------------
 
