@@ -343,3 +343,21 @@ def test_scoring_the_segments_gives_hflms_loglikelihoods(tiny_models):
     got_rolling = [sum(ll for ll, _ in score_segments(model, item.params["score"])) for item in items]
     assert got_rolling == pytest.approx(expected_rolling, abs=1e-4)
     assert any(len(item.params["score"]) > 1 for item in items), "the texts must take several windows"
+
+
+def test_the_bundled_suite_becomes_one_jobs_items():
+    """Every task of examples/evals/nightly.toml can be asked; seq runs on across tasks, custom ids never repeat."""
+    from pathlib import Path
+
+    from layerbus.evals.suites import load_suite, load_suite_tasks
+
+    suite = Path(__file__).resolve().parent.parent / "examples" / "evals" / "nightly.toml"
+    items, start = [], 0
+    for task in load_suite_tasks(load_suite(suite)):
+        task_list = task_items(task, ENCODER, 2048, start_seq=start)
+        assert len(task_list) == len(task.docs) and {i.params["eval_task"] for i in task_list} == {task.name}
+        items += task_list
+        start += len(task_list)
+    assert [i.seq for i in items] == list(range(len(items)))
+    assert len({i.custom_id for i in items}) == len(items)
+    assert all(i.params["prompt_hash"] == prompt_hash(i.params) for i in items)
