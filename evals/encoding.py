@@ -5,7 +5,9 @@ Mirrors (lm-eval 0.4.x): `TemplateLM.loglikelihood` (an empty context becomes th
 split at the length of the encoded context), `HFLM.tok_encode` (the tokenizer's own special-token default,
 overridden by add_bos_token, and no BOS added to a string that already starts with the prefix token's text),
 `HFLM._loglikelihood_tokens` (left truncation to max_length + 1 tokens, last token dropped), and
-`utils.get_rolling_token_windows` + `utils.make_disjoint_window` for rolling log-likelihood.
+`utils.get_rolling_token_windows` + `utils.make_disjoint_window` for rolling log-likelihood, and for generation
+`HFLM.generate_until`'s prompt ids (`tok_batch_encode`: its own BOS rule, left truncation), its stop strings
+(`handle_stop_sequences`: the decoded EOS is always one) and `HFLM.apply_chat_template` for chat messages.
 
 The tokenizer is any object with `encode(text, add_special_tokens=...)`, `decode(ids)`, `bos_token_id` and
 `eos_token_id` (a transformers tokenizer); nothing here imports torch.
@@ -78,6 +80,51 @@ class Encoder:
         """The disjoint (context ids, continuation ids) windows lm-eval scores a rolling text in."""
         tokens = self.tok_encode(text)
         return [disjoint_window(w) for w in rolling_token_windows(tokens, self.prefix_token_id, max_length, 1)]
+
+    def generation_ids(self, text: str, left_truncate_len: int) -> list[int]:
+        """HFLM.tok_batch_encode for one generate_until prompt: its last left_truncate_len ids.
+
+        Not tok_encode: generate_until's BOS check is against the tokenizer's bos_token text (not the prefix
+        token's), and it ignores custom_prefix_token_id. Left padding in a batch only adds masked positions, so
+        one prompt alone gets the same ids.
+        """
+        if left_truncate_len < 1:
+            raise ValueError(f"{left_truncate_len=} leaves no room for the prompt")
+        kwargs = {}
+        bos_text = getattr(self.tokenizer, "bos_token", None)
+        if bos_text is not None and text.startswith(bos_text):  # lm_eval.models.utils.has_bos_prefix
+            kwargs["add_special_tokens"] = False
+        elif self.add_bos_token is not None:
+            kwargs["add_special_tokens"] = self.add_bos_token
+        return list(self.tokenizer.encode(text, **kwargs))[-left_truncate_len:]
+
+    def stop_strings(self, until: tuple[str, ...] | list[str]) -> list[str]:
+        """lm_eval.models.utils.handle_stop_sequences: until, then the decoded EOS unless until has it already."""
+        stops = list(until)
+        eos = self.tokenizer.eos_token_id
+        eos_text = None if eos is None else self.tokenizer.decode(eos, skip_special_tokens=False)
+        if eos_text is not None and eos_text not in stops:
+            stops.append(eos_text)
+        return stops
+
+    def chat_text(self, messages: tuple[dict, ...] | list[dict], chat_template_args: dict | None = None) -> str:
+        """HFLM.apply_chat_template with add_generation_prompt: the messages as the prompt text the model continues.
+
+        As lm-eval does, a template that raises (many refuse a system role) is tried again without the system
+        messages.
+        """
+        from jinja2 import TemplateError  # the tokenizer's template is Jinja2; imported here like the call itself
+
+        apply = getattr(self.tokenizer, "apply_chat_template", None)
+        if apply is None:
+            raise ValueError(f"{type(self.tokenizer).__name__} has no apply_chat_template: chat messages need a "
+                             "tokenizer with a chat template; give the prompt as text instead")
+        kwargs = dict(tokenize=False, add_generation_prompt=True, continue_final_message=False,
+                      **(chat_template_args or {}))
+        try:
+            return apply(list(messages), **kwargs)
+        except TemplateError:
+            return apply([m for m in messages if m["role"] != "system"], **kwargs)
 
 
 def model_input(context_ids: list[int], continuation_ids: list[int], max_length: int) -> list[int]:

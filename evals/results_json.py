@@ -21,6 +21,17 @@ NO_FILTER = "none"
 
 
 @dataclass(frozen=True)
+class FilterMetrics:
+    """A task's metrics under one more filter (a task YAML's filter_list names several, e.g. gsm8k's two)."""
+
+    # The filter_list entry's name.
+    filter_name: str
+    # Corpus value and standard error per metric name, as TaskResult.metrics / stderrs.
+    metrics: dict[str, float]
+    stderrs: dict[str, float | None]
+
+
+@dataclass(frozen=True)
 class TaskResult:
     """One task's aggregated metrics, ready for the results JSON."""
 
@@ -41,16 +52,24 @@ class TaskResult:
     version: float | str = 0
     # Filter name the metrics were computed under (a YAML filter_list entry's name, or "none").
     filter_name: str = NO_FILTER
+    # The same metrics under the task's further filters, written after the first filter's, in this order.
+    other_filters: tuple[FilterMetrics, ...] = ()
 
 
 def task_entry(result: TaskResult) -> dict:
     """results[task]: the metric keys lm-eval's aggregation writes, in its order (value, then stderr)."""
     entry: dict = {"name": result.task, "alias": result.task, "sample_len": result.n_effective}
-    for metric, value in result.metrics.items():
-        error = result.stderrs.get(metric)
-        entry[f"{metric},{result.filter_name}"] = value
-        entry[f"{metric}_stderr,{result.filter_name}"] = "N/A" if error is None else error
+    for filtered in (FilterMetrics(result.filter_name, result.metrics, result.stderrs), *result.other_filters):
+        for metric, value in filtered.metrics.items():
+            error = filtered.stderrs.get(metric)
+            entry[f"{metric},{filtered.filter_name}"] = value
+            entry[f"{metric}_stderr,{filtered.filter_name}"] = "N/A" if error is None else error
     return entry
+
+
+def metric_names(result: TaskResult) -> list[str]:
+    """Every metric the task reports, under any filter, in first-seen order."""
+    return list(dict.fromkeys(m for f in (result.metrics, *(o.metrics for o in result.other_filters)) for m in f))
 
 
 def results_json(tasks: list[TaskResult], run_config: dict, date: float, git_hash: str | None = None,
@@ -69,7 +88,8 @@ def results_json(tasks: list[TaskResult], run_config: dict, date: float, git_has
         "versions": {t.task: t.version for t in sorted(tasks, key=lambda t: t.task)},
         "n-shot": {t.task: t.num_fewshot for t in sorted(tasks, key=lambda t: t.task)},
         "higher_is_better": {
-            t.task: {m: METRICS[m].higher_is_better for m in t.metrics} for t in sorted(tasks, key=lambda t: t.task)
+            t.task: {m: METRICS[m].higher_is_better for m in metric_names(t)}
+            for t in sorted(tasks, key=lambda t: t.task)
         },
         "n-samples": {t.task: {"original": t.n_original, "effective": t.n_effective} for t in tasks},
         "config": config,

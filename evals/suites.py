@@ -31,7 +31,7 @@ from layerbus.evals.documents import (
     TaskFileError,
 )
 from layerbus.evals.task_files import load_task_file
-from layerbus.evals.task_yaml import TaskYamlError
+from layerbus.evals.task_yaml import FilterStep, TaskYamlError
 from layerbus.evals.yaml_docs import DEFAULT_FEWSHOT_SEED, load_task_yaml, task_docs
 
 SUITE_KEYS = ("name", "seed", "num_fewshot", "tasks")
@@ -104,6 +104,9 @@ class LoadedTask:
     fewshot_seed: int
     # The task's configuration as run, for the results JSON.
     config: dict
+    # A task YAML's filter_list: filter name -> steps applied to each generation before exact_match. Empty: lm-eval's
+    # default, the generation as is under the filter name "none".
+    filters: dict[str, tuple[FilterStep, ...]] = field(default_factory=dict)
 
 
 def load_suite(path: str | Path) -> Suite:
@@ -227,13 +230,17 @@ def _load(suite: Suite, task: SuiteTask, limit: int | None) -> LoadedTask:
         shots = task.num_fewshot if task.num_fewshot is not None else \
             yaml_task.raw.get("num_fewshot", suite.num_fewshot)
         built = task_docs(yaml_task, str(task.path), limit=limit, num_fewshot=shots, seed=suite.seed)
-        declared = tuple(MetricSpec(m["metric"]) for m in yaml_task.metric_list if isinstance(m, dict))
+        # A metric_list entry's lm-eval options (exact_match's ignore_case...) change its scores, so they are kept;
+        # its aggregation / higher_is_better keys are lm-eval's registry facts, which metrics.METRICS holds already.
+        declared = tuple(MetricSpec(m["metric"], _declared_options(m)) for m in yaml_task.metric_list
+                         if isinstance(m, dict))
         kind, docs, n_original, config = built.kind, built.docs, built.n_original, built.config()
+        filters = yaml_task.filters
     else:
         if task.num_fewshot:
             raise ValueError(f"{suite.source}: tasks ({task.name!r}): num_fewshot applies to task YAML only; a task "
                              "file's prompts are scored as written: remove the key or write the task as YAML")
-        task_file, shots, declared = load_task_file(task.path), 0, ()
+        task_file, shots, declared, filters = load_task_file(task.path), 0, (), {}
         kind, docs, n_original = task_file.kind, task_file.docs[:limit], len(task_file.docs)
         config = {"task": task.name, "path": str(task.path), "output_type": kind}
     metrics = task.metrics or declared or tuple(MetricSpec(m) for m in KIND_METRICS[kind])
@@ -242,4 +249,10 @@ def _load(suite: Suite, task: SuiteTask, limit: int | None) -> LoadedTask:
         raise ValueError(f"{suite.source}: tasks ({task.name!r}): metrics {', '.join(wrong)} do not apply to "
                          f"{KIND_NAMES[kind]} documents; use {', '.join(KIND_METRICS[kind])}")
     return LoadedTask(task.name, kind, docs, n_original, metrics, shots, suite.seed,
-                      {**config, "task": task.name, "metric_list": [{"metric": m.name, **m.options} for m in metrics]})
+                      {**config, "task": task.name, "metric_list": [{"metric": m.name, **m.options} for m in metrics]},
+                      filters)
+
+
+def _declared_options(entry: dict) -> dict:
+    """The options of a task YAML metric_list entry that layerbus's metric takes (exact_match's ignore_case...)."""
+    return {k: v for k, v in entry.items() if k in METRIC_OPTIONS.get(entry["metric"], ())}

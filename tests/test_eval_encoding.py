@@ -48,7 +48,10 @@ class LmEvalEncoding:
     """lm-eval's own encoding methods, unchanged, on an object that holds only what they read."""
 
     backend = "causal"
+    chat_template_args: dict = {}
     tok_encode = HFLM.tok_encode
+    tok_batch_encode = HFLM.tok_batch_encode
+    apply_chat_template = HFLM.apply_chat_template
     prefix_token_id = HFLM.prefix_token_id
     _encode_pair = TemplateLM._encode_pair
     loglikelihood = TemplateLM.loglikelihood
@@ -129,6 +132,50 @@ def test_rolling_windows_of_texts_equal_hflm(name):
 )
 def test_model_input_truncates_from_the_left(context, continuation, max_length, expected):
     assert model_input(context, continuation, max_length) == expected
+
+
+@pytest.mark.parametrize("name, add_bos_token", CASES)
+def test_generation_ids_equal_hflm_tok_batch_encode(name, add_bos_token):
+    """generate_until's prompt ids: tok_batch_encode's BOS rule and its left truncation to max_length - max_gen_toks."""
+    tokenizer = VARIANTS[name]
+    ours, theirs = Encoder(tokenizer, add_bos_token=add_bos_token), LmEvalEncoding(tokenizer, add_bos_token)
+    rng = random.Random(f"gen-{name}-{add_bos_token}")
+    for _ in range(200):
+        text = (BOS if rng.random() < 0.2 else "") + random_text(rng, 20)
+        left_truncate_len = rng.randint(1, 30)
+        ids, _ = theirs.tok_batch_encode([text], left_truncate_len=left_truncate_len)
+        assert ours.generation_ids(text, left_truncate_len) == ids[0].tolist(), (text, left_truncate_len)
+
+
+def test_stop_strings_add_the_decoded_eos_as_lm_eval_does():
+    from lm_eval.models.utils import handle_stop_sequences
+
+    encoder = Encoder(VARIANTS["plain"])
+    for until in [[], ["\n\n"], ["Q:", EOS], [EOS]]:
+        assert encoder.stop_strings(tuple(until)) == handle_stop_sequences(list(until), eos=EOS)
+    assert encoder.stop_strings(()) == [EOS]
+
+
+def test_chat_text_equals_hflm_apply_chat_template():
+    tokenizer = make_tiny_tokenizer()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    expected = LmEvalEncoding(tokenizer, None).apply_chat_template(messages)
+    assert Encoder(tokenizer).chat_text(tuple(messages)) == expected
+    assert expected.endswith("<|assistant|>\n") and expected.startswith(BOS)
+
+
+def test_chat_text_drops_the_system_role_when_the_template_refuses_it_as_lm_eval_does():
+    tokenizer = make_tiny_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                               "{{ raise_exception('no system role') }}{% endif %}{{ m['content'] }}|{% endfor %}")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    expected = LmEvalEncoding(tokenizer, None).apply_chat_template(messages)
+    assert Encoder(tokenizer).chat_text(messages) == expected == "2+2?|"
+
+
+def test_chat_text_without_a_template_names_the_way_out():
+    with pytest.raises(ValueError, match="chat"):
+        Encoder(VARIANTS["no_bos"]).chat_text([{"role": "user", "content": "hi"}])
 
 
 def test_model_input_refuses_a_continuation_longer_than_the_model():

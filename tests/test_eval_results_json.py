@@ -66,3 +66,26 @@ def test_repeated_task_names_are_refused():
     result = TaskResult("t", {"acc": 1.0}, {"acc": None}, 1, 1)
     with pytest.raises(ValueError, match="task names repeat"):
         results_json([result, result], {}, 0.0)
+
+
+def test_a_task_with_two_filters_equals_lm_evals_aggregation(monkeypatch):
+    """A YAML with filter_list (gsm8k's strict-match and flexible-extract) reports every metric once per filter."""
+    from layerbus.evals.results_json import FilterMetrics
+
+    monkeypatch.setenv("DISABLE_MULTIPROC", "1")
+    rng = random.Random(1)
+    strict = [float(rng.random() < 0.4) for _ in range(30)]
+    flexible = [float(rng.random() < 0.7) for _ in range(30)]
+    task = type("Task", (), {"task_name": "gen", "aggregation": lambda self: {"exact_match": lm_metrics.mean}})()
+    theirs, sample_len = _compute_task_aggregations(
+        task, {("exact_match", "strict-match"): strict, ("exact_match", "flexible-extract"): flexible}, 1000)
+    result = TaskResult(
+        "gen", {"exact_match": metrics.mean(strict)}, {"exact_match": metrics.stderr("exact_match", strict)}, 30, 30,
+        filter_name="strict-match",
+        other_filters=(FilterMetrics("flexible-extract", {"exact_match": metrics.mean(flexible)},
+                                     {"exact_match": metrics.stderr("exact_match", flexible)}),))
+    document = results_json([result], {}, 0.0)
+    assert document["results"]["gen"] == {"name": "gen", "alias": "gen", "sample_len": sample_len, **theirs}
+    assert list(document["results"]["gen"])[3:] == list(theirs)
+    assert document["higher_is_better"]["gen"] == {"exact_match": True}
+    assert "flexible-extract" in lm_utils.make_table(document)

@@ -103,3 +103,27 @@ def test_lm_eval_reads_the_bundled_task_yaml_into_the_same_requests(tmp_path, mo
     units = {t.name: t for t in load_suite_tasks(load_suite(NIGHTLY))}["units"]
     ours = [(int(d.id), (d.context, d.target_delimiter + c)) for d in units.docs for c in d.choices]
     assert ours == [(i.doc_id, i.arguments) for i in theirs.instances]
+
+
+def test_a_yaml_tasks_filters_and_metric_options_reach_the_loaded_task(tmp_path):
+    """exact_match's options and filter_list change the scores, so the loaded task carries both."""
+    (tmp_path / "q.jsonl").write_text('{"q": "2+2?", "a": "4"}\n')
+    (tmp_path / "gen.yaml").write_text(
+        "task: gen\noutput_type: generate_until\ndataset_path: json\ndata_files: {test: q.jsonl}\n"
+        "doc_to_text: '{{q}}'\ndoc_to_target: a\n"
+        "metric_list:\n  - {metric: exact_match, ignore_case: true, aggregation: mean, higher_is_better: true}\n"
+        "filter_list:\n  - name: strict\n    filter: [{function: regex, regex_pattern: '(\\d+)'}, {function: take_first}]\n"
+        "  - name: loose\n    filter: [{function: lowercase}]\n")
+    (tmp_path / "suite.toml").write_text('name = "n"\n[[tasks]]\nname = "gen"\npath = "gen.yaml"\n')
+    (task,) = load_suite_tasks(load_suite(tmp_path / "suite.toml"))
+    assert task.metrics == (MetricSpec("exact_match", {"ignore_case": True}),)
+    assert list(task.filters) == ["strict", "loose"]
+    assert [s.function for s in task.filters["strict"]] == ["regex", "take_first"]
+    assert task.filters["strict"][0].regex_pattern == "(\\d+)"
+
+
+def test_a_task_file_has_no_filters(tmp_path):
+    (tmp_path / "t.jsonl").write_text('{"id": "a", "context": "c", "choices": [" x", " y"], "gold": 0}\n')
+    (tmp_path / "suite.toml").write_text('name = "n"\n' + GOOD_TASK)
+    (task,) = load_suite_tasks(load_suite(tmp_path / "suite.toml"))
+    assert task.filters == {}
