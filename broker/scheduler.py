@@ -190,7 +190,14 @@ class Scheduler:
             if not seq.prefilling or budget <= 0:
                 continue
             if seq.feed is not None:
-                chunk = seq.feed.next_chunk(budget)
+                # Chunks of max_step_tokens, cut at the same places whatever else shares the step, so a
+                # document's scores never depend on its neighbours, the batch or a re-plan (lm-eval's
+                # scores move with batch size: its issues #704, #1645). A chunk that does not fit what is
+                # left of the step waits for the next one, unless the step carries no other chunk yet (decode
+                # rows alone never hold it back: the step then runs a little over budget rather than starve it).
+                chunk = seq.feed.next_chunk(self.config.max_step_tokens)
+                if len(chunk.tokens) > budget and len(rows) > len(decoding):
+                    continue
                 budget -= len(chunk.tokens)
                 rows.append(PlannedRow(seq.slot, chunk.start, chunk.tokens, emit=False, targets=chunk.targets))
                 continue

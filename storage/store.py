@@ -7,6 +7,7 @@ taken items first, then the job row, so concurrent claims, completions and cance
 
 from __future__ import annotations
 
+import json
 import secrets
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -345,6 +346,25 @@ class JobStore:
         with self._read() as conn:
             self._job_field(conn, job_id, JOB.id)
         return self._result_pages(job_id)
+
+    def job_items(self, job_id: str) -> Iterator[NewItem]:
+        """Every item of a job as it was queued (custom_id, input, prompt, params, seq), in seq order.
+        Items refused at submit have no prompt; they come back with prompt "". Read in pages."""
+        with self._read() as conn:
+            self._job_field(conn, job_id, JOB.id)
+        last_seq: int | None = None
+        while True:
+            query = select(ITEM.custom_id, ITEM.input, ITEM.prompt, ITEM.params_json, ITEM.seq).where(
+                ITEM.job_id == job_id)
+            if last_seq is not None:
+                query = query.where(ITEM.seq > last_seq)
+            with self._read() as conn:
+                page = conn.execute(query.order_by(ITEM.seq).limit(_PAGE)).all()
+            yield from (NewItem(row.custom_id, row.input, row.prompt or "", json.loads(row.params_json), row.seq)
+                        for row in page)
+            if len(page) < _PAGE:
+                return
+            last_seq = page[-1].seq
 
     # --- eval runs ------------------------------------------------------------------------------------
 

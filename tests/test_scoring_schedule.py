@@ -182,3 +182,38 @@ def test_a_request_past_the_context_budget_is_refused_at_once() -> None:
     assert result is not None and result.finish_reason == "error"
     assert "reach position 11, past the context of 10 tokens" in result.error
     assert scheduler.submit(ScoreRequest("fits", (ScoreSegment(tuple(range(1, 8)), ((1, 2, 3, 4),)),)), 0.0) is None
+
+
+def chunks_of(request_id: str, scheduler: Scheduler, stages: FakeScoringStages, others=()) -> list[tuple[int, int]]:
+    """(start, length) of every row the request was sent as."""
+    target = ScoreRequest(request_id, (ScoreSegment(tuple(range(1, 41)), ((5, 6, 7), tuple(range(1, 30)))),))
+    for request in (*others, target):
+        assert scheduler.submit(request, 0.0) is None
+    slots, seen = {}, []
+    for i in range(10_000):
+        if scheduler.idle:
+            return seen
+        plan = scheduler.plan_step(i % scheduler.num_micro_batches, float(i))
+        if plan is None:
+            continue
+        for row in plan.rows:
+            seq = scheduler.active[row.slot]
+            if seq.request.request_id == request_id:
+                seen.append((row.start, len(row.tokens)))
+        scheduler.apply_result(plan, {row.slot: (7, -0.1) for row in plan.rows if row.emit}, float(i), stages.run(plan))
+    raise AssertionError("not idle")
+
+
+def test_a_requests_chunks_do_not_depend_on_what_shares_its_steps() -> None:
+    """Same cuts alone or among others: its scores cannot move with the batch (lm-eval #704, #1645)."""
+    from layerbus.broker.requests import GenerationRequest
+
+    alone = chunks_of("t", make(num_slots=1, micro_batches=1, max_step_tokens=16, min_prefill_chunk=4),
+                      FakeScoringStages())
+    rng = random.Random(3)
+    crowd = [random_request(rng, f"o{i}") for i in range(6)] + [GenerationRequest(f"g{i}", [1, 2, 3], 20)
+                                                                 for i in range(3)]
+    crowded = chunks_of("t", make(num_slots=5, micro_batches=1, max_step_tokens=16, min_prefill_chunk=4),
+                        FakeScoringStages(), crowd)
+    assert crowded == alone
+    assert alone == [(0, 16), (16, 16), (32, 7), (39, 3), (39, 16), (55, 13)]

@@ -329,3 +329,13 @@ def test_eight_claimer_processes_claim_every_item_exactly_once(store: JobStore, 
     assert sum(1 for claimed in per_worker.values() if claimed) >= 2, "claims were not concurrent"
     status = store.job_status(job_id)
     assert (status.completed, status.queued, status.in_progress) == (2000, 0, 0)
+
+
+def test_job_items_give_back_every_item_as_queued_in_seq_order(store: JobStore) -> None:
+    items = [NewItem(f"id-{s}", f"in {s}", f"p{s}", {"score": [[[1, 2], [[3]]]], "n": s}, s) for s in (3, 1, 2)]
+    job_id = store.create_job(SETTINGS, items, [InvalidItem("bad", "{oops", "not JSON", 9)], now=T0)
+    got = list(store.job_items(job_id))
+    assert got[:3] == sorted(items, key=lambda item: item.seq)
+    assert (got[3].custom_id, got[3].prompt, got[3].seq) == ("bad", "", 9)
+    with pytest.raises(StoreError, match="job_nothere"):
+        list(store.job_items("job_nothere"))

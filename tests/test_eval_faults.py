@@ -1,0 +1,94 @@
+"""An eval survives a stage killed with SIGKILL mid-run: the samples file and the metrics equal an
+unfaulted run's, and every document is scored exactly once in the store."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from layerbus.broker.broker import BrokerConfig
+from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
+from layerbus.broker.pipeline import PipelineConfig
+from layerbus.broker.placement import PlanOptions
+from layerbus.broker.scheduler import BatchingConfig
+from layerbus.evals.encoding import Encoder
+from layerbus.evals.eval_run import EvalOptions, finalize_eval, queue_eval, select_tasks
+from layerbus.jobs.runner import run_job
+from layerbus.models.model_info import load_tokenizer
+from layerbus.storage import JobStore
+from tests.test_cli_helpers import write_jsonl
+
+pytestmark = pytest.mark.cluster  # stage processes, one killed
+
+MAX_LENGTH = 64
+
+
+class KillAfter:
+    """Plays the broker for run_job, killing the chain's middle stage after `after` results."""
+
+    def __init__(self, cluster: LocalCluster, after: int | None):
+        self.cluster, self.after, self.killed = cluster, after, []
+
+    def tokenizer(self):
+        return self.cluster.broker.tokenizer()
+
+    def run(self, source, sink, should_stop, events=None):
+        delivered = 0
+        deliver = sink.deliver
+
+        def deliver_and_maybe_kill(results):
+            nonlocal delivered
+            deliver(results)
+            delivered += len(results)
+            if self.after is not None and delivered >= self.after and not self.killed:
+                name = self.cluster.broker.placement.stages[1]
+                process = self.cluster.processes[int(name.rsplit("-", 1)[1])]
+                os.kill(process.pid, signal.SIGKILL)
+                self.killed.append(name)
+
+        sink.deliver = deliver_and_maybe_kill
+        return self.cluster.broker.run(source, sink, should_stop, events)
+
+
+def scored_run(model_dir: Path, tasks_dir: Path, work: Path, kill_after: int | None):
+    db = f"sqlite:///{work / 'store.db'}"
+    suite, tasks = select_tasks(EvalOptions(task_paths=tuple(str(p) for p in sorted(tasks_dir.iterdir()))))
+    config = BrokerConfig(str(model_dir), 3, batching=BatchingConfig(num_slots=6, num_micro_batches=4,
+                                                                      max_step_tokens=32, max_context=MAX_LENGTH),
+                          pipeline=PipelineConfig(heartbeat_interval_s=0.2, liveness_window_s=1.5),
+                          plan_options=PlanOptions(allow_drop=False))
+    with JobStore.open(db) as store:
+        job_id = queue_eval(store, model_dir, suite, tasks, Encoder(load_tokenizer(model_dir)), MAX_LENGTH,
+                            {"model": str(model_dir)})
+        with LocalCluster(config, LocalStageOptions(threads_per_stage=1)) as cluster:
+            broker = KillAfter(cluster, kill_after)
+            status = run_job(store, job_id, broker, work / "results")
+        assert status.status == "completed", status.error
+        assert status.completed == status.total and status.failed == 0
+        outcome = finalize_eval(store, job_id, work / "evals")
+        attempts = [row for row in store.item_results(job_id)]
+        assert len(attempts) == len({row["custom_id"] for row in attempts}), "every document once"
+        metrics = [(m.task, m.metric, m.filter, m.value, m.stderr, m.n) for m in store.eval_metrics(job_id)]
+    return broker.killed, pq.read_table(outcome.samples_path).to_pylist(), metrics
+
+
+def test_killing_a_stage_mid_eval_changes_no_sample_and_no_metric(tiny_models, tmp_path):
+    model_dir = tiny_models("llama", num_hidden_layers=6)
+    tasks_dir = tmp_path / "tasks"
+    tasks_dir.mkdir()
+    words = "the stage receives a batch of rows and sends hidden states to the next one in the chain".split()
+    write_jsonl(tasks_dir / "mc.jsonl", [
+        {"id": f"q{i}", "context": " ".join(words[i % 7:i % 7 + 6 + i % 5]),
+         "choices": [" " + " ".join(words[(i + k) % 17:(i + k) % 17 + 1 + k % 3]) for k in range(4)], "gold": i % 4}
+        for i in range(30)])
+    write_jsonl(tasks_dir / "text.jsonl", [{"id": f"t{i}", "text": " ".join(words[i:] + words[:i]) * 3}
+                                           for i in range(6)])
+    _, unfaulted_samples, unfaulted_metrics = scored_run(model_dir, tasks_dir, tmp_path / "unfaulted", None)
+    killed, samples, metrics = scored_run(model_dir, tasks_dir, tmp_path / "faulted", kill_after=8)
+    assert killed, "the run ended before the fault was injected: make it longer"
+    assert metrics == unfaulted_metrics
+    assert samples == unfaulted_samples
