@@ -191,8 +191,9 @@ class Scheduler:
                 continue
             if seq.feed is not None:
                 # Chunks of max_step_tokens, cut at the same places whatever else shares the step, so a
-                # document's scores never depend on its neighbours, the batch or a re-plan (lm-eval's
-                # scores move with batch size: its issues #704, #1645). A chunk that does not fit what is
+                # document's scores depend on its neighbours, the batch or a re-plan only through the
+                # rounding of padded batches (<= 1e-5), never through what it attends over (lm-eval's move
+                # with batch size: its issues #704, #1645). A chunk that does not fit what is
                 # left of the step waits for the next one, unless the step carries no other chunk yet (decode
                 # rows alone never hold it back: the step then runs a little over budget rather than starve it).
                 chunk = seq.feed.next_chunk(self.config.max_step_tokens)

@@ -51,6 +51,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="few-shot examples for task YAML (default: the suite's, else 0)")
     parser.add_argument("--seed", metavar="S", type=seed, default=None,
                         help="few-shot sampler seed (default: the suite's, else 1234 as lm-eval)")
+    parser.add_argument("--queue", action="store_true",
+                        help="only queue the run and print its job id, for a cluster started with run_cluster.sh "
+                             "to score; `layerbus eval run --job JOB` then reports it")
     parser.add_argument("--json", action="store_true", help="print the outcome as JSON")
     add_db(parser)
     add_cluster_options(parser)
@@ -84,7 +87,12 @@ def main(args: argparse.Namespace) -> int:
     options = EvalOptions(tuple(args.tasks), suite_path(args.suite) if args.suite else None, args.limit,
                           args.num_fewshot, args.seed)
     with open_store(args.db) as store:
+        if args.queue and args.job:
+            raise UsageError(f"--queue queues a new run; job {args.job} is queued already: drop --queue")
         job_id, model_dir = _queued(store, args, options) if not args.job else _existing(store, args)
+        if args.queue:
+            print(job_id)
+            return EXIT_OK
         status = store.job_status(job_id)
         if status.status not in FINAL_JOB_STATES:
             from layerbus.cli.run import run_locally
@@ -120,7 +128,11 @@ def _queued(store, args, options) -> tuple[str, Path]:
     fingerprint = {"model": model_fingerprint(model_dir), "dtype": "float32", "wire": args.wire,
                    "layerbus": _version(), "max_length": max_length, "limit": options.limit,
                    "num_fewshot": [t.num_fewshot for t in tasks], "seed": suite.seed}
-    job_id = queue_eval(store, model_dir, suite, tasks, Encoder(load_tokenizer(model_dir)), max_length, fingerprint)
+    tokenizer = load_tokenizer(model_dir)
+    # Long texts are windowed to max_length here (rolling log-likelihood), never fed whole: the tokenizer's
+    # "sequence longer than the maximum" warning would only mislead.
+    tokenizer.model_max_length = max(tokenizer.model_max_length, 1 << 40)
+    job_id = queue_eval(store, model_dir, suite, tasks, Encoder(tokenizer), max_length, fingerprint)
     total = store.job_status(job_id).total
     print(f"layerbus: queued eval run {job_id}: {len(tasks)} task(s), {total} document(s)", file=sys.stderr)
     return job_id, model_dir

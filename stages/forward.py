@@ -1,9 +1,10 @@
 """One pipeline step on one stage: split the micro-batch into groups, run them through the shard.
 
 A micro-batch mixes decoding rows (one new token each) and prefill chunks (many tokens of one
-sequence). Decoding rows run together as one batch whose keys are padded to the longest row and
-masked; each prefill chunk runs alone, so no row is ever padded on the query side and a long
-prompt never multiplies the work of the short ones.
+sequence). Decoding rows run together as one batch. Prefill chunks of similar lengths run together,
+padded on the right to the longest, as long as padding adds at most a quarter to the work: run one
+by one, dozens of short chunks (an eval's questions and choices) would each pay for a pass over
+every layer's weights, while one long prompt still never multiplies the work of the short ones.
 """
 
 from __future__ import annotations
@@ -23,16 +24,38 @@ class GroupRun:
     row_indices: list[int]  # which StepRows (by index) the group's rows are
 
 
-def plan_groups(rows: list[StepRow]) -> list[GroupRun]:
-    """Decode rows form one group in slot order (adjacent slots share a cache slice); each prefill
-    chunk is a group of its own."""
+# Prefill chunks share a padded group while padding adds at most this fraction of their own positions.
+MAX_PADDING = 0.25
+# ... and while the group stays this small: activations grow with rows x positions.
+MAX_GROUP_POSITIONS = 1024
+
+
+def plan_groups(rows: list[StepRow], max_context: int | None = None) -> list[GroupRun]:
+    """Decode rows form one group in slot order (adjacent slots share a cache slice); prefill chunks
+    are grouped longest first, each group padded to its first (longest) chunk while padding stays
+    under MAX_PADDING and every padded row still ends within `max_context`."""
     decode = sorted((i for i, row in enumerate(rows) if row.length == 1), key=lambda i: rows[i].slot)
     groups = []
     if decode:
         groups.append(GroupRun(CacheGroup([rows[i].slot for i in decode], [rows[i].start for i in decode], 1), decode))
-    for i, row in enumerate(rows):
-        if row.length > 1:
-            groups.append(GroupRun(CacheGroup([row.slot], [row.start], row.length), [i]))
+    prefill = sorted((i for i, row in enumerate(rows) if row.length > 1), key=lambda i: (-rows[i].length, i))
+    batches: list[list[int]] = []
+    for i in prefill:
+        current = batches[-1] if batches else None
+        if current is not None:
+            width = rows[current[0]].length
+            real = sum(rows[j].length for j in current) + rows[i].length
+            padded = width * (len(current) + 1)
+            if (padded <= (1 + MAX_PADDING) * real and padded <= MAX_GROUP_POSITIONS
+                    and (max_context is None or rows[i].start + width <= max_context)):
+                current.append(i)
+                continue
+        batches.append([i])
+    for batch in batches:
+        lengths = [rows[i].length for i in batch]
+        group = CacheGroup([rows[i].slot for i in batch], [rows[i].start for i in batch], lengths[0],
+                           lengths if len(set(lengths)) > 1 else None)
+        groups.append(GroupRun(group, batch))
     return groups
 
 
@@ -47,16 +70,25 @@ def run_step(shard: StageShard, arena: KVArena, rows: list[StepRow], inputs: tor
     if inputs.shape[0] != offsets[-1]:
         raise ValueError(f"step carries {inputs.shape[0]} positions but its rows add up to {offsets[-1]}")
     outputs: list[torch.Tensor | None] = [None] * len(rows)
-    for run in plan_groups(rows):
-        # [B, T] token ids or [B, T, hidden]: rows of a decode group have T = 1.
-        parts = [inputs[offsets[i]:offsets[i + 1]] for i in run.row_indices]
+    for run in plan_groups(rows, arena.max_context):
+        # [B, T] token ids or [B, T, hidden]: rows of a decode group have T = 1; shorter prefill chunks
+        # are padded with zeros (token 0 or a zero vector) up to the group's length.
+        width = run.group.length
+        parts = [_padded(inputs[offsets[i]:offsets[i + 1]], width) for i in run.row_indices]
         batch = torch.stack(parts).to(shard.device)
         hidden = _run_group(shard, arena, run.group, batch)
         for j, i in enumerate(run.row_indices):
-            outputs[i] = hidden[j]
+            outputs[i] = hidden[j, :rows[i].length]
     if not outputs:  # a step that only releases slots
         return torch.empty((0, shard.config.hidden_size), dtype=shard.dtype, device=shard.device)
     return torch.cat(outputs)
+
+
+def _padded(part: torch.Tensor, width: int) -> torch.Tensor:
+    if part.shape[0] == width:
+        return part
+    padding = part.new_zeros((width - part.shape[0], *part.shape[1:]))
+    return torch.cat([part, padding])
 
 
 def _run_group(shard: StageShard, arena: KVArena, group: CacheGroup, batch: torch.Tensor) -> torch.Tensor:

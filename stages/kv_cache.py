@@ -15,15 +15,26 @@ import torch
 
 @dataclass(frozen=True)
 class CacheGroup:
-    """Rows that run through the layers together: several decoding slots, or one prefill chunk."""
+    """Rows that run through the layers together: several decoding slots, or prefill chunks padded
+    on the right to one length (their padding positions are computed, written past the row's end
+    where nothing reads them before the row's next step overwrites them, and thrown away)."""
 
     slots: list[int]  # slot of each row
     starts: list[int]  # position of each row's first new token (= its cached length before this step)
-    length: int  # new tokens per row (1 for decode; the chunk size for a prefill, which has one row)
+    length: int  # positions per row (1 for decode; the longest chunk for prefill rows)
+    real_lengths: list[int] | None = None  # each row's own new tokens when shorter than `length` (None: all equal)
 
     @property
     def ends(self) -> list[int]:
+        """Where each row's positions end, padding included: what the cache must have room for."""
         return [start + self.length for start in self.starts]
+
+    @property
+    def filled_ends(self) -> list[int]:
+        """Each row's cached length after this step: its real tokens only."""
+        if self.real_lengths is None:
+            return self.ends
+        return [start + length for start, length in zip(self.starts, self.real_lengths)]
 
 
 class KVArena:
@@ -67,7 +78,7 @@ class KVArena:
             self._resize(min(capacity, self.max_context))
 
     def commit(self, group: CacheGroup) -> None:
-        for slot, end in zip(group.slots, group.ends):
+        for slot, end in zip(group.slots, group.filled_ends):
             self.lengths[slot] = end
 
     def release(self, slot: int) -> None:
@@ -127,9 +138,9 @@ class StepCache:
             if self.in_place:
                 return keys, values
         else:
-            slot, start = group.slots[0], group.starts[0]
-            keys[slot, :, start:start + group.length] = key_states[0]
-            values[slot, :, start:start + group.length] = value_states[0]
+            for row, (slot, start) in enumerate(zip(group.slots, group.starts)):
+                keys[slot, :, start:start + group.length] = key_states[row]
+                values[slot, :, start:start + group.length] = value_states[row]
         if self.contiguous:
             first = group.slots[0]
             rows = slice(first, first + len(group.slots))

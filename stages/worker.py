@@ -402,16 +402,26 @@ class StageWorker:
 
     def _choose(self, rows: list[StepRow], hidden: torch.Tensor) -> dict:
         tokens, scores, emitting, last_positions = [], [], [], []
+        scored_rows, scored_positions = [], []
         offset = 0
         for row in rows:
             end = offset + row.length
             if row.targets:
-                scored = hidden[offset:offset + len(row.targets)]
-                scores.append([row.slot, *target_log_probs(head_logits(self.shard, scored).cpu(), row.targets)])
+                scored_rows.append(row)
+                scored_positions.extend(range(offset, offset + len(row.targets)))
             if row.emit:
                 emitting.append(row)
                 last_positions.append(end - 1)
             offset = end
+        if scored_rows:
+            # One head matmul for every scored position of the step (an eval step scores dozens of short
+            # rows; one call each would read the head's weights, the largest a stage holds, once per row).
+            logits = head_logits(self.shard, hidden[scored_positions]).cpu()
+            start = 0
+            for row in scored_rows:
+                count = len(row.targets)
+                scores.append([row.slot, *target_log_probs(logits[start:start + count], row.targets)])
+                start += count
         if emitting:
             # One head matmul for all emitting rows: the head is the largest weight a stage reads.
             logits = head_logits(self.shard, hidden[last_positions]).cpu()
