@@ -82,6 +82,9 @@ def _candidate(store: JobStore, args: argparse.Namespace) -> EvalRun:
         run = f"--suite {suite}" if suite else "--suite nightly"
         raise UsageError(f"no finished eval run{of} in {store.url}: run `layerbus eval run {run}` first, or name "
                          "BASE and CAND (job ids)")
+    if latest[0].job_id == args.base:  # comparing the latest run with itself would say "no change", uselessly
+        raise UsageError(f"BASE {args.base} is itself the latest run{'' if suite is None else f' of suite {suite!r}'}: "
+                         "name an earlier BASE, or give no job id to compare the latest run with the one before it")
     return latest[0]
 
 

@@ -163,6 +163,9 @@ def test_defaults_compare_the_latest_run_with_the_one_before_it(tmp_path, store,
     # BASE alone: the candidate is the latest run of BASE's suite.
     report = compare_json(capsys, store_url, first.job_id)
     assert (report["base"]["job_id"], report["candidate"]["job_id"]) == (first.job_id, third.job_id)
+    code, _, err = run_cli(capsys, store_url, third.job_id)
+    assert code == 2
+    assert f"BASE {third.job_id} is itself the latest run of suite 'nightly': name an earlier BASE" in err
 
 
 def test_the_first_run_of_a_suite_has_nothing_to_compare_with(tmp_path, store, store_url, capsys):
@@ -224,9 +227,8 @@ def test_bits_per_byte_is_compared_by_paired_bootstrap(tmp_path, store, store_ur
 
 def test_failed_documents_are_excluded_and_said_so(tmp_path, store, store_url, capsys):
     outcomes = [True] * 10 + [False] * 10
-    base, cand = nightly(store, tmp_path, [mc_task("mc", outcomes),
-                                           mc_task("mc", [None if i in (2, 12) else ok for i, ok in enumerate(outcomes)])],
-                         ACC_ONLY)
+    failing = [None if i in (2, 12) else ok for i, ok in enumerate(outcomes)]
+    base, cand = nightly(store, tmp_path, [mc_task("mc", outcomes), mc_task("mc", failing)], ACC_ONLY)
 
     code, out, _ = run_cli(capsys, store_url, base.job_id, cand.job_id)
 
