@@ -83,7 +83,8 @@ def history_text(suite: str, table: History, width: int) -> str:
     """The wide table when it fits in `width`, else one block per task."""
     count = len(table.lines)
     lines = [f"suite {suite}: {count} run{'s' if count != 1 else ''}, oldest first",
-             "value ± standard error; ↑ ↓ = change from the run before, * beyond 1.96 combined standard errors", ""]
+             "value ± standard error; ↑ ↓ = change from the run before, * beyond 1.96 combined standard errors",
+             ""]
     wide = _block(table, range(len(table.columns)), with_task=True)
     if max(len(line) for line in wide) <= width:
         lines += wide
@@ -106,7 +107,8 @@ def _block(table: History, indices: Sequence[int], with_task: bool) -> list[str]
     grid = [header, *rows, trend]
     widths = [max(len(row[k]) for row in grid) for k in range(len(header))]
     if with_task:  # a task's name over its first column; wider names widen that column
-        tasks = ["", "", "", *(c.task if k == 0 or columns[k - 1].task != c.task else "" for k, c in enumerate(columns))]
+        tasks = ["", "", "", *(c.task if k == 0 or columns[k - 1].task != c.task else ""
+                               for k, c in enumerate(columns))]
         widths = [max(w, len(t)) for w, t in zip(widths, tasks)]
         grid.insert(0, tasks)
     return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in grid]

@@ -50,7 +50,8 @@ class NotComparableError(ValueError):
             (f"only in {cand_label}", self.cand_only)) if docs]
         super().__init__(
             f"not comparable: {count} {'prompts differ' if count != 1 else 'prompt differs'} between {base_label} and "
-            f"{cand_label}: {', '.join(parts)}. The task files, few-shot settings, --limit or tokenizer changed between the runs; "
+            f"{cand_label}: {', '.join(parts)}. The task files, few-shot settings, --limit or tokenizer changed "
+            "between the runs; "
             "compare two runs made with the same ones (`layerbus eval history SUITE` lists a suite's runs and "
             "their fingerprints)")
 

@@ -266,7 +266,34 @@ def test_history_lines_hold_values_changes_and_fingerprint_changes():
 
 
 @pytest.mark.parametrize("values, expected", [
-    ([1.0, 2.0, 3.0], "▁▅█"), ([5.0, 5.0], "▄▄"), ([math.nan, 0.0, 1.0], " ▁█"), ([], ""), ([math.nan], " "),
+    ([1.0, 2.0, 3.0], "▁▅█"), ([5.0, 5.0], "▄▄"), ([math.nan, 0.0, 1.0], " ▁█"), ([], ""),
+    ([math.nan], " "),
 ])
 def test_sparkline(values, expected):
     assert sparkline(values) == expected
+
+
+# --- on rows as the pipeline writes them --------------------------------------------------------------
+
+
+def test_rows_from_samples_rows_compare_with_margins_and_failures():
+    """The real row shapes (doc_results.samples_rows over task_items), not hand-made ones."""
+    from layerbus.evals.doc_results import ItemOutcome
+    from layerbus.evals.documents import MULTIPLE_CHOICE, MultipleChoiceDoc
+    from tests.test_eval_doc_results import loaded, rows_for
+
+    docs = [MultipleChoiceDoc(f"d{i}", "The stage", (" receives", " a", " the sea"), (0,)) for i in range(4)]
+    task = loaded(MULTIPLE_CHOICE, docs, ["acc", "acc_norm"], name="mc")
+    _, base = rows_for(task, {"d0": [-1.0, -2.0, -3.0], "d1": [-1.0, -1.5, -3.0], "d2": [-2.0, -1.0, -3.0],
+                              "d3": [-1.0, -2.0, -3.0]})
+    _, cand = rows_for(task, {"d0": [-2.0, -1.9995, -3.0], "d1": [-1.0, -1.5, -3.0], "d2": [-0.5, -1.0, -3.0],
+                              "d3": ItemOutcome(None, "stage lost")})
+    check_comparable(base, cand)
+    (acc,) = compare(base, cand).metrics
+    assert (acc.n, [(e.doc_id, e.failed_in) for e in acc.excluded]) == (3, [("d3", "candidate")])
+    flips = {f.doc_id: f for f in acc.flips}
+    assert set(flips) == {"d0", "d2"}
+    assert (flips["d0"].gained, flips["d0"].base_margin, flips["d0"].near_tie) == (False, 1.0, True)
+    assert flips["d0"].cand_margin == pytest.approx(-0.0005)
+    assert (flips["d2"].gained, flips["d2"].base_margin, flips["d2"].cand_margin) == (True, -1.0, 0.5)
+    assert (acc.row.base, acc.row.cand) == (pytest.approx(2 / 3), pytest.approx(2 / 3))

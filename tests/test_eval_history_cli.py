@@ -106,7 +106,8 @@ def test_a_changed_fingerprint_is_marked_and_explained(tmp_path, store_url, caps
     assert hashes[0] != hashes[1]
     assert run_lines[0][2:5] == [first.job_id, hashes[0], "0.6000"]
     assert run_lines[1][2:5] == [second.job_id, hashes[1], "≠"]
-    assert f"≠ fingerprint changed:\n  2030-01-03 03:04  {second.job_id}: settings (wire: \"float32\" -> \"int8\")" in out
+    assert ("≠ fingerprint changed:\n"
+            f"  2030-01-03 03:04  {second.job_id}: settings (wire: \"float32\" -> \"int8\")") in out
 
 
 def test_empty_history_says_how_to_make_one(tmp_path, store_url, capsys):

@@ -1,4 +1,4 @@
-"""The standard-library read path for `layerbus eval history` agrees with JobStore.eval_history on a real SQLite file."""
+"""The standard-library read path of `layerbus eval history` agrees with JobStore.eval_history on a SQLite file."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def make_store(tmp_path: Path) -> str:
                 ("nightly", T0 + timedelta(days=2), False), ("weekly", T0 + timedelta(days=2), True),
                 ("nightly", T0 + timedelta(days=3), True), ("nightly", T0 + timedelta(days=3), True)]
         for day, (suite, created, finish) in enumerate(plan):
-            job_id = store.create_job(JobSettings(task="eval", model="m"), [NewItem("t/0", "x", "", {}, 0)], now=created)
+            items = [NewItem("t/0", "x", "", {}, 0)]
+            job_id = store.create_job(JobSettings(task="eval", model="m"), items, now=created)
             fingerprint_json, fingerprint_hash = canonical_fingerprint({"day": day})
             store.record_eval_run(EvalRun(job_id, suite, "m", fingerprint_hash, fingerprint_json, "{}", created))
             if finish:
