@@ -128,11 +128,11 @@ def _fingerprint(line: HistoryLine) -> str:
 
 def _footer(table: History) -> list[str]:
     """Where the fingerprint changed and in what, and the compare command for the last two runs."""
-    from layerbus.evals.fingerprint_diff import fingerprint_changes, summary
-
     lines = []
     for before, line in zip(table.lines, table.lines[1:]):
         if line.fingerprint_changed:
+            from layerbus.evals.fingerprint_diff import fingerprint_changes, summary  # only when needed: it costs ms
+
             changes = fingerprint_changes(before.run.fingerprint_json, line.run.fingerprint_json)
             lines.append(f"  {_clock(line)}  {line.run.job_id}: {summary(changes)}")
     out = ["", "≠ fingerprint changed:", *lines] if lines else []

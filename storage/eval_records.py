@@ -3,7 +3,6 @@ where its files are) and its aggregated metrics, and the canonical form of a fin
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -28,6 +27,8 @@ def canonical_fingerprint(fingerprint: Mapping[str, Any]) -> tuple[str, str]:
 
 def fingerprint_hash(fingerprint_json: str) -> str:
     """The sha256 hex digest of the fingerprint JSON text (UTF-8)."""
+    import hashlib  # here, not at the top: `layerbus eval history` reads these records and never hashes
+
     return hashlib.sha256(fingerprint_json.encode("utf-8")).hexdigest()
 
 
