@@ -80,8 +80,13 @@ def _flips_section(metrics: Sequence[MetricComparison]) -> list[str]:
 def _margins(flip: Flip) -> str:
     if flip.base_margin is None or flip.cand_margin is None:
         return ""
-    return f"  margin {_signed(flip.base_margin, 3)} -> {_signed(flip.cand_margin, 3)}" + \
+    return f"  margin {_margin(flip.base_margin)} -> {_margin(flip.cand_margin)}" + \
         ("  ~ near tie" if flip.near_tie else "")
+
+
+def _margin(value: float) -> str:
+    # A near tie's margin is what matters most about it: never round it to "-0.000".
+    return f"{value:+.3f}" if value == 0 or abs(value) >= 1e-3 else f"{value:+.1e}"
 
 
 def _left_out_section(comparison: RunComparison) -> list[str]:

@@ -244,3 +244,15 @@ def test_usage_errors_exit_2(store_url, capsys):
         main(["eval", "compare", "--min-effect", "-1", "--db", store_url])
     assert usage.value.code == 2
     assert "must be a number >= 0" in capsys.readouterr().err
+
+
+def test_a_near_tie_flip_is_flagged_with_its_unrounded_margin(tmp_path, store, store_url, capsys):
+    base_rows = mc_task("mc", BASE)
+    cand_rows = [mc_row("mc", "q000", False, margin=0.0004)] + mc_task("mc", BASE)[1:]
+    base, cand = nightly(store, tmp_path, [base_rows, cand_rows], ACC_ONLY)
+    code, out, _ = run_cli(capsys, store_url, base.job_id, cand.job_id)
+    assert code == 0
+    assert "    q000  lost    margin +1.000 -> -4.0e-04  ~ near tie" in out
+    (flip,) = compare_json(capsys, store_url, base.job_id, cand.job_id)["metrics"][0]["flips"]
+    assert flip == {"doc_id": "q000", "gained": False, "base_margin": 1.0, "candidate_margin": pytest.approx(-0.0004),
+                    "near_tie": True}
