@@ -48,7 +48,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     from layerbus.cli.compare_report import comparison_json, comparison_text
     from layerbus.evals.compare_runs import CompareOptions, MetricKey, compare_runs
-    from layerbus.evals.fingerprint_diff import fingerprint_changes
+    from layerbus.evals.fingerprint_diff import fingerprint_changes, summary
     from layerbus.evals.run_pairs import NotComparableError, check_comparable
 
     with open_store(args.db) as store:
@@ -57,13 +57,15 @@ def main(args: argparse.Namespace) -> int:
         base_metrics = [MetricKey(m.task, m.metric, m.filter) for m in store.eval_metrics(base.job_id)]
         cand_metrics = [MetricKey(m.task, m.metric, m.filter) for m in store.eval_metrics(cand.job_id)]
     base_rows, cand_rows = _samples(base), _samples(cand)
+    changes = fingerprint_changes(base.fingerprint_json, cand.fingerprint_json)
     try:
         check_comparable(base_rows, cand_rows, base.job_id, cand.job_id)
     except NotComparableError as error:
-        raise UsageError(str(error)) from None
+        # What changed in the fingerprint usually says why the prompts differ (few-shot, tokenizer, --limit).
+        differ = f" Their fingerprints differ in: {summary(changes)}." if changes else ""
+        raise UsageError(f"{error}.{differ}") from None
     comparison = compare_runs(base_rows, cand_rows, base_metrics, cand_metrics,
                               CompareOptions(min_effect=args.min_effect, bootstrap_iters=args.bootstrap_iters))
-    changes = fingerprint_changes(base.fingerprint_json, cand.fingerprint_json)
     if args.json:
         print(json.dumps(comparison_json(base, cand, changes, comparison), indent=2, allow_nan=False))
     else:

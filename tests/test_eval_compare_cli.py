@@ -135,6 +135,7 @@ def test_differing_prompts_are_not_comparable(tmp_path, store, store_url, capsys
     assert (code, out) == (2, "")
     assert err.startswith(f"layerbus eval: error: not comparable: 3 prompts differ between {base.job_id} and "
                           f"{cand.job_id}: 3 changed (task 'mc': q004, q008, q009)")
+    assert err.endswith("their fingerprints).\n"), "same fingerprint: nothing more to say"
     assert "Traceback" not in err
 
 
@@ -144,6 +145,14 @@ def test_a_document_missing_from_one_run_is_not_comparable(tmp_path, store, stor
     assert code == 2
     assert f"not comparable: 2 prompts differ between {base.job_id} and {cand.job_id}: 2 only in {base.job_id} " \
            "(task 'mc': q098, q099)" in err
+
+
+def test_not_comparable_says_what_the_fingerprints_differ_in(tmp_path, store, store_url, capsys):
+    base = record_run(store, tmp_path, mc_task("mc", BASE), ACC_ONLY)
+    cand = record_run(store, tmp_path, mc_task("mc", BASE[:98]), ACC_ONLY, created_at=T0 + timedelta(days=1), limit=98)
+    code, _, err = run_cli(capsys, store_url, base.job_id, cand.job_id)
+    assert code == 2
+    assert err.endswith("their fingerprints). Their fingerprints differ in: settings (limit: null -> 98).\n")
 
 
 def test_defaults_compare_the_latest_run_with_the_one_before_it(tmp_path, store, store_url, capsys):
