@@ -8,6 +8,9 @@ import sys
 EXIT_OK = 0
 EXIT_FAILED = 1  # the work did not succeed: a job failed or was cancelled, the cluster broke
 EXIT_USAGE = 2  # the command cannot be done as given: fix the arguments, the input or the setup
+# `layerbus eval compare --fail-on-regression`: a metric is significantly worse. Not 1, so a CI script can tell
+# a regression from a comparison that could not run.
+EXIT_REGRESSION = 3
 EXIT_INTERRUPTED = 130  # Ctrl-C (SIGTERM: 143)
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 
-from layerbus.cli import eval_run
+from layerbus.cli import eval_compare, eval_history, eval_run
 
-EVAL_SUBCOMMANDS = (eval_run,)
+EVAL_SUBCOMMANDS = (eval_run, eval_compare, eval_history)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

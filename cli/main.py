@@ -21,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="layerbus",
         description="Offline batch inference over a model split into stage processes.",
         epilog="Exit codes: 0 done, 1 the job or cluster failed (or the job was cancelled), 2 a usage error "
-               "(the message says what to fix), 130 interrupted.")
+               "(the message says what to fix), 3 a regression (eval compare --fail-on-regression), "
+               "130 interrupted.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log progress to stderr (-vv: debug)")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in SUBCOMMANDS:

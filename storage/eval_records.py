@@ -3,12 +3,15 @@ where its files are) and its aggregated metrics, and the canonical form of a fin
 
 from __future__ import annotations
 
-import hashlib
 import json
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
+
+# Runs that JobStore.eval_runs and eval_history return by default.
+DEFAULT_EVAL_LIMIT = 50
 
 
 def canonical_fingerprint(fingerprint: Mapping[str, Any]) -> tuple[str, str]:
@@ -24,6 +27,8 @@ def canonical_fingerprint(fingerprint: Mapping[str, Any]) -> tuple[str, str]:
 
 def fingerprint_hash(fingerprint_json: str) -> str:
     """The sha256 hex digest of the fingerprint JSON text (UTF-8)."""
+    import hashlib  # here, not at the top: `layerbus eval history` reads these records and never hashes
+
     return hashlib.sha256(fingerprint_json.encode("utf-8")).hexdigest()
 
 
@@ -70,3 +75,21 @@ class EvalMetric:
     stderr: float | None
     # Documents scored for the task.
     n: int
+
+
+def metric_from_row(row: Sequence[Any]) -> EvalMetric:
+    """An EvalMetric from (task, metric, filter, value, stderr, n); a NULL value reads back as NaN.
+
+    Here rather than in eval_store so the standard-library read path (sqlite_evals) converts rows the same way."""
+    task, metric, filter_name, value, stderr, n = row
+    return EvalMetric(
+        task, metric, filter_name, math.nan if value is None else float(value),
+        None if stderr is None or math.isnan(stderr) else float(stderr), int(n),
+    )  # fmt: skip
+
+
+def metric_order(metric: EvalMetric) -> tuple[str, str, str]:
+    """The order a run's metrics are returned in: task, metric, filter.
+
+    Sorted in Python, not by ORDER BY: PostgreSQL's collation may order text unlike SQLite's byte order."""
+    return (metric.task, metric.metric, metric.filter)

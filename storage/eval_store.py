@@ -18,15 +18,19 @@ from sqlalchemy import Connection, and_, delete, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
 from layerbus.storage.errors import StoreError
-from layerbus.storage.eval_records import EvalMetric, EvalRun, fingerprint_hash
+from layerbus.storage.eval_records import (
+    EvalMetric,
+    EvalRun,
+    fingerprint_hash,
+    metric_from_row,
+    metric_order,
+)
 from layerbus.storage.schema import eval_metrics as metrics_table
 from layerbus.storage.schema import eval_runs as runs_table
 from layerbus.storage.schema import jobs as jobs_table
 
 RUN = runs_table.c
 METRIC = metrics_table.c
-# Runs that JobStore.eval_runs and eval_history return by default.
-DEFAULT_EVAL_LIMIT = 50
 # Where a user finds the recorded runs, for messages.
 _LIST_RUNS = "`SELECT job_id, suite, created_at FROM eval_runs ORDER BY created_at DESC` lists the recorded runs"
 _RUN_COLUMNS = (RUN.job_id, RUN.suite, RUN.model, RUN.fingerprint_hash, RUN.fingerprint_json, RUN.settings_json,
@@ -125,7 +129,7 @@ class EvalTables:
         if not self._run_exists(conn, job_id):
             raise self.no_run(job_id)
         rows = conn.execute(select(*_METRIC_COLUMNS).where(METRIC.job_id == job_id))
-        return sorted((metric_from_row(row) for row in rows), key=_metric_order)
+        return sorted((metric_from_row(row) for row in rows), key=metric_order)
 
     def history(
         self, conn: Connection, suite: str, metric: str | None, limit: int
@@ -141,7 +145,7 @@ class EvalTables:
         if runs:
             for job_id, *values in conn.execute(query):
                 per_run[job_id].append(metric_from_row(values))
-        return [(r, sorted(per_run[r.job_id], key=_metric_order)) for r in runs]
+        return [(r, sorted(per_run[r.job_id], key=metric_order)) for r in runs]
 
     # --- messages and helpers ---------------------------------------------------------------------
 
@@ -211,20 +215,6 @@ def metric_rows(job_id: str, metrics: Sequence[EvalMetric]) -> list[dict[str, An
             "value": _finite_or_null(m.value), "stderr": _finite_or_null(m.stderr), "n": m.n,
         })  # fmt: skip
     return rows
-
-
-def metric_from_row(row: Sequence[Any]) -> EvalMetric:
-    """An EvalMetric from (task, metric, filter, value, stderr, n); a NULL value reads back as NaN."""
-    task, metric, filter_name, value, stderr, n = row
-    return EvalMetric(
-        task, metric, filter_name, math.nan if value is None else float(value),
-        None if stderr is None or math.isnan(stderr) else float(stderr), int(n),
-    )  # fmt: skip
-
-
-def _metric_order(metric: EvalMetric) -> tuple[str, str, str]:
-    # Sorted here, not by ORDER BY: PostgreSQL's collation may order text unlike SQLite's byte order.
-    return (metric.task, metric.metric, metric.filter)
 
 
 def _finite_or_null(value: float | None) -> float | None:

@@ -53,7 +53,7 @@ def read_recent_jobs(url: str, limit: int, now: datetime | None = None) -> list[
 def read_job_events(url: str, job_id: str, limit: int = DEFAULT_EVENT_LIMIT) -> list[JobEvent] | None:
     """The job's last `limit` events, oldest first, as JobStore.job_events returns them; None when this
     path cannot answer. Call it for a job read_job_status found: an unknown job just has no events here."""
-    connect = _connect(url)
+    connect = read_only_connect(url)
     if connect is None:
         return None
     try:
@@ -63,10 +63,10 @@ def read_job_events(url: str, job_id: str, limit: int = DEFAULT_EVENT_LIMIT) -> 
             rows = conn.execute(_EVENTS, (job_id, limit)).fetchall()
     except sqlite3.Error:
         return None
-    return events_oldest_first((_utc(at), kind, message, duration) for at, kind, message, duration in rows)
+    return events_oldest_first((utc_from_text(at), kind, message, duration) for at, kind, message, duration in rows)
 
 
-def _connect(url: str):
+def read_only_connect(url: str):
     """A function opening the store read-only, or None when `url` is not an existing SQLite file."""
     path = sqlite_file(url)
     if path is None or not path.is_file():
@@ -75,7 +75,7 @@ def _connect(url: str):
 
 
 def _read(url: str, query: str, params: tuple, now: datetime | None, allow_empty: bool = False):
-    connect = _connect(url)
+    connect = read_only_connect(url)
     if connect is None:
         return None
     try:
@@ -94,11 +94,12 @@ def _read(url: str, query: str, params: tuple, now: datetime | None, allow_empty
     clock = now or datetime.now(timezone.utc)
     for row in rows:
         for column in TIMESTAMP_COLUMNS:
-            row[column] = _utc(row[column])
+            row[column] = utc_from_text(row[column])
     return [build_job_status(row, aggregates.get(row["id"], []), clock) for row in rows]
 
 
-def _utc(value: str | None) -> datetime | None:
+def utc_from_text(value: str | None) -> datetime | None:
+    """An aware UTC datetime from a timestamp column's text (storage/sqlite_evals reads them too)."""
     # Stored as naive UTC text by storage.schema.UtcDateTime ("YYYY-MM-DD HH:MM:SS[.ffffff]").
     if value is None:
         return None

@@ -20,8 +20,8 @@ from sqlalchemy.exc import IntegrityError
 
 from layerbus.storage.engine import READ_ONLY_OPTION, create_tables, open_engine
 from layerbus.storage.errors import StoreError, mask_url
-from layerbus.storage.eval_records import EvalMetric, EvalRun
-from layerbus.storage.eval_store import DEFAULT_EVAL_LIMIT, EvalTables
+from layerbus.storage.eval_records import DEFAULT_EVAL_LIMIT, EvalMetric, EvalRun
+from layerbus.storage.eval_store import EvalTables
 from layerbus.storage.events import DEFAULT_EVENT_LIMIT, event_row, events_oldest_first
 from layerbus.storage.records import ClaimedItem, InvalidItem, ItemResult, JobEvent, JobSettings, JobStatus, NewItem
 from layerbus.storage.result_row import RESULT_COLUMNS
