@@ -59,4 +59,7 @@ _HEAVY_USER_ERRORS = {
     "layerbus.broker.placement": ("PlacementError",),
     "layerbus.broker.cluster_file": ("ClusterFileError",),
     "layerbus.broker.wire_choice": ("WireConfigError",),
+    "layerbus.evals.suites": ("SuiteError",),
+    "layerbus.evals.documents": ("TaskFileError",),
+    "layerbus.evals.task_yaml": ("TaskYamlError",),
 }

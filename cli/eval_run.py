@@ -120,7 +120,14 @@ def _queued(store, args, options) -> tuple[str, Path]:
     from layerbus.models.fingerprint import model_fingerprint
     from layerbus.models.model_info import load_tokenizer
 
-    suite, tasks = select_tasks(options)  # before the model: a bad task file is reported at once
+    from layerbus.evals.suites import SuiteError
+
+    try:
+        suite, tasks = select_tasks(options)  # before the model: a bad task file is reported at once
+    except SuiteError as error:
+        count = len(error.problems)
+        raise UsageError(f"{count} problem{'s' if count != 1 else ''} in the tasks; nothing was queued:\n{error}") \
+            from None
     model_dir = resolve_model(args.model)
     info = model_for_stages(model_dir, args.stages)
     # lm-eval's max_length: what the broker's context allows (--max-context, capped by the model's limit).
