@@ -322,6 +322,15 @@ class JobStore:
             query = select(JOB.id).order_by(JOB.created_at.desc(), JOB.id.desc()).limit(1)
             return conn.execute(query).scalar_one_or_none()
 
+    def find_job_by_name(self, name: str) -> str | None:
+        """The newest job named `name` (created_at, then id), or None: how a caller that names its jobs by
+        what they compute (lm-eval's adapter: a digest of model and items) finds its earlier run to resume."""
+        if not name:
+            raise ValueError("find_job_by_name needs a non-empty name: unnamed jobs all share the name ''")
+        with self._read() as conn:
+            query = select(JOB.id).where(JOB.name == name).order_by(JOB.created_at.desc(), JOB.id.desc()).limit(1)
+            return conn.execute(query).scalar_one_or_none()
+
     def next_runnable_job(self) -> str | None:
         """The oldest job with work to hand out (queued or in_progress), or None."""
         with self._read() as conn:

@@ -266,6 +266,19 @@ def test_listing_latest_and_next_runnable(store: JobStore) -> None:
     assert store.next_runnable_job() == newer
 
 
+def test_find_job_by_name_returns_the_newest_job_of_that_name(store: JobStore) -> None:
+    named = JobSettings(task="lm-eval", model="tiny-model", name="lm-eval-abc")
+    assert store.find_job_by_name("lm-eval-abc") is None
+    older = store.create_job(named, new_items(1), now=T0)
+    store.create_job(SETTINGS, new_items(1), now=T0 + timedelta(minutes=2))  # another name, newer
+    assert store.find_job_by_name("lm-eval-abc") == older
+    newer = store.create_job(named, new_items(1), now=T0 + timedelta(minutes=1))
+    assert store.find_job_by_name("lm-eval-abc") == newer
+    assert store.find_job_by_name("lm-eval-ab") is None  # exact match, not a prefix
+    with pytest.raises(ValueError, match="non-empty name"):
+        store.find_job_by_name("")
+
+
 def test_item_results_pages_through_large_jobs_in_seq_order(store: JobStore) -> None:
     job_id = store.create_job(SETTINGS, new_items(2500))
     while claimed := store.claim_items(job_id, "w", 500):
