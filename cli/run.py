@@ -78,26 +78,20 @@ def main(args: argparse.Namespace) -> int:
 
 def run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.Namespace) -> JobStatus:
     """Run a queued or interrupted job on a broker here and args.stages local stage processes."""
-    from tqdm import tqdm
-
     from layerbus.broker.broker import BrokerConfig
     from layerbus.broker.control import ClusterError
-    from layerbus.jobs.runner import run_job
-    from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
-    from layerbus.storage.engine import layerbus_home
-    from layerbus.storage.run_info import write_run_info
+    from layerbus.broker.local_cluster import LocalStageOptions
+    from layerbus.jobs.local_run import run_job_locally, stage_log_dir
 
-    log_dir = layerbus_home() / "logs" / job_id
+    log_dir = stage_log_dir(job_id)
     config = BrokerConfig(str(model_dir), args.stages, partition=args.partition,
                           batching=batching_from_args(args), pipeline=pipeline_from_args(args),
                           **wire_from_args(args))
     options = LocalStageOptions(threads_per_stage=args.threads_per_stage, log_dir=log_dir)
     print(f"layerbus: running {job_id} on {args.stages} local stage(s); stage logs in {log_dir}", file=sys.stderr)
     try:
-        with stop_on_signals(), LocalCluster(config, options) as cluster:
-            write_run_info(job_id, cluster.broker.run_info())
-            with tqdm(desc=job_id, unit="item", file=sys.stderr, disable=None, dynamic_ncols=True) as bar:
-                return run_job(store, job_id, cluster.broker, results_dir(), progress=bar)
+        with stop_on_signals():
+            return run_job_locally(store, job_id, config, options, results_dir())
     except ClusterError as error:
         raise RunFailed(f"{error}\nstage logs: {log_dir}; the job keeps its finished items: "
                         f"`layerbus run --job {job_id}` resumes it") from None
