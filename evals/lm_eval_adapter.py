@@ -20,7 +20,9 @@ model_args (--model_args key=value,...):
   wire               hidden-state codec between stages (default float32; "auto" chooses per link)
   threads_per_stage  torch threads per stage (default 0: the cores shared evenly)
   partition          planned (default), balanced or equal, as `layerbus run --partition`
-  device, dtype      of the stages (default cpu, float32)
+  device             of the stages, chosen as HFLM chooses: the one given when this machine has it, else cuda:0
+                     when there is a GPU, else cpu (lm-eval's CLI passes cuda:0 unless --device says otherwise)
+  dtype              of the stages (default float32; HFLM's default is the model's own dtype)
   add_bos_token, prefix_token_id   as HFLM's
   batch_size, max_batch_size       accepted and ignored: layerbus batches continuously
 Every call is one layerbus job named by a digest of the model and its items: an interrupted evaluation
@@ -98,7 +100,7 @@ class LayerbusLM(TemplateLM):
         self._max_gen_toks = int(max_gen_toks)
         # batch_size / max_batch_size: lm-eval passes them to every model; layerbus batches continuously
         # (slots refill as sequences finish), so there is no batch size to choose.
-        self._device = device or "cpu"
+        self._device = _stage_device(device)
         self.pipeline = LocalPipeline(model_dir=model_dir, stages=int(stages), db=db, max_context=self._max_length,
                                       wire=str(wire), threads_per_stage=int(threads_per_stage),
                                       partition=str(partition), device=self._device, dtype=str(dtype),
@@ -241,6 +243,25 @@ def _model_dir(pretrained: str | None) -> Path:
 
         return default_model_dir()
     return Path(str(pretrained)).expanduser().absolute()
+
+
+def _stage_device(device: str | None) -> str:
+    """HFLM's choice of device: the one asked for when this machine has it, else CUDA when there is one, else
+    the CPU. lm-eval's CLI passes device=cuda:0 unless told otherwise, on machines without a GPU too; a stage
+    given a device it cannot use exits, and the broker would wait for it in vain."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if device and not (device.startswith("cuda") and not cuda) and not (device == "mps" and not _has_mps(torch)):
+        return device
+    if device:
+        log.warning("device %s is not available here: the stages run on %s", device, "cuda:0" if cuda else "cpu")
+    return "cuda:0" if cuda else "cpu"
+
+
+def _has_mps(torch: Any) -> bool:
+    backend = getattr(torch.backends, "mps", None)
+    return bool(backend and backend.is_available())
 
 
 def _max_length(given: int | None, config: Any, tokenizer: Any, model_limit: int, model_dir: Path) -> int:
