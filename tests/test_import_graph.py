@@ -28,6 +28,10 @@ directories through `models`):
                                           jobs, so they sit above them
   cli      all of them                    the `layerbus` command wires everything together
 
+Optional extras (`OPTIONAL_THIRD_PARTY`): `lm_eval` (the `lm-eval` extra) is imported only by
+evals.lm_eval_adapter and evals.lm_eval_cli, and no other product module imports those two, so the core
+install never needs it.
+
 An import of `layerbus.a.b` counts as an edge to module `layerbus.a.b` only (not to the
 package `layerbus.a` that Python also runs first): a package's `__init__` that lazily imports its own
 modules would otherwise make every module of that package a cycle.
@@ -63,6 +67,11 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 }
 # Third-party imports a package must not make anywhere (module-level or not).
 BANNED_THIRD_PARTY = {"wire": ("transformers",)}
+# Optional extras (pyproject.toml [project.optional-dependencies]) -> the only modules that may import them. Any
+# other module importing one of those modules would make the extra required where it is imported.
+OPTIONAL_THIRD_PARTY: dict[str, tuple[str, ...]] = {
+    "lm_eval": ("layerbus.evals.lm_eval_adapter", "layerbus.evals.lm_eval_cli"),
+}
 
 
 @dataclass(frozen=True)
@@ -153,6 +162,23 @@ def direction_problems(imports: list[Import], others: list[Import], modules: dic
     return problems
 
 
+def optional_problems(imports: list[Import], others: list[Import],
+                      optional: dict[str, tuple[str, ...]] = OPTIONAL_THIRD_PARTY) -> list[str]:
+    """Imports of an optional extra outside its modules, and imports of those modules from anywhere else."""
+    problems = []
+    for found in others:
+        owners = optional.get(found.target.split(".")[0])
+        if owners is not None and found.source not in owners:
+            problems.append(f"{found.where()}: {found.target} is an optional extra; only {', '.join(owners)} "
+                            "may import it")
+    for owners in optional.values():
+        for found in imports:
+            if found.target in owners and found.source not in owners:
+                problems.append(f"{found.where()}: {found.target} needs an optional extra; import it only from "
+                                f"{', '.join(owners)} (or from tests)")
+    return problems
+
+
 def cycle_problems(imports: list[Import], node_of) -> list[str]:
     """One message per import cycle among the nodes (`node_of` maps a module to its node: the
     module itself, or its package), listing the import that makes each hop."""
@@ -236,6 +262,7 @@ def check_import_graph(root: Path, allowed: dict[str, tuple[str, ...]] = ALLOWED
     modules = module_files(root)
     imports, others = read_imports(root, modules)
     problems = direction_problems(imports, others, modules, allowed, set(package_dirs(root)))
+    problems += optional_problems(imports, others)
     problems += cycle_problems(imports, lambda module: top_package(module))
     problems += cycle_problems(imports, lambda module: module)
     return problems
@@ -340,3 +367,15 @@ def test_checker_fails_on_a_banned_third_party_import(tmp_path):
                           packages=("wire",))
     problems = check_import_graph(root, {"wire": ()})
     assert problems == ["wire/w.py:2: `import transformers.models`: wire must not import transformers.models"]
+
+
+def test_checker_confines_an_optional_extra_to_its_modules(tmp_path):
+    root = synthetic_tree(tmp_path, {"low/a.py": "def f():\n    import lm_eval.api\n",
+                                     "high/b.py": "from layerbus.low import a\n"})
+    modules = module_files(root)
+    imports, others = read_imports(root, modules)
+    problems = optional_problems(imports, others, {"lm_eval": ("layerbus.low.a",)})
+    assert problems == ["high/b.py:1: `from layerbus.low import a`: layerbus.low.a needs an optional extra; import it "
+                        "only from layerbus.low.a (or from tests)"]
+    problems = optional_problems(imports, others, {"lm_eval": ("layerbus.high.b",)})
+    assert problems[0].startswith("low/a.py:2: `import lm_eval.api`: lm_eval.api is an optional extra")

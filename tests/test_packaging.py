@@ -65,3 +65,18 @@ def test_installed_wheel_has_no_generic_top_level_names(wheel: Path, tmp_path: P
     helped = subprocess.run([str(env_dir / "bin" / "layerbus"), "--help"], cwd=tmp_path, capture_output=True, text=True)
     assert helped.returncode == 0, helped.stderr
     assert "usage: layerbus" in helped.stdout
+
+
+def test_the_lm_eval_adapter_is_an_extra_and_says_how_to_install_it(wheel: Path, tmp_path: Path):
+    metadata = next(n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".dist-info/METADATA"))
+    text = zipfile.ZipFile(wheel).read(metadata).decode()
+    assert "Provides-Extra: lm-eval" in text and "extra == \"lm-eval\"" in text
+    assert not [line for line in text.splitlines() if line.startswith("Requires-Dist: lm-eval") and "extra ==" not in line]
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=False).create(env_dir)
+    python = env_dir / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
+                    "--disable-pip-version-check", str(wheel)], check=True)
+    probe = subprocess.run([str(python), "-c", "import layerbus.evals.lm_eval_adapter"], cwd=tmp_path,
+                           capture_output=True, text=True)
+    assert probe.returncode != 0 and "pip install 'layerbus[lm-eval]'" in probe.stderr, probe.stderr
