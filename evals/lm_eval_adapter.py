@@ -24,6 +24,7 @@ model_args (--model_args key=value,...):
                      when there is a GPU, else cpu (lm-eval's CLI passes cuda:0 unless --device says otherwise)
   dtype              of the stages (default float32; HFLM's default is the model's own dtype)
   add_bos_token, prefix_token_id   as HFLM's
+  progress           a tqdm bar per job on stderr, on a terminal (default true)
   batch_size, max_batch_size       accepted and ignored: layerbus batches continuously
 Every call is one layerbus job named by a digest of the model and its items: an interrupted evaluation
 resumes where it stopped, a finished one is re-read without starting a stage (evals/lm_eval_jobs.py).
@@ -52,6 +53,7 @@ except ImportError as missing:  # the core install leaves lm-eval out: it is an 
 
 from layerbus.evals.lm_eval_items import (
     PlannedItem,
+    ScoreOutput,
     generation_params,
     plan_loglikelihood,
     plan_rolling,
@@ -233,7 +235,7 @@ class LayerbusLM(TemplateLM):
         self.last_job = run_items(self.pipeline, kind, items)
         return self.last_job.outputs
 
-    def _scores(self, kind: str, items: tuple[PlannedItem, ...]):
+    def _scores(self, kind: str, items: tuple[PlannedItem, ...]) -> list[ScoreOutput]:
         return [read_score_output(str(index), output) for index, output in enumerate(self._run(kind, list(items)))]
 
 
