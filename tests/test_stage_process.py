@@ -314,11 +314,12 @@ def test_non_emitting_rows_return_no_token_and_targets_are_scored(stage: StagePr
                                   PROMPT[:3] + PROMPT, step=12))
     header = stage.result().header
     assert header["tokens"] == []
-    ((slot, scores),) = header["scores"]
+    ((slot, scores, greedy),) = header["scores"]
     with torch.no_grad():
         logits = models["untied"][1](torch.tensor([PROMPT])).logits[0]
     expected = torch.log_softmax(logits, -1)[torch.arange(len(PROMPT)), torch.tensor(targets)]
     assert slot == 3 and scores == pytest.approx(expected.tolist(), abs=1e-4)
+    assert greedy == (logits.argmax(-1) == torch.tensor(targets)).tolist()
 
 
 def malformed_cases() -> dict:
