@@ -117,12 +117,10 @@ class LayerbusLM(TemplateLM):
 
     @property
     def prefix_token_id(self) -> int:
-        """HFLM's: the custom one, else BOS, else EOS."""
-        if self.custom_prefix_token_id is not None:
-            return self.custom_prefix_token_id
-        if self.tokenizer.bos_token_id is not None:
-            return self.tokenizer.bos_token_id
-        return self.tokenizer.eos_token_id
+        """HFLM's: the custom one, else BOS, else EOS (evals.encoding.Encoder holds the rule)."""
+        from layerbus.evals.encoding import Encoder
+
+        return Encoder(self.tokenizer, custom_prefix_token_id=self.custom_prefix_token_id).prefix_token_id
 
     @property
     def max_length(self) -> int:
