@@ -27,7 +27,7 @@ def layerbus_attention(module, query, key, value, attention_mask, dropout: float
     `query` is [rows, heads, 1, head_dim]."""
     layout = kwargs.pop("layerbus_layout", None)
     if layout is not None:
-        return packed_attention(query, key, value, layout, kwargs.get("sliding_window"), scaling)
+        return packed_attention(query, key, value, layout, kwargs.get("layerbus_window"), scaling)
     rows = kwargs.pop("layerbus_rows", None)
     if rows is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

@@ -96,9 +96,10 @@ def _run_packed(shard: StageShard, arena: KVArena, rows: list[StepRow], inputs: 
     hidden = _embedded(shard, packed)
     position_embeddings = shard.rotary_emb(hidden, layout.positions)
     cache = arena.packed_view(layout)
-    for layer in shard.layers:
+    for layer, window in zip(shard.layers, shard.layer_windows):
+        # The window comes from the shard (its reading of the config), as the grouped path's masks do.
         out = layer(hidden, attention_mask=None, position_ids=layout.positions, cache=cache, use_cache=True,
-                    position_embeddings=position_embeddings, layerbus_layout=layout)
+                    position_embeddings=position_embeddings, layerbus_layout=layout, layerbus_window=window)
         hidden = out[0] if isinstance(out, tuple) else out
     arena.commit_rows(layout.slots, layout.ends)
     if shard.norm is not None:
