@@ -36,8 +36,41 @@ def summarization_messages(count: int) -> list[tuple[str, list[dict]]]:
 
 
 def tokenized_prompts(tokenizer, count: int) -> list[tuple[str, list[int]]]:
+    return _tokenized(tokenizer, summarization_messages(count))
+
+
+def _tokenized(tokenizer, messages_list) -> list[tuple[str, list[int]]]:
     out = []
-    for prompt_id, messages in summarization_messages(count):
+    for prompt_id, messages in messages_list:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         out.append((prompt_id, tokenizer(text, add_special_tokens=False).input_ids))
     return out
+
+
+# Dense work: prompts of similar length whose answers run to the token limit (few end early), the
+# case where `generate` with length-sorted batches wastes nothing on padding or finished rows.
+STORY_SUBJECTS = (
+    "a lighthouse keeper", "a lost robot", "a baker in a small town", "two rival chess players", "a dragon who "
+    "cannot fly", "a girl who talks to trees", "an old sailor", "a city under the sea", "a clockmaker",
+    "a detective cat", "a forgotten library", "a time-travelling student", "a mountain village", "a space station "
+    "cook", "a shy giant", "a musician without a voice",
+)
+STORY_TWISTS = (
+    "Describe every day of one long week in detail.", "Tell it slowly, with many details about the places.",
+    "Include long conversations between the characters.", "Describe the seasons changing, one by one.",
+)
+
+
+def story_messages(count: int) -> list[tuple[str, list[dict]]]:
+    """`count` (id, chat messages) pairs asking for long stories: similar prompt lengths, long outputs."""
+    prompts = []
+    for i in range(count):
+        subject = STORY_SUBJECTS[i % len(STORY_SUBJECTS)]
+        twist = STORY_TWISTS[(i // len(STORY_SUBJECTS)) % len(STORY_TWISTS)]
+        text = f"Write a long story about {subject}. {twist} Story number {i + 1}."
+        prompts.append((f"story-{i}", [{"role": "user", "content": text}]))
+    return prompts
+
+
+def tokenized_stories(tokenizer, count: int) -> list[tuple[str, list[int]]]:
+    return _tokenized(tokenizer, story_messages(count))

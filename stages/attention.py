@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from layerbus.stages.packing import PackedLayout
+
 ATTENTION_NAME = "layerbus"
 
 
@@ -23,6 +25,9 @@ def layerbus_attention(module, query, key, value, attention_mask, dropout: float
     """`layerbus_rows` (slot, cached length incl. the new token) per row marks a decode group: then
     `key`/`value` are the layer's whole arenas [slots, kv_heads, capacity, head_dim] and
     `query` is [rows, heads, 1, head_dim]."""
+    layout = kwargs.pop("layerbus_layout", None)
+    if layout is not None:
+        return packed_attention(query, key, value, layout, kwargs.get("layerbus_window"), scaling)
     rows = kwargs.pop("layerbus_rows", None)
     if rows is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -36,6 +41,31 @@ def layerbus_attention(module, query, key, value, attention_mask, dropout: float
             scale=scaling, enable_gqa=key.shape[1] != query.shape[1]))
     # [rows, heads, 1, head_dim] -> [rows, 1, heads, head_dim], the layout attention modules expect
     return torch.cat(outputs).transpose(1, 2).contiguous(), None
+
+
+def packed_attention(query, keys, values, layout: PackedLayout, window: int | None, scaling):
+    """Attention of a packed step (stages.packing): `query` is [1, heads, N, head_dim] in packed
+    order, `keys`/`values` the layer's whole arenas [slots, kv_heads, capacity, head_dim], already
+    holding this step's keys. Returns [1, N, heads, head_dim]."""
+    heads, positions, head_dim = query.shape[1], query.shape[2], query.shape[3]
+    gqa = keys.shape[1] != heads
+    out = query.new_empty((1, positions, heads, head_dim))
+    for run, mask in zip(layout.runs, layout.run_masks[window]):
+        rows = slice(run.offset, run.offset + run.count)
+        slots = slice(run.first_slot, run.first_slot + run.count)
+        q = query[0, :, rows].transpose(0, 1).unsqueeze(2)  # [rows, heads, 1, head_dim]
+        attended = F.scaled_dot_product_attention(q, keys[slots, :, :run.key_length],
+                                                  values[slots, :, :run.key_length], attn_mask=mask,
+                                                  scale=scaling, enable_gqa=gqa)
+        out[0, rows] = attended[:, :, 0]
+    for chunk, mask in zip(layout.chunks, layout.chunk_masks[window]):
+        rows = slice(chunk.offset, chunk.offset + chunk.length)
+        end = chunk.start + chunk.length
+        attended = F.scaled_dot_product_attention(
+            query[:, :, rows], keys[chunk.slot:chunk.slot + 1, :, :end], values[chunk.slot:chunk.slot + 1, :, :end],
+            attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=gqa)
+        out[0, rows] = attended[0].transpose(0, 1)
+    return out, None
 
 
 AttentionInterface.register(ATTENTION_NAME, layerbus_attention)

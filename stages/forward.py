@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from layerbus.stages.kv_cache import CacheGroup, KVArena
+from layerbus.stages.packing import PackedLayout
 from layerbus.stages.shard import StageShard
 from layerbus.wire.protocol import StepRow
 
@@ -69,6 +70,8 @@ def run_step(shard: StageShard, arena: KVArena, rows: list[StepRow], inputs: tor
         offsets.append(offsets[-1] + row.length)
     if inputs.shape[0] != offsets[-1]:
         raise ValueError(f"step carries {inputs.shape[0]} positions but its rows add up to {offsets[-1]}")
+    if shard.attends_in_place and rows:
+        return _run_packed(shard, arena, rows, inputs)
     outputs: list[torch.Tensor | None] = [None] * len(rows)
     for run in plan_groups(rows, arena.max_context):
         # [B, T] token ids or [B, T, hidden]: rows of a decode group have T = 1; shorter prefill chunks
@@ -84,6 +87,35 @@ def run_step(shard: StageShard, arena: KVArena, rows: list[StepRow], inputs: tor
     return torch.cat(outputs)
 
 
+def _run_packed(shard: StageShard, arena: KVArena, rows: list[StepRow], inputs: torch.Tensor) -> torch.Tensor:
+    """Every row in one pass over the layers (see stages.packing); returns rows in their own order."""
+    layout = PackedLayout(rows, set(shard.layer_windows), shard.device)
+    arena.prepare_rows(layout.slots, layout.starts, layout.ends)
+    packed = inputs if layout.gather is None else inputs.index_select(0, layout.gather.to(inputs.device))
+    packed = packed.to(shard.device).unsqueeze(0)  # [1, N] token ids or [1, N, hidden]
+    hidden = _embedded(shard, packed)
+    position_embeddings = shard.rotary_emb(hidden, layout.positions)
+    cache = arena.packed_view(layout)
+    for layer, window in zip(shard.layers, shard.layer_windows):
+        # The window comes from the shard (its reading of the config), as the grouped path's masks do.
+        out = layer(hidden, attention_mask=None, position_ids=layout.positions, cache=cache, use_cache=True,
+                    position_embeddings=position_embeddings, layerbus_layout=layout, layerbus_window=window)
+        hidden = out[0] if isinstance(out, tuple) else out
+    arena.commit_rows(layout.slots, layout.ends)
+    if shard.norm is not None:
+        hidden = shard.norm(hidden)
+    hidden = hidden[0]
+    return hidden if layout.restore is None else hidden.index_select(0, layout.restore)
+
+
+def _embedded(shard: StageShard, batch: torch.Tensor) -> torch.Tensor:
+    if shard.embed_tokens is None:
+        return batch.to(shard.dtype)
+    hidden = shard.embed_tokens(batch)
+    multiplier = getattr(shard.config, "embedding_multiplier", None)  # Granite scales embeddings
+    return hidden * multiplier if multiplier else hidden
+
+
 def _padded(part: torch.Tensor, width: int) -> torch.Tensor:
     if part.shape[0] == width:
         return part
@@ -93,10 +125,7 @@ def _padded(part: torch.Tensor, width: int) -> torch.Tensor:
 
 def _run_group(shard: StageShard, arena: KVArena, group: CacheGroup, batch: torch.Tensor) -> torch.Tensor:
     arena.prepare(group)
-    hidden = shard.embed_tokens(batch) if shard.embed_tokens is not None else batch.to(shard.dtype)
-    multiplier = getattr(shard.config, "embedding_multiplier", None)  # Granite scales embeddings
-    if shard.embed_tokens is not None and multiplier:
-        hidden = hidden * multiplier
+    hidden = _embedded(shard, batch)
     positions = _positions(group, shard.device)  # [B, T]
     position_embeddings = shard.rotary_emb(hidden, positions)
     in_place = group.length == 1 and shard.attends_in_place

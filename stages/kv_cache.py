@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from layerbus.stages.packing import PackedLayout
+
 
 @dataclass(frozen=True)
 class CacheGroup:
@@ -59,10 +61,14 @@ class KVArena:
 
     def prepare(self, group: CacheGroup) -> None:
         """Make room for the group and forget anything cached past each row's start."""
-        needed = max(group.ends)
+        self.prepare_rows(group.slots, group.starts, group.ends)
+
+    def prepare_rows(self, slots: list[int], starts: list[int], ends: list[int]) -> None:
+        """Make room for positions up to each row's end and forget anything cached past its start."""
+        needed = max(ends)
         if needed > self.max_context:
             raise ValueError(f"position {needed} exceeds the context budget of {self.max_context} tokens")
-        for slot, start in zip(group.slots, group.starts):
+        for slot, start in zip(slots, starts):
             if not 0 <= slot < self.num_slots:
                 raise ValueError(f"slot {slot} is outside this stage's {self.num_slots} slots")
             if start > self.lengths[slot]:
@@ -78,7 +84,10 @@ class KVArena:
             self._resize(min(capacity, self.max_context))
 
     def commit(self, group: CacheGroup) -> None:
-        for slot, end in zip(group.slots, group.filled_ends):
+        self.commit_rows(group.slots, group.filled_ends)
+
+    def commit_rows(self, slots: list[int], ends: list[int]) -> None:
+        for slot, end in zip(slots, ends):
             self.lengths[slot] = end
 
     def release(self, slot: int) -> None:
@@ -90,6 +99,9 @@ class KVArena:
 
     def view(self, group: CacheGroup, in_place: bool = False) -> "StepCache":
         return StepCache(self, group, in_place)
+
+    def packed_view(self, layout: "PackedLayout") -> "PackedCache":
+        return PackedCache(self, layout)
 
     def _resize(self, capacity: int) -> None:
         keep = min(capacity, self.capacity)
@@ -146,3 +158,28 @@ class StepCache:
             rows = slice(first, first + len(group.slots))
             return keys[rows, :, :self.key_length], values[rows, :, :self.key_length]
         return keys[self.slot_index, :, :self.key_length], values[self.slot_index, :, :self.key_length]
+
+
+class PackedCache:
+    """The cache a packed step's layers see (stages.packing): `update` writes every row's new
+    keys/values into its slot and returns the layer's whole arenas, from which
+    stages.attention reads each row's own keys in place."""
+
+    def __init__(self, arena: KVArena, layout: PackedLayout):
+        self.arena, self.layout = arena, layout
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        # key_states: [1, kv_heads, N, head_dim] in packed order.
+        arena, layout = self.arena, self.layout
+        i = arena.layer_slot[layer_idx]
+        keys, values = arena.keys[i], arena.values[i]
+        decode = layout.num_decode
+        if decode:
+            # One scatter for all decode rows: row r's key goes to (slot r, position r).
+            keys[layout.decode_slots, :, layout.decode_positions] = key_states[0, :, :decode].transpose(0, 1)
+            values[layout.decode_slots, :, layout.decode_positions] = value_states[0, :, :decode].transpose(0, 1)
+        for chunk in layout.chunks:
+            end = chunk.offset + chunk.length
+            keys[chunk.slot, :, chunk.start:chunk.start + chunk.length] = key_states[0, :, chunk.offset:end]
+            values[chunk.slot, :, chunk.start:chunk.start + chunk.length] = value_states[0, :, chunk.offset:end]
+        return keys, values
