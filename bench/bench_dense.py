@@ -1,0 +1,72 @@
+"""Dense work: layerbus against `generate` where `generate` wastes nothing (issue: engine speed).
+
+Similar-length prompts (long-story requests, about 55 tokens with the chat template) whose answers
+mostly run to the token limit: no padding and almost no finished rows for `generate` to carry, so
+its only handicap is gone. `generate` gets prompts sorted by length and its best batch size of
+--batches; layerbus runs with its own defaults (`layerbus run` without batching options) on 1 and
+2 local stage processes sharing the machine's cores. Greedy, float32, one run, side by side.
+
+    .venv/bin/python bench/bench_dense.py                 # 128 prompts, 64 new tokens (about 10 min on 2 cores)
+    .venv/bin/python bench/bench_dense.py --prompts 64    # the issue's smaller case
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.bench_pipeline import best_sorted_baseline, run_layerbus  # noqa: E402
+from bench.corpus import tokenized_stories  # noqa: E402
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=None, help="model dir (default: the default model)")
+    parser.add_argument("--prompts", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--batches", type=int, nargs="*", default=[32, 64, 128], help="generate batch sizes tried")
+    parser.add_argument("--stages", type=int, nargs="*", default=[1, 2])
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bench_dense.json")
+    args = parser.parse_args()
+    from layerbus.models.default_model import default_model_dir
+    from layerbus.models.model_info import load_tokenizer, read_model_info
+
+    model_dir = args.model or default_model_dir()
+    info = read_model_info(model_dir)
+    prompts = tokenized_stories(load_tokenizer(model_dir), args.prompts)
+    cores = os.cpu_count() or 1
+    baseline = best_sorted_baseline(model_dir, prompts, args.max_new_tokens, args.batches, cores, set(info.eos_ids))
+    rows = [baseline]
+    for stages in args.stages:
+        rows.append(run_layerbus(model_dir, prompts, args.max_new_tokens, stages, max(1, cores // stages)))
+    one_stage = next((row for row in rows[1:] if row["system"] == "layerbus, 1 stage(s)"), None)
+    for row in rows:
+        row["vs_generate"] = row["useful_tok_s"] / baseline["useful_tok_s"]
+        if one_stage is not None and row is not baseline:
+            row["vs_one_stage"] = row["useful_tok_s"] / one_stage["useful_tok_s"]
+    report = {"model": str(model_dir), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+              "prompt_tokens": sum(len(ids) for _, ids in prompts), "cores": cores, "rows": rows,
+              "targets": {"1 stage vs generate": ">= 1.0x (aim 1.3x)", "2 stages vs 1 stage": ">= 0.95x"}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"\n{len(prompts)} story prompts ({report['prompt_tokens']} prompt tokens), max_new_tokens "
+          f"{args.max_new_tokens}, {cores} cores; generate tried: {baseline['tried']}")
+    print("| system | useful tok/s | vs generate | vs 1 stage | useful / computed tokens | stage busy |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        busy = ", ".join(f"{v:.0%}" for v in row.get("busy_fraction", {}).values()) or "-"
+        versus = f"{row['vs_one_stage']:.2f}x" if "vs_one_stage" in row else "-"
+        print(f"| {row['system']} | {row['useful_tok_s']:.1f} | {row['vs_generate']:.2f}x | {versus} | "
+              f"{row['useful_tokens']} / {row['computed_tokens']} | {busy} |")
+    print(f"\nwritten to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
