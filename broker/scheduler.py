@@ -167,9 +167,18 @@ class Scheduler:
 
     # -- planning -----------------------------------------------------------------------------
     def plan_step(self, micro_batch: int, now: float) -> StepPlan | None:
-        """The next step for a micro-batch, admitting waiting requests into its free slots."""
+        """The next step for a micro-batch, admitting waiting requests into its free slots.
+
+        When fewer sequences are known than there are slots (a small job, or a job's tail), each
+        micro-batch takes at most its even share of them: filling the first micro-batch's slots and
+        leaving the others empty would leave stages idle for want of micro-batches in flight."""
+        share = -(-(len(self.waiting) + len(self.active)) // self.num_micro_batches)
+        admitted = sum(slot in self.active for slot in self.slots_of[micro_batch])
         for slot in self.slots_of[micro_batch]:
+            if admitted >= share:
+                break
             if slot not in self.active and self.waiting:
+                admitted += 1
                 request = self.waiting.popleft()
                 if isinstance(request, ScoreRequest):
                     self.active[slot] = Sequence(request, slot, admitted_at=now, feed=ScoringFeed(request))

@@ -559,3 +559,19 @@ def test_batching_config_resolves_slots_and_micro_batches(config, stages, slots,
     resolved = config.resolved(stages)
     assert (resolved.num_slots, resolved.num_micro_batches) == (slots, micro_batches)
     assert resolved.resolved(stages) == resolved
+
+
+@pytest.mark.parametrize("requests, expected", [
+    pytest.param(10, [3, 3, 3, 1], id="fewer sequences than slots: each micro-batch takes its share"),
+    pytest.param(40, [8, 8, 8, 8], id="more than the slots: every slot filled"),
+    pytest.param(2, [1, 1, 0, 0], id="two sequences: two micro-batches in flight, not one"),
+])
+def test_a_small_job_is_spread_over_the_micro_batches(requests, expected) -> None:
+    scheduler = Scheduler(BatchingConfig(num_slots=32, num_micro_batches=4), num_stages=3, eos_ids={0})
+    for i in range(requests):
+        scheduler.submit(GenerationRequest(f"r{i}", [5, 6, 7], max_new_tokens=4), now=0.0)
+    sizes = []
+    for mb in range(4):
+        plan = scheduler.plan_step(mb, now=0.0)
+        sizes.append(len(plan.rows) if plan else 0)
+    assert sizes == expected
