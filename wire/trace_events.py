@@ -10,7 +10,7 @@ slowdown's sleep. Their durations add up to what StageStats.busy_s counts for th
 trace's busy time per stage equals the stage's own figure. The gaps between steps become idle spans.
 
 Event format (https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU):
-`{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}` with complete events
+`{"displayTimeUnit": "ms", "otherData": {...}, "traceEvents": [...]}` with complete events
 `{"ph": "X", "name", "cat", "ts", "dur", "pid", "tid", "args"}` (microseconds) and metadata events
 `{"ph": "M", "name": "process_name" | "thread_name" | "process_sort_index", "pid", "tid", "args"}`.
 Pure functions and values only: no sockets, no clocks.
@@ -134,7 +134,8 @@ def trace_document(events: list[dict], other: dict | None = None) -> dict:
     timed = [event for event in events if event["ph"] == "X"]
     origin = min((event["ts"] for event in timed), default=0)
     shifted = [dict(event, ts=event["ts"] - origin) if event["ph"] == "X" else event for event in events]
-    return {"traceEvents": shifted, "displayTimeUnit": "ms", "otherData": dict(other or {}, start_us=origin)}
+    # displayTimeUnit and otherData first: Perfetto's streaming reader wants the display unit before the events.
+    return {"displayTimeUnit": "ms", "otherData": dict(other or {}, start_us=origin), "traceEvents": shifted}
 
 
 def clock_offset_us(up_min_us: int | None, down_min_us: int | None) -> int:
