@@ -34,8 +34,10 @@ from layerbus.broker.profiling import ProfilingConfig, collect_profiles
 from layerbus.broker.requests import GenerationRequest, GenerationResult
 from layerbus.broker.run_state import ListSource, RequestSource, ResultSink, RunStats
 from layerbus.broker.scheduler import BatchingConfig
+from layerbus.broker.trace_file import BrokerTrace
 from layerbus.broker.wire_choice import AutoWireInputs, plan_link_codecs
 from layerbus.models.model_info import ModelInfo, load_tokenizer, read_model_info
+from layerbus.wire.trace_events import PLACE
 from layerbus.wire.spans import LayerRange
 
 log = logging.getLogger("layerbus.broker")
@@ -62,6 +64,9 @@ class BrokerConfig:
     # link, or one per link in chain order; "auto" chooses per link from `wire_auto`.
     wire: tuple[str, ...] | str = "float32"
     wire_auto: AutoWireInputs = field(default_factory=AutoWireInputs)
+    # Write a Trace Event (Perfetto) timeline of every step on every stage to this file (broker.trace_file):
+    # after each run, and with what it has when the broker closes. None: nothing is recorded.
+    trace: str | None = None
 
 
 class Broker:
@@ -90,6 +95,8 @@ class Broker:
         self.profiles: tuple[StageProfile, ...] = ()  # every registered stage's profile ("planned"), for re-planning
         self.pipeline: Pipeline | None = None
         self._tokenizer = None
+        self.tracer = BrokerTrace(config.trace) if config.trace else None
+        self.control.tracer = self.tracer
 
     # -- the placement in use, read-only views -------------------------------------------------
     @property
@@ -167,9 +174,14 @@ class Broker:
         codecs = plan_link_codecs(wire, len(placement.stages) - 1, self.step_bytes, self.config.model_dir, auto)
         self.placement = placement.with_codecs(codecs)
         log.info("placing %s: %s", self.model.path, self.placement.text())
+        if self.tracer is not None:
+            self.tracer.placed(self.placement, {stage.name: stage.host for stage in self.chain})
+            began = self.tracer.now()
         self.control.assign(self.placement, str(self.model.path), self.results_address, self.batching.num_slots,
                             self.max_context, self.config.load_timeout_s,
                             liveness_window_s=self.config.pipeline.liveness_window_s)
+        if self.tracer is not None:
+            self.tracer.span("load spans", PLACE, began, self.tracer.now(), chain=self.placement.text())
 
     def start(self) -> None:
         """Wait for the stages, give each its span, wait until all have loaded."""
@@ -177,7 +189,8 @@ class Broker:
         self._assign(self._place(stages))
         self.pipeline = Pipeline(self.context, self.control, lambda: self.placement, self.results, self.batching,
                                  set(self.model.eos_ids), self._new_detokenizer, self.config.pipeline,
-                                 recover=self.recover, rebalance=self.rebalance, expected=self._expected_busy_s)
+                                 recover=self.recover, rebalance=self.rebalance, expected=self._expected_busy_s,
+                                 tracer=self.tracer)
 
     # -- re-planning -----------------------------------------------------------------------------
     def _forget(self, stage: StageInfo) -> None:
@@ -251,6 +264,15 @@ class Broker:
             raise StageLost(failed, f"could not load its new span: {error}") from None
         return self.placement
 
+    def _write_trace(self) -> None:
+        """On the way out (end, Ctrl-C, failure): ask the stages still there for their last records
+        (briefly: they may be gone), then write what there is. Never stops the closing."""
+        try:
+            self.tracer.collect(self.control, self.chain, timeout_s=2.0)
+            self.tracer.write()
+        except Exception:  # noqa: BLE001
+            log.exception("trace: could not write %s", self.tracer.path)
+
     # -- serving ---------------------------------------------------------------------------------
     def _new_detokenizer(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer())
@@ -260,6 +282,8 @@ class Broker:
             raise ClusterError("the broker has not started: call start() first")
         before = {s.name: dict(s.stats) for s in self.chain}
         stats = self.pipeline.run(source, sink, should_stop, events)
+        if self.tracer is not None:
+            self.tracer.write()
         if self.plan is not None and not stats.recoveries:  # after a re-plan the stats span two plans
             for line in step_time_report(self.plan, before, stats.stage_stats):
                 log.info("%s", line)
@@ -290,6 +314,8 @@ class Broker:
         return [collected[r.request_id] for r in requests], stats
 
     def close(self) -> None:
+        if self.tracer is not None:
+            self._write_trace()
         self.control.shutdown_all()
         if self.pipeline is not None:
             self.pipeline.close()

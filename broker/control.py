@@ -9,7 +9,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable
+from typing import Callable, Protocol
 
 import zmq
 
@@ -85,6 +85,14 @@ class ControlEvent:
     header: dict
 
 
+class TraceSink(Protocol):
+    """Where step records from the stages go when the broker traces (broker.trace_file.BrokerTrace)."""
+
+    def now_us(self) -> int: ...
+
+    def stage_message(self, stage: StageInfo, payload: dict) -> None: ...
+
+
 class ControlPlane:
     def __init__(self, context: zmq.Context, bind: str = "tcp://127.0.0.1:*",
                  clock: Callable[[], float] = time.monotonic):
@@ -97,6 +105,8 @@ class ControlPlane:
         self.stages: dict[bytes, StageInfo] = {}
         self.epoch = 0
         self.last_heartbeat = 0.0
+        # Set by a tracing broker: assignments then ask for step records, and heartbeats carry the clock.
+        self.tracer: TraceSink | None = None
 
     # -- receiving -----------------------------------------------------------------------------
     def poll(self, timeout_ms: int = 0) -> list[ControlEvent]:
@@ -137,6 +147,8 @@ class ControlPlane:
             stage.stats = header["stats"]
         if isinstance(header.get("busy_s"), (int, float)):
             stage.busy_s = float(header["busy_s"])
+        if self.tracer is not None and isinstance(header.get("trace"), dict):  # heartbeats and TRACE answers
+            self.tracer.stage_message(stage, header["trace"])
         if from_heartbeat_thread:
             return []
         if kind == protocol.READY and header.get("epoch") == self.epoch:
@@ -184,7 +196,10 @@ class ControlPlane:
         now = self.clock()
         if now - self.last_heartbeat >= interval_s:
             for stage in self.live_stages():
-                self.send(stage, protocol.HEARTBEAT)
+                if self.tracer is None:
+                    self.send(stage, protocol.HEARTBEAT)
+                else:  # stamped with our clock: the stage keeps the least delay, for the clock offset
+                    self.send(stage, protocol.HEARTBEAT, sent_us=self.tracer.now_us())
             self.last_heartbeat = now
 
     def live_stages(self) -> list[StageInfo]:
@@ -239,9 +254,10 @@ class ControlPlane:
             next_address = chain[i + 1].data_address if i + 1 < len(chain) else result_address
             stage.state, stage.loaded, stage.error = StageState.LOADING, None, None
             link_codec = placement.codecs[i] if i < len(placement.codecs) else "float32"
+            traced = {"trace": True} if self.tracer is not None else {}
             self.send(stage, protocol.ASSIGN, epoch=self.epoch, model_dir=model_dir, layers=span.to_json(),
                       is_first=i == 0, is_last=i == len(chain) - 1, next_address=next_address,
-                      num_slots=num_slots, max_context=max_context, wire=link_codec)
+                      num_slots=num_slots, max_context=max_context, wire=link_codec, **traced)
         deadline = self.clock() + timeout_s
         while True:  # a failed load is checked first: it is a ClusterError (re-plan without it), not a loss
             failed = [(stage, span) for stage, span in zip(chain, placement.spans) if stage.state is StageState.FAILED]

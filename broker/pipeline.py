@@ -38,9 +38,11 @@ from layerbus.broker.run_state import (
     RunStats,
 )
 from layerbus.broker.scheduler import BatchingConfig, Scheduler, StepPlan
+from layerbus.broker.trace_file import BrokerTrace
 from layerbus.wire import protocol
 from layerbus.wire.frames import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode, encode
 from layerbus.wire.protocol import StepRow
+from layerbus.wire.trace_events import APPLY, PLAN, RESULT, TRANSMIT
 
 log = logging.getLogger("layerbus.broker")
 
@@ -77,7 +79,7 @@ class Pipeline:
                  new_detokenizer: Callable[[], IncrementalDetokenizer] | None = None,
                  config: PipelineConfig = PipelineConfig(), clock: Callable[[], float] = time.monotonic,
                  recover: Recover | None = None, rebalance: Rebalance | None = None,
-                 expected: Expected | None = None):
+                 expected: Expected | None = None, tracer: BrokerTrace | None = None):
         self.control, self.config, self.clock = control, config, clock
         self.placement = placement  # the owner's placement in use (it swaps it whole on a re-plan)
         self.batching, self.eos_ids, self.new_detokenizer = batching, eos_ids, new_detokenizer
@@ -87,6 +89,9 @@ class Pipeline:
         self.work = Work()  # what has been sent down the chain, for the drift watch
         self.results = results_socket
         self.context = context
+        # --trace: spans of this loop's work, and the stages' last records at the end of each run. None:
+        # nothing is recorded (one `is not None` check where a span would begin or end).
+        self.tracer = tracer
         self.push: zmq.Socket | None = None
         self.first_address: str | None = None
         self._followed: Placement | None = None
@@ -149,6 +154,8 @@ class Pipeline:
                     break  # asked to stop while waiting for stages: the caller hands the items back
         run.stats.wall_s = self.clock() - started
         run.stats.broker_cpu_s = time.process_time() - cpu_started
+        if self.tracer is not None:  # the stages' last records, with stats that count the same steps
+            self.tracer.collect(self.control, self.chain, heartbeat_interval_s=self.config.heartbeat_interval_s)
         run.stats.stage_stats = {s.name: dict(s.stats) for s in self.chain}
         return run.stats
 
@@ -166,15 +173,21 @@ class Pipeline:
         self._watch_speed(run)
     # -- sending -------------------------------------------------------------------------------
     def _send(self, run: RunState, mb: int) -> None:
+        tracer = self.tracer
+        began = tracer.now() if tracer is not None else 0.0
         plan = run.scheduler.plan_step(mb, self.clock())
         if plan is None:
             return
         step = self.next_step
         self.next_step += 1
+        if tracer is not None:
+            tracer.span("plan", PLAN, began, tracer.now(), mb=mb, step=step, rows=len(plan.rows),
+                        tokens=sum(len(row.tokens) for row in plan.rows))
         self._transmit(run.scheduler, plan, step, 0)
         run.inflight[mb] = InFlight(plan, step, 0, self.clock())
 
     def _transmit(self, scheduler: Scheduler, plan: StepPlan, step: int, attempt: int) -> None:
+        began = self.tracer.now() if self.tracer is not None else 0.0
         rows, tokens = [], []
         for row in plan.rows:
             request = scheduler.active[row.slot].request
@@ -187,6 +200,9 @@ class Pipeline:
         header = {"kind": protocol.STEP, "mb": plan.micro_batch, "step": step, "attempt": attempt,
                   "epoch": self.control.epoch, "rows": protocol.rows_to_json(rows), "release": plan.released}
         self.push.send_multipart(encode(header, {"tokens": torch.tensor(tokens, dtype=torch.int64)}), copy=False)
+        if self.tracer is not None:
+            self.tracer.span("transmit", TRANSMIT, began, self.tracer.now(), mb=plan.micro_batch, step=step,
+                             attempt=attempt, rows=len(rows), tokens=len(tokens))
 
     def _resend(self, run: RunState, current: InFlight) -> None:
         """Send a step again, same rows, next attempt: replaying a step rewrites the same cache positions."""
@@ -205,10 +221,16 @@ class Pipeline:
 
     # -- receiving -----------------------------------------------------------------------------
     def _receive_results(self, run: RunState) -> None:
+        tracer = self.tracer
         while self.results.poll(0):
+            began = tracer.now() if tracer is not None else 0.0
             header = self._read_result()
             if header is None:
                 continue
+            if tracer is not None:
+                read = tracer.now()
+                tracer.span("result", RESULT, began, read, mb=header["mb"], step=header["step"],
+                            attempt=header["attempt"], tokens=len(header["tokens"]))
             current = run.inflight.get(header["mb"])
             if (current is None or header["epoch"] != self.control.epoch or current.step != header["step"]
                     or current.attempt != header["attempt"]):
@@ -225,6 +247,9 @@ class Pipeline:
                 emitted = (run.stats.progress[-1][1] if run.stats.progress else 0) + len(tokens)
                 run.stats.progress.append((self.clock(), emitted))
             self._note_replan_progress(run, bool(tokens))
+            if tracer is not None:
+                tracer.span("apply", APPLY, read, tracer.now(), mb=header["mb"], step=header["step"],
+                            tokens=len(tokens), scores=len(scores))
             self._send(run, header["mb"])
 
     def _read_result(self) -> dict | None:

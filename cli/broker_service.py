@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from layerbus.cli.errors import EXIT_FAILED, EXIT_OK, UsageError
 from layerbus.cli.options import (
     add_cluster_options,
+    add_trace,
     batching_from_args,
     add_db,
     add_model,
@@ -21,6 +22,7 @@ from layerbus.cli.options import (
     open_store,
     pipeline_from_args,
     positive_int,
+    report_trace,
     resolve_model,
     results_dir,
 )
@@ -51,6 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--job", metavar="JOB", default=None,
                         help="run this one job, then exit (0 iff it completed); default: run jobs as they come")
     add_cluster_options(parser)
+    add_trace(parser)
     parser.add_argument("--poll", metavar="SECONDS", type=float, default=2.0,
                         help="how often to look for new jobs when idle (default: 2)")
     parser.add_argument("--register-timeout", metavar="SECONDS", type=float, default=600.0,
@@ -70,7 +73,7 @@ def main(args: argparse.Namespace) -> int:
                           results_bind=args.bind_results, advertise_host=args.advertise, partition=args.partition,
                           batching=batching_from_args(args), pipeline=pipeline_from_args(args),
                           **wire_from_args(args),
-                          register_timeout_s=args.register_timeout)
+                          register_timeout_s=args.register_timeout, trace=args.trace)
     with open_store(args.db) as store:
         if args.job:
             store.job_status(args.job)  # StoreError names a job that does not exist
@@ -87,7 +90,8 @@ def main(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return interrupted.exit_code  # 130 / 143, as for `layerbus run`
         finally:
-            broker.close()
+            broker.close()  # writes --trace's file with what it has
+            report_trace(args.trace)
 
 
 def _serve(store: JobStore, broker: Broker, model_dir: Path, args: argparse.Namespace) -> int:

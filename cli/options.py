@@ -126,6 +126,29 @@ def add_cluster_options(parser: argparse.ArgumentParser, partition: bool = True)
 WIRE_NAMES = ("float32", "float16", "bfloat16", "int8", "int4", "auto")  # as wire.codecs, without importing torch
 
 
+def add_trace(parser: argparse.ArgumentParser) -> None:
+    """--trace FILE (`run`, `broker`)."""
+    parser.add_argument("--trace", metavar="FILE", type=trace_path, default=None,
+                        help="write a timeline of every step on every stage and of the broker's scheduling to FILE "
+                             "(Trace Event JSON: open it in https://ui.perfetto.dev); written at the end of each run "
+                             "and on Ctrl-C (default: no tracing, nothing recorded)")
+
+
+def trace_path(text: str) -> str:
+    path = Path(text).expanduser().absolute()
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: the folder {path.parent} does not exist")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name, e.g. {path / 'trace.json'}")
+    return str(path)
+
+
+def report_trace(path: str | None) -> None:
+    """Where --trace's file is, once written."""
+    if path and Path(path).is_file():
+        print(f"layerbus: trace written to {path} (open it in https://ui.perfetto.dev)", file=sys.stderr)
+
+
 def wire_codecs(text: str) -> tuple[str, ...] | str:
     names = [part.strip() for part in text.split(",")]
     bad = [name for name in names if name not in WIRE_NAMES]

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from layerbus.cli.errors import EXIT_FAILED, EXIT_OK, RunFailed, UsageError
 from layerbus.cli.options import (
     add_cluster_options,
+    add_trace,
     batching_from_args,
     add_job_options,
     add_verbose,
@@ -20,6 +21,7 @@ from layerbus.cli.options import (
     open_store,
     pipeline_from_args,
     positive_int,
+    report_trace,
     resolve_model,
     results_dir,
 )
@@ -43,6 +45,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--threads-per-stage", metavar="N", type=non_negative_int, default=0,
                         help="torch threads per stage (default: this machine's cores shared evenly)")
     add_cluster_options(parser)
+    add_trace(parser)
     add_verbose(parser)
     parser.set_defaults(handler=main)
 
@@ -84,9 +87,10 @@ def run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.Na
     from layerbus.jobs.local_run import run_job_locally, stage_log_dir
 
     log_dir = stage_log_dir(job_id)
+    trace = getattr(args, "trace", None)  # `eval run` shares this function and has no --trace
     config = BrokerConfig(str(model_dir), args.stages, partition=args.partition,
                           batching=batching_from_args(args), pipeline=pipeline_from_args(args),
-                          **wire_from_args(args))
+                          **wire_from_args(args), trace=trace)
     options = LocalStageOptions(threads_per_stage=args.threads_per_stage, log_dir=log_dir)
     print(f"layerbus: running {job_id} on {args.stages} local stage(s); stage logs in {log_dir}", file=sys.stderr)
     try:
@@ -99,3 +103,5 @@ def run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.Na
         print(f"layerbus: stopped by {interrupted}; items in flight were requeued; "
               f"`layerbus run --job {job_id}` resumes", file=sys.stderr)
         raise
+    finally:
+        report_trace(trace)  # written by the broker as it closes, whatever the run's end

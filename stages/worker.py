@@ -27,6 +27,7 @@ from layerbus.stages.heartbeat import HeartbeatThread, busy_for
 from layerbus.stages.kv_cache import KVArena
 from layerbus.stages.sampling import choose_token, target_log_probs
 from layerbus.stages.shard import ShardSpec, StageShard, load_shard
+from layerbus.stages.tracing import StageTracer, untraced_flush
 from layerbus.wire import codecs, protocol
 from layerbus.wire.frames import DEFAULT_MAX_MESSAGE_BYTES, Message, WireError, decode, encode
 from layerbus.wire.protocol import StepRow
@@ -152,6 +153,7 @@ class StageWorker:
         fail_on = os.environ.get("LAYERBUS_FAIL_ON_TOKEN", "")
         self.fail_on_token = int(fail_on) if fail_on.strip().lstrip("-").isdigit() else None
         self.wire_codec = codecs.DEFAULT_CODEC  # how outgoing hidden states travel (the broker's ASSIGN says)
+        self.tracer: StageTracer | None = None  # step records, only while the broker asks (ASSIGN's trace)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -214,7 +216,11 @@ class StageWorker:
 
     def _heartbeat_fields(self) -> dict:
         """Called from the heartbeat thread: reads the main loop's state, changes nothing."""
-        return {"stats": self.stats.to_json(), "busy_s": round(busy_for(self.busy_since), 3), "epoch": self.epoch}
+        fields = {"stats": self.stats.to_json(), "busy_s": round(busy_for(self.busy_since), 3), "epoch": self.epoch}
+        tracer = self.tracer
+        if tracer is not None:  # step records ride on the heartbeats: no extra messages, no extra port
+            fields["trace"] = tracer.chunk()
+        return fields
 
     def _send_control(self, kind: str, **fields) -> None:
         self.control.send_multipart(encode(dict(fields, kind=kind)), copy=False)
@@ -243,7 +249,11 @@ class StageWorker:
             elif message.kind == protocol.SHUTDOWN:
                 log.info("stage %s: shutdown requested by the broker", self.name)
                 self.stopping = True
-            # heartbeats need nothing beyond last_heard
+            elif message.kind == protocol.TRACE_FLUSH:
+                self._flush_trace(message.header.get("id"))
+            elif message.kind == protocol.HEARTBEAT and self.tracer is not None:
+                self.tracer.broker_heartbeat(message.header.get("sent_us"))
+            # otherwise heartbeats need nothing beyond last_heard
 
     def _assign(self, header: dict) -> None:
         try:
@@ -265,6 +275,9 @@ class StageWorker:
             # Only a fully set-up stage serves the new epoch: a failure above leaves it serving none.
             self.shard, self.arena, self.epoch = shard, arena, header["epoch"]
             self.wire_codec = wire_codec
+            # Asked again in every assignment, so a broker started without --trace turns it off; records
+            # of earlier epochs not shipped yet are kept.
+            self.tracer = (self.tracer or StageTracer()) if header.get("trace") is True else None
             log.info("stage %s loaded layers %s of %s in %.2f s (%d parameter bytes)", self.name, spec.layers,
                      header["model_dir"], time.monotonic() - started, shard.parameter_bytes())
             self._send_control(protocol.READY, epoch=self.epoch, layers=spec.layers.to_json(),
@@ -275,6 +288,12 @@ class StageWorker:
             self._send_control(protocol.FAILURE, epoch=header.get("epoch"), error=f"{type(error).__name__}: {error}")
         finally:
             self.busy_since = None
+
+    def _flush_trace(self, flush_id: object) -> None:
+        """Ship every step record left; the last message carries the stats they add up to."""
+        payloads = self.tracer.flush(flush_id) if self.tracer is not None else [untraced_flush(flush_id)]
+        for payload in payloads:
+            self._send_control(protocol.TRACE, trace=payload, stats=self.stats.to_json())
 
     def _emulated_speed(self) -> float:
         slowdown = self.config.emulate_slowdown
@@ -325,6 +344,8 @@ class StageWorker:
             self._send_control(protocol.REJECTED, sender=sender, error=str(error))
             return
         header = message.header
+        tracer = self.tracer  # None unless the broker asked for a trace: then nothing below records
+        marks = tracer.begin(started, self.stats.codec_s) if tracer is not None else None
         try:
             reply = self._run(message)
         except Exception as error:  # the step failed here; the broker decides what happens to its items
@@ -332,9 +353,13 @@ class StageWorker:
             self._send_control(protocol.FAILURE, epoch=self.epoch, step=header["step"], mb=header["mb"],
                                attempt=header["attempt"], cause="step", error=f"{type(error).__name__}: {error}")
             return
+        if marks is not None:
+            marks.run_done(self.stats.codec_s)  # _run's growth of codec_s is its encoding
         speed = self._emulated_speed()
         if speed < 1.0:  # emulation: a device this much slower would still be computing
             time.sleep((1.0 / speed - 1.0) * (time.monotonic() - started))
+            if marks is not None:
+                marks.sleep_done()
         try:
             self.data_out.send_multipart(reply, copy=False)
             self.stats.bytes_out += sum(memoryview(frame).nbytes for frame in reply[1:])
@@ -343,8 +368,11 @@ class StageWorker:
             self._send_control(protocol.FAILURE, epoch=self.epoch, step=header["step"], mb=header["mb"],
                                attempt=header["attempt"], cause="send",
                                error=f"send to {self.next_address} timed out after {self.config.send_timeout_s} s")
-        self.stats.busy_s += time.monotonic() - started
+        ended = time.monotonic()
+        self.stats.busy_s += ended - started
         self.stats.steps += 1
+        if marks is not None:  # the step's spans end where busy_s stops counting: they add up to it
+            tracer.record(marks, header, ended)
 
     def _validate(self, frames) -> Message:
         message = decode(frames, self.config.max_message_bytes)

@@ -19,12 +19,20 @@ Control plane (DEALER at each stage, ROUTER at the broker), headers only:
                    profile_result {layer_decode_s, layer_prefill_s, embed_s, head_s, step_overhead_s,
                    memory_budget, micro_batch_size, prefill_tokens, cached} or {error}
                    probe_echo {seq}
+                   trace {trace: {sent_us, down_min_us, dropped, chunk?, records?, final, chunks}, stats}
+                   (the answer to trace_flush)
   broker -> stage: assign {epoch, model_dir, layers, is_first, is_last, next_address, num_slots,
-                   max_context, wire (codec of the outgoing hidden states; default float32)}
-                   heartbeat {}     shutdown {}
+                   max_context, wire (codec of the outgoing hidden states; default float32),
+                   trace? (true: record step spans, see wire/trace_events.py)}
+                   heartbeat {sent_us?}     shutdown {}
                    reset {} (you were presumed dead: drop your span and register again)
                    profile {model_dir, micro_batch_size, kv_length, prefill_tokens}
                    probe {seq} + tensor "payload" (link probe: echoed at once)
+                   trace_flush {id} (ship every step record left, then say so with `final: id`)
+
+Tracing (`--trace`) adds only optional fields and the trace/trace_flush pair: a stage that traces puts
+`trace: {sent_us, down_min_us, dropped, chunk?, records?}` in its heartbeats, and the broker's
+heartbeats carry `sent_us` (both for the clock offset estimate, stages/tracing.py).
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ REGISTER, ASSIGN, READY, HEARTBEAT, FAILURE, REJECTED, SHUTDOWN, BYE, RESET = (
     "register", "assign", "ready", "heartbeat", "failure", "rejected", "shutdown", "bye", "reset")
 # Placement: the broker asks each stage to measure itself, and times its link with echoed probes.
 PROFILE, PROFILE_RESULT, PROBE, PROBE_ECHO = "profile", "profile_result", "probe", "probe_echo"
+# Tracing: the broker asks for the step records a stage has not shipped yet; they come back as TRACE.
+TRACE_FLUSH, TRACE = "trace_flush", "trace"
 # Data-plane kinds.
 STEP, RESULT = "step", "result"
 
