@@ -18,12 +18,7 @@ from layerbus.broker.scheduler import BatchingConfig
 from layerbus.broker.placement import PlanOptions
 from layerbus.wire.codecs import wire_bytes
 from tests.test_cli_helpers import JOB_ID, layerbus, status_json, write_jsonl
-from tests.test_equivalence import (  # noqa: F401 - smollm2_case is a fixture
-    TINY_PROMPTS,
-    assert_equivalent,
-    smollm2_case,
-    top2_gap,
-)
+from tests.test_equivalence import TINY_PROMPTS, assert_equivalent, top2_gap
 
 # A lossy hop may flip a token where the float32 run's top two logits are this close (int8's error
 # on the tiny model's logits is a few 1e-3); a broken codec flips them at gaps of whole logits.
@@ -119,7 +114,7 @@ def top_token_with_codec(model, ids: list[int], codec: str, cuts: list[int]) -> 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("codec", ["float16", "bfloat16"])
-def test_default_model_16_bit_wire_matches_float32(smollm2_case, codec):  # noqa: F811 - the imported fixture
+def test_default_model_16_bit_wire_matches_float32(smollm2_case, codec):
     """3 stages with a 16-bit wire on both hops: the same greedy tokens as transformers' float32
     `generate` on 10 sample-corpus summaries, except at proven near-ties."""
     model_dir, model, requests, references = smollm2_case
