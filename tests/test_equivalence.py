@@ -154,11 +154,14 @@ def test_prefill_logits_match_across_split(tiny_models):
 
 @pytest.mark.cluster
 @pytest.mark.slow
-@pytest.mark.parametrize("num_stages", [1, 2, 3])
-def test_default_model_matches_transformers(smollm2_case, num_stages):
+def test_default_model_matches_transformers(smollm2_case):
+    """The real model at the hardest split of this file, 3 stages: two hops, and no stage may hold the
+    whole model. That 1 and 2 stages give what 3 give is proven by test_tiny_models_match_transformers
+    on three architectures; what only the real model shows (its weights, config and chat prompts
+    through the pipeline) is proven here once."""
     model_dir, model, requests, references = smollm2_case
-    results, _ = run_pipeline(model_dir, num_stages, requests, num_slots=4, max_step_tokens=64,
-                              check=assert_stage_memory_is_partial if num_stages == 3 else None)
+    results, _ = run_pipeline(model_dir, 3, requests, num_slots=4, max_step_tokens=64,
+                              check=assert_stage_memory_is_partial)
     assert_equivalent(model, requests, results, references)
     assert any(r.finish_reason == "stop" for r in results), "some summaries should end at EOS"
 
