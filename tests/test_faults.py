@@ -180,7 +180,9 @@ def test_a_stage_slowed_mid_job_has_layers_moved_off_it_and_outputs_do_not_chang
                               drift=DriftConfig(window_s=1.0, windows=2, min_steps=4, watch_shared_cpu_host=True))
     slow_later = ((), ("--emulate-slowdown", "150:0.1"), ())
     model_dir = tiny_models("llama", num_hidden_layers=12)  # several layers per stage, so some can move
-    long_run = make_requests(model_dir, count=48, max_new_tokens=60)
+    # 24 x 60 tokens: about 720 steps, so some 570 at the slowed pace if never re-planned (about 27 s),
+    # where the baseline window and two slow windows take about 3 s.
+    long_run = make_requests(model_dir, count=24, max_new_tokens=60)
     results, stats = run(model_dir, long_run, events=events, pipeline=watchful, stage_args=slow_later,
                          on_result=note_initial_spans)
     assert "rebalanced" in [kind for kind, _, _ in events], f"no re-plan after the slowdown; events: {events}"
