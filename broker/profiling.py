@@ -11,6 +11,7 @@ approximation across a routed network.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -19,11 +20,13 @@ import torch
 
 from layerbus.broker.control import ClusterError, ControlPlane, StageInfo
 from layerbus.broker.placement import ModelMemory, StageProfile
+from layerbus.broker.step_cost import ProfilePoint, decode_step, fit_costs, prefill_step
 from layerbus.wire import protocol
 
 log = logging.getLogger("layerbus.broker")
 
 MAX_PROBE_BYTES = 512 << 10  # control messages are capped at 1 MiB
+PROFILE_SHAPES = ("decode", "few_rows", "long_kv", "prefill", "late_prefill")  # as stages/profile.py SHAPES
 
 
 @dataclass(frozen=True)
@@ -51,13 +54,8 @@ def collect_profiles(control: ControlPlane, stages: list[StageInfo], model_dir: 
         if "error" in result:
             raise ClusterError(f"stage {stage.name} could not profile itself: {result['error']}")
         bandwidth, latency = probe_link(control, stage, probe_bytes, config.probe_rounds)
-        profile = StageProfile(
-            name=stage.name, layer_decode_s=float(result["layer_decode_s"]),
-            layer_prefill_s=float(result["layer_prefill_s"]), embed_s=float(result["embed_s"]),
-            head_s=float(result["head_s"]), step_overhead_s=float(result.get("step_overhead_s", 0.0)),
-            memory_budget=int(result["memory_budget"]), link_bandwidth=bandwidth, link_latency_s=latency,
-            micro_batch_size=int(result["micro_batch_size"]), prefill_tokens=int(result["prefill_tokens"]),
-            device=stage.device)
+        profile = profile_from_result(result, stage.name, stage.device, stage.host, stage.threads, kv_length,
+                                      bandwidth, latency)
         log.info("stage %s profile (%s, %.1f s): layer %.2f ms/decode step, %.2f ms/prefill chunk, head %.2f ms, "
                  "budget %.0f MiB, link %.0f MB/s + %.0f us", stage.name,
                  "cached" if result.get("cached") else "measured", time.monotonic() - started,
@@ -65,6 +63,34 @@ def collect_profiles(control: ControlPlane, stages: list[StageInfo], model_dir: 
                  profile.memory_budget / 2**20, bandwidth / 1e6, 1e6 * latency)
         profiles.append(profile)
     return profiles
+
+
+def profile_from_result(result: dict, name: str, device: str, host: str, threads: int, kv_length: int,
+                        bandwidth: float = math.inf, latency: float = 0.0) -> StageProfile:
+    """The planner's profile from a stage's PROFILE_RESULT: the scalars it reports, plus the costs
+    fitted from its timed shapes (broker.step_cost) when it reports them (a stage of this version)."""
+    rows, chunk = int(result["micro_batch_size"]), int(result["prefill_tokens"])
+    layer = overhead = None
+    head_step = 0.0
+    if all(f"{shape}_per_layer_s" in result for shape in PROFILE_SHAPES):
+        few, long_kv, late = int(result["few_rows"]), int(result["long_kv_length"]), int(result["late_start"])
+        works = {"decode": decode_step(rows, kv_length), "few_rows": decode_step(few, kv_length),
+                 "long_kv": decode_step(rows, long_kv), "prefill": prefill_step(chunk),
+                 "late_prefill": prefill_step(chunk, late)}
+        points = [ProfilePoint(works[shape], float(result[f"{shape}_one_layer_s"]),
+                               float(result[f"{shape}_per_layer_s"])) for shape in PROFILE_SHAPES]
+        layer, overhead = fit_costs(*points)
+        if few < rows:  # the head reads its weights once per step whatever the rows: its fixed part
+            per_row = max(0.0, (float(result["head_s"]) - float(result["head_few_rows_s"])) / (rows - few))
+            head_step = max(0.0, float(result["head_s"]) - per_row * rows)
+    speed = float(result.get("emulate_speed", 1.0))
+    return StageProfile(
+        name=name, layer_decode_s=float(result["layer_decode_s"]), layer_prefill_s=float(result["layer_prefill_s"]),
+        embed_s=float(result["embed_s"]), head_s=float(result["head_s"]),
+        step_overhead_s=float(result.get("step_overhead_s", 0.0)), memory_budget=int(result["memory_budget"]),
+        link_bandwidth=bandwidth, link_latency_s=latency, micro_batch_size=rows, prefill_tokens=chunk, device=device,
+        layer_cost=layer, overhead_cost=overhead, head_step_s=head_step, host=host,
+        host_cores=int(result.get("host_cores", 0)), threads=threads, compute_share=min(1.0, max(speed, 1e-6)))
 
 
 def probe_link(control: ControlPlane, stage: StageInfo, payload_bytes: int, rounds: int) -> tuple[float, float]:
