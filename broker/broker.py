@@ -158,8 +158,11 @@ class Broker:
                                    model_cost_from_config(self.model.files.config))
         inputs = self._plan_inputs(stages)
         missing = set(unprofiled(names, self.profiles))
+        # Timed at the sizes asked for, or (left to choose) at the defaults: the fitted costs price any other.
+        requested = self.requested_batching
+        rows = self.batching.micro_batch_size if requested.num_slots or requested.micro_batch_size else 32
         measured = collect_profiles(self.control, [s for s in stages if s.name in missing], str(self.model.path),
-                                    inputs.memory, self.batching.micro_batch_size, self.batching.max_step_tokens,
+                                    inputs.memory, rows, requested.max_step_tokens or 256,
                                     self.max_context, self.config.profiling) if missing else []
         self.profiles = tuple(profiles_of(names, self.profiles + tuple(measured)))  # in chain-name order
         if measured and self.placement is None and self.requested_batching.chosen_by_broker:

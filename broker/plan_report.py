@@ -30,9 +30,16 @@ def format_split(title: str, split: SplitEstimate) -> list[str]:
 
 def format_plan(plan: Plan) -> str:
     shapes = plan.shapes
+    if plan.job is not None:
+        total = plan.job.total
+        workload = (f"the job's {total.steps:.0f} steps ({total.prefill_tokens:.0f} prompt tokens, "
+                    f"{plan.job.new_tokens:.0f} new tokens) priced in {len(plan.job.windows)} windows: "
+                    f"{plan.chosen.job_s:.1f} s predicted")
+    else:
+        workload = f"{plan.options.prompt_tokens_per_new_token:g} prompt tokens per new token"
     lines = [f"placement for {shapes.num_slots} slots x {shapes.max_context} tokens, micro-batches of "
-             f"{shapes.micro_batch_size} ({shapes.num_micro_batches} in flight), "
-             f"{plan.options.prompt_tokens_per_new_token:g} prompt tokens per new token"]
+             f"{shapes.micro_batch_size} ({shapes.num_micro_batches} in flight), {shapes.max_step_tokens} tokens "
+             f"per step at most, {workload}"]
     lines.append(f"chain: {format_chain(plan.order, plan.spans)}")
     lines += format_split("planned", plan.chosen)
     if plan.left_out:
