@@ -42,3 +42,20 @@ def test_a_scoring_job_has_no_workload(store, tokenizer) -> None:
     job = store.create_job(JobSettings(task="generate", model="tiny"),
                            [NewItem("s", "x", "three", scoring, seq=1), generation])
     assert job_workload(store, job, tokenizer) is None
+
+
+def test_outputs_are_expected_to_end_where_the_same_model_and_task_ended_before(store, tokenizer) -> None:
+    from layerbus.storage import ItemResult
+
+    settings = JobSettings(task="summarize", model="tiny", max_new_tokens=10)
+    items = [NewItem(f"d{i}", "x", "one two", item_params({}, add_special_tokens=False), seq=i + 1) for i in range(10)]
+    first = store.create_job(settings, items)
+    assert job_workload(store, first, tokenizer).output_fraction == 1.0  # nothing has run yet
+    claimed = store.claim_items(first, "w", 10)
+    store.complete_items([ItemResult(item.item_id, output="out", finish_reason="stop", prompt_tokens=2,
+                                     completion_tokens=4 if i % 2 else 2, latency_s=0.1)
+                          for i, item in enumerate(claimed)])
+    second = store.create_job(settings, items)
+    assert job_workload(store, second, tokenizer).output_fraction == pytest.approx(30 / 100)
+    other_task = store.create_job(JobSettings(task="translate", model="tiny", max_new_tokens=10), items)
+    assert job_workload(store, other_task, tokenizer).output_fraction == 1.0
