@@ -131,18 +131,22 @@ class _CostModel:
 def window_s(alone: list[float], chain: Sequence[StageProfile], window: Window,
              num_micro_batches: int) -> tuple[float, list[float]]:
     """(how long the window lasts, each stage's busy seconds in it) from each stage's busy seconds
-    measured alone. CPU stages on one host share its cores: a stage computing while the others
-    compute gets (cores / threads wanted) of what it wants, so it is stretched by that; and the host
-    cannot do more thread-seconds than it has cores. A stage emulating a slower device computes only
-    `compute_share` of its busy time (it sleeps the rest, and sleeping takes no core)."""
+    measured alone. CPU stages on one host share its cores and memory bandwidth. Where the broker
+    measured it (`corun_factor`: the step with the host's other stages serving at once, over alone),
+    a stage is stretched by that factor in proportion to how busy the others are. Otherwise from
+    threads and cores: a stage computing while the others compute gets (cores / threads wanted) of
+    what it wants, and the host cannot do more thread-seconds than it has cores; a stage emulating a
+    slower device computes only `compute_share` of its busy time (it sleeps the rest, taking no core)."""
     steps = max(window.work.steps, 1e-12)
     latency = sum(s.link_latency_s for s in chain)
     busy = list(alone)
     time = 0.0
-    for _ in range(4):  # a fixed point: the stretch depends on how busy the others are, and back
+    for _ in range(8):  # a fixed point: the stretch depends on how busy the others are, and back
         chain_bound = window.longest_chain * (sum(busy) / steps + latency)
         host_bound = 0.0
         for host, cores in _hosts(chain).items():
+            if any(s.corun_factor > 0 for s in chain if _on(s, host)):
+                continue  # measured together: the factors hold the cores' share too
             demand = sum(b * s.compute_share * max(1, s.threads) for b, s in zip(alone, chain) if _on(s, host))
             host_bound = max(host_bound, demand / cores)
         time = max(max(busy, default=0.0), chain_bound, host_bound)
@@ -150,13 +154,16 @@ def window_s(alone: list[float], chain: Sequence[StageProfile], window: Window,
             return 0.0, busy
         stretched = []
         for k, (b, s) in enumerate(zip(alone, chain)):
-            if not s.shares_cores:
+            others = [j for j, o in enumerate(chain) if j != k and _on(o, s.host)]
+            if not s.shares_cores or not others:
                 stretched.append(b)
-                continue
-            wanted = max(1, s.threads) + sum(
-                max(1, o.threads) * min(1.0, busy[j] * o.compute_share / time)
-                for j, o in enumerate(chain) if j != k and _on(o, s.host))
-            stretched.append(b * max(1.0, wanted / s.host_cores))
+            elif s.corun_factor > 0:
+                overlap = sum(min(1.0, busy[j] / time) for j in others) / len(others)
+                stretched.append(b * (1 + max(0.0, s.corun_factor - 1) * overlap))
+            else:
+                wanted = max(1, s.threads) + sum(max(1, chain[j].threads) * min(1.0, busy[j] * chain[j].compute_share
+                                                                                 / time) for j in others)
+                stretched.append(b * max(1.0, wanted / s.host_cores))
         busy = stretched
     return max(time, max(busy, default=0.0)), busy
 

@@ -42,6 +42,9 @@ class StageProfile:
     host_cores: int = 0  # cores that machine gives its processes (0 = unknown)
     threads: int = 0  # torch threads of this stage
     compute_share: float = 1.0  # share of its busy time spent computing (an emulated slower device sleeps the rest)
+    # Measured: its step's time with the other stages of its host serving at once / alone (0 = not
+    # measured: the stretch is then reckoned from threads and cores)
+    corun_factor: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("layer_decode_s", "layer_prefill_s", "embed_s", "head_s", "link_latency_s", "step_overhead_s"):

@@ -14,7 +14,7 @@ import logging
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -36,6 +36,7 @@ class ProfilingConfig:
     kv_length: int = 0  # cached tokens per decode row while timing (0 = min(256, max_context // 2))
     probe_rounds: int = 7  # echoes per probe size; the median counts
     timeout_s: float = 300.0  # one stage's profile must arrive within this
+    probe_s: float = 1.5  # stages sharing a machine: serve steps this long alone and together (0 = do not measure)
 
 
 def collect_profiles(control: ControlPlane, stages: list[StageInfo], model_dir: str, model: ModelMemory,
@@ -62,7 +63,50 @@ def collect_profiles(control: ControlPlane, stages: list[StageInfo], model_dir: 
                  1000 * profile.layer_decode_s, 1000 * profile.layer_prefill_s, 1000 * profile.head_s,
                  profile.memory_budget / 2**20, bandwidth / 1e6, 1e6 * latency)
         profiles.append(profile)
+    if config.probe_s > 0:
+        profiles = measure_sharing(control, stages, profiles, request, config.probe_s, config.timeout_s)
     return profiles
+
+
+def measure_sharing(control: ControlPlane, stages: list[StageInfo], profiles: list[StageProfile], request: dict,
+                    probe_s: float, timeout_s: float) -> list[StageProfile]:
+    """Each profile with its `corun_factor`: for the CPU stages of each machine that runs more than
+    one, the decode step served for `probe_s` by each alone, then by all at once; the ratio is what
+    sharing the machine costs it (cores, memory bandwidth, whatever else runs there). Profiles are
+    timed one stage at a time and cached; this is measured afresh for every plan."""
+    by_name = {p.name: p for p in profiles}
+    hosts: dict[str, list[StageInfo]] = {}
+    for stage in stages:
+        if stage.name in by_name and by_name[stage.name].shares_cores:
+            hosts.setdefault(stage.host, []).append(stage)
+    factors: dict[str, float] = {}
+    probe = dict(request, probe_s=probe_s)
+    for host, group in hosts.items():
+        if len(group) < 2:
+            continue
+        alone = {}
+        for stage in group:
+            control.send(stage, protocol.PROFILE, **probe)
+            alone[stage.name] = _probe_result(control, stage, timeout_s)
+        for stage in group:
+            control.send(stage, protocol.PROFILE, **probe)
+        for stage in group:
+            together = _probe_result(control, stage, timeout_s)
+            if alone[stage.name] and together:
+                factors[stage.name] = max(1.0, together / alone[stage.name])
+        log.info("stages sharing %s: step time together / alone %s", host,
+                 ", ".join(f"{name} {factors[name]:.2f}x" for name in sorted(factors) if name in alone) or "not measured")
+    return [replace(p, corun_factor=factors[p.name]) if p.name in factors else p for p in profiles]
+
+
+def _probe_result(control: ControlPlane, stage: StageInfo, timeout_s: float) -> float | None:
+    """The probe's step time, or None when the stage could not run it (it says why; the plan then
+    reckons the sharing from threads and cores)."""
+    result = _await(control, stage, protocol.PROFILE_RESULT, timeout_s, lambda header: True)
+    if "probe_step_s" not in result:
+        log.warning("stage %s could not run the co-run probe: %s", stage.name, result.get("error", "no step time"))
+        return None
+    return float(result["probe_step_s"])
 
 
 def profile_from_result(result: dict, name: str, device: str, host: str, threads: int, kv_length: int,

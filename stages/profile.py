@@ -57,12 +57,18 @@ class ProfileRequest:
     micro_batch_size: int  # decode rows per step
     kv_length: int  # cached tokens each decode row attends over (a representative length)
     prefill_tokens: int  # tokens of one prefill chunk
+    # > 0: not a profile but a co-run probe: serve the decode step for this many seconds (see corun_probe)
+    probe_s: float = 0.0
 
     @classmethod
     def from_header(cls, header: dict) -> "ProfileRequest":
         protocol.require_fields(header, "profile", {"model_dir": str, "micro_batch_size": int, "kv_length": int,
                                                     "prefill_tokens": int})
-        request = cls(header["model_dir"], header["micro_batch_size"], header["kv_length"], header["prefill_tokens"])
+        probe_s = header.get("probe_s", 0.0)
+        if not isinstance(probe_s, (int, float)) or isinstance(probe_s, bool) or not 0 <= probe_s <= 60:
+            raise WireError(f"profile probe_s must be a number of seconds in [0, 60], got {probe_s!r}")
+        request = cls(header["model_dir"], header["micro_batch_size"], header["kv_length"], header["prefill_tokens"],
+                      float(probe_s))
         if min(request.micro_batch_size, request.prefill_tokens) < 1 or request.kv_length < 0:
             raise WireError(f"profile shapes must be positive, got {request}")
         return request
@@ -73,6 +79,8 @@ def profile_stage(request: ProfileRequest, device: str, dtype: str, threads: int
     """The PROFILE_RESULT fields: timings (measured, or from the cache when this setup was measured
     before, then slowed by the emulated speed), the memory budget and the shapes they were measured at."""
     files = open_model_dir(request.model_dir)
+    if request.probe_s > 0:
+        return corun_probe(files, request, device, dtype, emulate_speed)
     key = _cache_key(files.path, request, device, dtype, threads)
     path = (cache_dir or _default_cache_dir()) / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}.json"
     measured, cached = _read_cache(path, key), True
@@ -110,6 +118,38 @@ def host_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def corun_probe(files, request: ProfileRequest, device: str, dtype: str, emulate_speed: float = 1.0) -> dict:
+    """Serve the requested decode step on a few layers for `request.probe_s` seconds, as this stage
+    serves steps (an emulated slower device sleeps after each, as the worker does), and report the
+    median time of the step itself. Never cached: the broker runs it on each stage alone and then on
+    the stages of one machine at once, and the ratio is what sharing that machine costs each
+    (cores, memory bandwidth, whatever else runs there now)."""
+    held = min(PROFILE_LAYERS, files.num_layers)
+    full = load_shard(files, ShardSpec(LayerRange(0, held), False, False, device, dtype))
+    shape = attention_shape(full.config)
+    rows = request.micro_batch_size
+    arena = KVArena(list(range(held)), rows, shape.kv_heads, shape.head_dim, full.dtype, full.device,
+                    request.kv_length + 1)
+    hidden = torch.randn(rows, full.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(full.dtype)
+    step_rows = [StepRow(slot, request.kv_length, 1) for slot in range(rows)]
+    sync = _synchronizer(full.device)
+    samples = []
+    started = time.monotonic()
+    while time.monotonic() - started < request.probe_s or len(samples) < 3:
+        arena.lengths = [request.kv_length] * rows
+        begin = time.monotonic()
+        run_step(full, arena, step_rows, hidden)
+        sync()
+        took = time.monotonic() - begin
+        samples.append(took)
+        if emulate_speed < 1.0:
+            time.sleep((1.0 / emulate_speed - 1.0) * took)
+    del full, arena
+    gc.collect()
+    return {"probe_step_s": statistics.median(samples[1:] if len(samples) > 3 else samples),
+            "probe_steps": len(samples)}
 
 
 def emulated_timings(measured: dict[str, float], emulate_speed: float) -> dict[str, float]:

@@ -130,3 +130,20 @@ def test_prediction_report_has_a_line_per_stage() -> None:
     lines = format_prediction(report)
     assert len(lines) == 4 and [line.split()[0] for line in lines[1:3]] == plan.order  # in chain order
     assert lines[-1].startswith(f"run: {plan.tokens_per_s:.1f} tok/s predicted, 10.0 measured")
+
+
+@pytest.mark.parametrize("factors, want_ratio", [
+    ((1.5, 1.5), 1.5),  # measured: each step 1.5x slower while the other serves, and the other always does
+    ((1.0, 1.0), 1.0),  # measured: sharing costs nothing (two cores, enough memory bandwidth)
+    # Only the first suffers; it then sets the pace, the second waits for it part of the time and
+    # disturbs it only then: busy_a = 1 + 1 / busy_a, the golden ratio (not 2x).
+    ((2.0, 1.0), (1 + 5 ** 0.5) / 2),
+])
+def test_a_measured_corun_factor_replaces_the_thread_count(factors, want_ratio) -> None:
+    from dataclasses import replace
+
+    spans = [LayerRange(0, 6), LayerRange(6, 12)]
+    two = [replace(stage("a", "h", 2), corun_factor=factors[0]), replace(stage("b", "h", 2), corun_factor=factors[1])]
+    alone = estimate_split([stage("a"), stage("b")], spans, MEMORY, SHAPES)
+    shared = estimate_split(two, spans, MEMORY, SHAPES)
+    assert shared.job_s / alone.job_s == pytest.approx(want_ratio, rel=0.02)
