@@ -90,10 +90,10 @@ def measure_sharing(control: ControlPlane, stages: list[StageInfo], profiles: li
             alone[stage.name] = _probe_result(control, stage, timeout_s)
         for stage in group:
             control.send(stage, protocol.PROFILE, **probe)
+        together = _probe_results(control, group, timeout_s)
         for stage in group:
-            together = _probe_result(control, stage, timeout_s)
-            if alone[stage.name] and together:
-                factors[stage.name] = max(1.0, together / alone[stage.name])
+            if alone[stage.name] and together.get(stage.name):
+                factors[stage.name] = max(1.0, together[stage.name] / alone[stage.name])
         log.info("stages sharing %s: step time together / alone %s", host,
                  ", ".join(f"{name} {factors[name]:.2f}x" for name in sorted(factors) if name in alone) or "not measured")
     return [replace(p, corun_factor=factors[p.name]) if p.name in factors else p for p in profiles]
@@ -102,11 +102,31 @@ def measure_sharing(control: ControlPlane, stages: list[StageInfo], profiles: li
 def _probe_result(control: ControlPlane, stage: StageInfo, timeout_s: float) -> float | None:
     """The probe's step time, or None when the stage could not run it (it says why; the plan then
     reckons the sharing from threads and cores)."""
-    result = _await(control, stage, protocol.PROFILE_RESULT, timeout_s, lambda header: True)
-    if "probe_step_s" not in result:
-        log.warning("stage %s could not run the co-run probe: %s", stage.name, result.get("error", "no step time"))
-        return None
-    return float(result["probe_step_s"])
+    return _probe_results(control, [stage], timeout_s).get(stage.name)
+
+
+def _probe_results(control: ControlPlane, stages: list[StageInfo], timeout_s: float) -> dict[str, float | None]:
+    """Every stage's probe result, gathered as they come (one poll may bring several)."""
+    waiting = {stage.name for stage in stages}
+    results: dict[str, float | None] = {}
+    deadline = time.monotonic() + timeout_s
+    while waiting and time.monotonic() < deadline:
+        for event in control.poll(50):
+            if event.kind == "bye" and event.stage in waiting:
+                raise ClusterError(f"stage {event.stage} left while the broker waited for its co-run probe")
+            if event.kind != protocol.PROFILE_RESULT or event.stage not in waiting:
+                continue
+            waiting.discard(event.stage)
+            if "probe_step_s" in event.header:
+                results[event.stage] = float(event.header["probe_step_s"])
+            else:
+                log.warning("stage %s could not run the co-run probe: %s", event.stage,
+                            event.header.get("error", "no step time"))
+                results[event.stage] = None
+        control.heartbeat(0.5)
+    if waiting:
+        raise ClusterError(f"stage(s) {sorted(waiting)} sent no co-run probe result within {timeout_s:.0f} s")
+    return results
 
 
 def profile_from_result(result: dict, name: str, device: str, host: str, threads: int, kv_length: int,
