@@ -5,7 +5,7 @@ per stage, on the cases the issue names.
                run through the CLI in this process, in a fresh LAYERBUS_HOME
   readme-again the same command again in the same home: the store now knows where this model's
                summaries ended, and the plan expects outputs to end there
-  pipeline-2   bench_pipeline.py's layerbus run on 2 stages (128 prompts, 128 new tokens, 32 slots)
+  pipeline-2   bench_pipeline.py's layerbus run on 2 stages (128 prompts, 128 new tokens, its batching)
   pipeline-3   the same on 3 stages
   A-equal, A-planned   bench_placement.py's scenario A (2 stages at emulated speeds 1.0 and 0.33)
   B-planned, B-equal   scenario B (3 stages at 0.33, the middle one with 300MB; the best equal split
@@ -182,8 +182,8 @@ def main() -> None:
         elif case.startswith("pipeline-"):
             stages = int(case.split("-")[1])
             prompts = tokenized_prompts(tokenizer, args.pipeline_prompts)
-            # bench_pipeline.py's settings: slots = its baseline's batch (32), stages + 1 micro-batches.
-            batching = BatchingConfig(num_slots=32, max_context=4096)
+            # bench_pipeline.py's settings: its BatchingConfig defaults (micro-batches of 32, stages + 1 of them).
+            batching = BatchingConfig(max_context=4096)
             rows.append(run_cluster(case, model_dir, prompts, 128, batching, "planned", [()] * stages,
                                     max(1, cores // stages)))
         elif case.startswith("A-"):

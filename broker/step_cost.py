@@ -2,8 +2,7 @@
 
 A stage's time for a step is fitted from its profile (stages/profile.py times the serving code at
 several shapes) as fixed and proportional parts: per step (Python, rotary tables), per forward pass
-over the layers (the decode rows form one pass, each prefill chunk another: every pass reads every
-weight once), per decode row, per decode row and cached position it attends over (reading the KV
+over the layers (every pass reads every weight once; the stages pack a step's rows into one pass), per decode row, per decode row and cached position it attends over (reading the KV
 cache), per prefill token, and per prefill token and position it attends over. Whatever makes the
 step itself faster changes the fitted coefficients, not this form. Pure values, no torch.
 """
@@ -19,7 +18,7 @@ class StepWork:
     """What some steps carry, summed over them (one step, a window of a job, or a whole job)."""
 
     steps: float = 0.0
-    passes: float = 0.0  # forward passes over the layers: the decode group plus each prefill chunk
+    passes: float = 0.0  # forward passes over the layers (the stages pack a step's rows into one)
     decode_rows: float = 0.0  # rows of one new token
     decode_kv: float = 0.0  # over decode rows: the positions each attends over (its cache + itself)
     prefill_tokens: float = 0.0

@@ -118,7 +118,7 @@ def steady_shape(micro_batch_size: int, num_micro_batches: int, prompt_tokens_pe
     rows, m = micro_batch_size, num_micro_batches
     tokens = prompt_tokens_per_new_token * rows
     chunks = tokens / chunk_tokens if tokens else 0.0
-    per_step = StepWork(steps=1, passes=1 + chunks, decode_rows=rows, decode_kv=rows * (kv_length + 1),
+    per_step = StepWork(steps=1, passes=1, decode_rows=rows, decode_kv=rows * (kv_length + 1),
                         prefill_tokens=tokens, prefill_ctx=chunks * prefill_context(0, chunk_tokens) if chunks else 0.0,
                         emit_steps=1, emit_rows=rows)
     return JobShape((Window(per_step.scaled(m), rows * m, 1.0),))
@@ -173,14 +173,13 @@ def _simulate(workload: Workload, lengths: list[int], items: list[int],
                 continue
             idle_rounds = 0
             tokens = {}
-            decode_rows = decode_kv = prefill_tokens = prefill_ctx = chunks = 0
+            decode_rows = decode_kv = prefill_tokens = prefill_ctx = 0
             for row in plan.rows:
                 length = len(row.tokens)
                 if length == 1:  # one position: the stage runs it in the decode group (stages/forward.py)
                     decode_rows += 1
                     decode_kv += row.start + 1
                 else:
-                    chunks += 1
                     prefill_tokens += length
                     prefill_ctx += prefill_context(row.start, length)
                 if row.emit:
@@ -188,7 +187,9 @@ def _simulate(workload: Workload, lengths: list[int], items: list[int],
                     done = len(sequence.generated) + 1 >= want[sequence.request.request_id]
                     tokens[row.slot] = (_EOS if done else _TOKEN, 0.0)
             emitted = len(tokens)
-            work = StepWork(steps=1, passes=chunks + (1 if decode_rows else 0), decode_rows=decode_rows,
+            # The stages run a step's rows, decode and prefill alike, in one packed pass over the layers
+            # (stages/forward.py, packing), so its weights are read once per step with rows.
+            work = StepWork(steps=1, passes=1 if plan.rows else 0, decode_rows=decode_rows,
                             decode_kv=decode_kv, prefill_tokens=prefill_tokens, prefill_ctx=prefill_ctx,
                             emit_steps=1 if emitted else 0, emit_rows=emitted)
             steps.append((mb, work, emitted))
