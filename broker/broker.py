@@ -16,8 +16,9 @@ from layerbus.broker.detokenizer import IncrementalDetokenizer
 from layerbus.broker.model_memory import model_memory
 from layerbus.broker.partition import model_cost_from_config
 from layerbus.broker.pipeline import Pipeline, PipelineConfig
-from layerbus.broker.placement import PlacementError, Plan, PlanOptions, StageProfile
-from layerbus.broker.plan_report import format_plan, step_time_report
+from layerbus.broker.placement import PlacementError, Plan, PlanOptions, StageProfile, estimate_split
+from layerbus.broker.batch_sizing import choose_batching
+from layerbus.broker.plan_report import format_plan, format_prediction, prediction_report
 from layerbus.broker.planning import (
     PlanInputs,
     expected_busy_s,
@@ -32,10 +33,11 @@ from layerbus.broker.planning import (
 )
 from layerbus.broker.profiling import ProfilingConfig, collect_profiles
 from layerbus.broker.requests import GenerationRequest, GenerationResult
-from layerbus.broker.run_state import ListSource, RequestSource, ResultSink, RunStats
+from layerbus.broker.run_state import ListSource, RecordingSink, RecordingSource, RequestSource, ResultSink, RunStats
 from layerbus.broker.scheduler import BatchingConfig
 from layerbus.broker.trace_file import BrokerTrace
 from layerbus.broker.wire_choice import AutoWireInputs, plan_link_codecs
+from layerbus.broker.workload import Workload, job_shape, mean_decode_context
 from layerbus.models.model_info import ModelInfo, load_tokenizer, read_model_info
 from layerbus.wire.trace_events import PLACE
 from layerbus.wire.spans import LayerRange
@@ -67,6 +69,10 @@ class BrokerConfig:
     # Write a Trace Event (Perfetto) timeline of every step on every stage to this file (broker.trace_file):
     # after each run, and with what it has when the broker closes. None: nothing is recorded.
     trace: str | None = None
+    # The job to plan for (broker.workload.Workload: its prompt lengths and output budgets): the plan
+    # prices its prefill, decode and drain, and batch sizes left at 0 are chosen for it. None: a
+    # steady mix (plan_options.prompt_tokens_per_new_token), as for a broker serving whatever comes.
+    workload: Workload | None = None
 
 
 class Broker:
@@ -79,7 +85,13 @@ class Broker:
             raise ValueError(f"{config.num_stages} stages for a model of {self.model.files.num_layers} layers: "
                              "every stage needs at least one layer; use fewer stages")
         self.max_context = min(config.batching.max_context, self.model.max_positions)
-        self.batching = replace(config.batching, max_context=self.max_context).resolved(config.num_stages)
+        self.requested_batching = replace(config.batching, max_context=self.max_context)
+        # Sizes left at 0 are chosen from the profiles when the model is placed ("planned"); until then,
+        # and for the other partitions, from the job alone (no more slots than items).
+        sizing = choose_batching(self.requested_batching, config.num_stages, (), None,
+                                 config.workload.items if config.workload else None)
+        self.batching = sizing.batching
+        self.batching_reasons = sizing.reasons
         self.context = context or zmq.Context.instance()
         self.control = ControlPlane(self.context, config.control_bind)
         self.results = self.context.socket(zmq.PULL)
@@ -97,6 +109,7 @@ class Broker:
         self._tokenizer = None
         self.tracer = BrokerTrace(config.trace) if config.trace else None
         self.control.tracer = self.tracer
+        self.last_prediction: dict | None = None  # the last run's predicted against measured (see _prediction_report)
 
     # -- the placement in use, read-only views -------------------------------------------------
     @property
@@ -152,10 +165,23 @@ class Broker:
                                    model_cost_from_config(self.model.files.config))
         inputs = self._plan_inputs(stages)
         missing = set(unprofiled(names, self.profiles))
+        # Timed at the sizes asked for, or (left to choose) at the defaults: the fitted costs price any other.
+        requested = self.requested_batching
+        rows = self.batching.micro_batch_size if requested.num_slots or requested.micro_batch_size else 32
         measured = collect_profiles(self.control, [s for s in stages if s.name in missing], str(self.model.path),
-                                    inputs.memory, self.batching.micro_batch_size, self.batching.max_step_tokens,
+                                    inputs.memory, rows, requested.max_step_tokens or 256,
                                     self.max_context, self.config.profiling) if missing else []
         self.profiles = tuple(profiles_of(names, self.profiles + tuple(measured)))  # in chain-name order
+        if measured and self.placement is None and self.requested_batching.chosen_by_broker:
+            # Chosen once, with the first profiles: the stages size their KV caches for these slots.
+            workload = self.config.workload
+            sizing = choose_batching(self.requested_batching, len(names), self.profiles, inputs.memory,
+                                     workload.items if workload else None, mean_decode_context(workload),
+                                     reserve_fraction=self.config.plan_options.reserve_fraction)
+            self.batching, self.batching_reasons = sizing.batching, sizing.reasons
+            inputs = self._plan_inputs(stages)
+        for reason in self.batching_reasons:
+            log.info("batching: %s", reason)
         plan = plan_chain(names, self.profiles, inputs)
         for line in format_plan(plan).splitlines():
             log.info("%s", line)
@@ -165,8 +191,10 @@ class Broker:
         dtypes = sorted({stage.dtype for stage in stages})
         if len(dtypes) > 1:
             log.warning("stages run different dtypes %s; memory is planned for %s", dtypes, stages[0].dtype)
+        workload = self.config.workload
+        job = job_shape(workload, self.batching) if workload is not None and workload.items else None
         return PlanInputs(self.model.path.name, model_memory(self.model.files, stages[0].dtype), self.batching,
-                          self.config.plan_options)
+                          self.config.plan_options, job)
 
     def _assign(self, placement: Placement) -> None:
         """Choose the links' codecs, make `placement` the one in use and have its stages load it."""
@@ -281,13 +309,34 @@ class Broker:
         if self.pipeline is None:
             raise ClusterError("the broker has not started: call start() first")
         before = {s.name: dict(s.stats) for s in self.chain}
+        source, sink = RecordingSource(source), RecordingSink(sink)
         stats = self.pipeline.run(source, sink, should_stop, events)
         if self.tracer is not None:
             self.tracer.write()
         if self.plan is not None and not stats.recoveries:  # after a re-plan the stats span two plans
-            for line in step_time_report(self.plan, before, stats.stage_stats):
-                log.info("%s", line)
+            self.last_prediction = self._prediction_report(before, stats, source, sink)
         return stats
+
+    def _prediction_report(self, before: dict, stats: RunStats, source: "RecordingSource",
+                           sink: "RecordingSink") -> dict:
+        """Log predicted against measured, per stage, one table line each; the report as a dict too
+        (on the summary line's record as `prediction`, for benchmarks)."""
+        produced = None
+        lengths = sink.output_lengths(source.request_ids)
+        if lengths is not None and self.config.workload is not None and len(lengths) == self.config.workload.items:
+            # The plan's cost model again, now told where outputs really ended: what is left of the
+            # difference is the cost model's, not the guess of the output lengths.
+            plan = self.plan
+            job = job_shape(self.config.workload.with_output_lengths(lengths), self.batching)
+            produced = estimate_split([p for name in plan.order for p in self.profiles if p.name == name],
+                                      plan.spans, self._plan_inputs(self.chain).memory, self.batching,
+                                      plan.options, job)
+        report = prediction_report(self.plan, before, stats.stage_stats, stats.new_tokens, stats.wall_s, produced)
+        lines = format_prediction(report)
+        for line in lines[:-1]:
+            log.info("%s", line)
+        log.info("%s", lines[-1], extra={"prediction": report})
+        return report
 
     def keep_alive(self, seconds: float, report=lambda *a, **k: None) -> None:
         """Between jobs: keep heartbeats going and re-plan when a stage is lost (the next run follows)."""

@@ -16,6 +16,7 @@ decode rows plus the prompt tokens the workload brings along per generated token
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Sequence
 
@@ -30,6 +31,8 @@ from layerbus.broker.plan_values import (  # noqa: F401  (the planner's vocabula
     StagePlacement,
     StageProfile,
 )
+from layerbus.broker.step_cost import StepWork
+from layerbus.broker.workload import JobShape, Window, steady_shape
 from layerbus.wire.spans import LayerRange
 
 SUBSET_DP_LIMIT = 6_000_000  # inner-loop steps above which the order search falls back to (first, last) pairs
@@ -38,43 +41,55 @@ SUBSET_DP_LIMIT = 6_000_000  # inner-loop steps above which the order search fal
 # -- the cost model ---------------------------------------------------------------------------------
 
 class _CostModel:
-    """Per-stage time and memory of holding layers [start, end), as the DP and the estimates see them."""
+    """Per-stage time and memory of holding layers [start, end), as the search and the estimates see them.
 
-    def __init__(self, stages: Sequence[StageProfile], model: ModelMemory, shapes: Shapes, options: PlanOptions):
+    Time is priced per window of the job (`JobShape`): each stage's busy seconds in a window are its
+    profile's linear cost of what the window's steps carry (broker.step_cost), and the window lasts
+    as long as its slowest stage, stretched where CPU stages on one host want more cores than it
+    has, and at least as long as its busiest micro-batch's steps take through the whole chain."""
+
+    def __init__(self, stages: Sequence[StageProfile], model: ModelMemory, shapes: Shapes, options: PlanOptions,
+                 job: JobShape | None = None):
         self.stages, self.model, self.shapes, self.options = list(stages), model, shapes, options
         n = model.num_layers
         self.weight_prefix = [0]
         for size in model.layer_weight_bytes:
             self.weight_prefix.append(self.weight_prefix[-1] + size)
-        rows = shapes.micro_batch_size
-        self.prefill_per_step = options.prompt_tokens_per_new_token * rows
+        self.job = job if job is not None else steady_shape(
+            shapes.micro_batch_size, shapes.num_micro_batches, options.prompt_tokens_per_new_token,
+            min(256, shapes.max_context // 2), shapes.max_step_tokens)
+        self.windows = [w for w in self.job.windows if w.work.steps > 0]
+        self.total = self.job.total
+        self.steps = max(self.total.steps, 1e-12)
         self.kv_per_layer = model.kv_bytes_per_token * shapes.num_slots * shapes.max_context
         self.num_layers = n
+        self.shared = any(s.shares_cores for s in self.stages)
 
-    def layer_s(self, s: StageProfile) -> float:
-        rows = self.shapes.micro_batch_size
-        return (s.layer_decode_s * rows / s.micro_batch_size
-                + s.layer_prefill_s * self.prefill_per_step / s.prefill_tokens)
+    # -- time --
+    def busy_s(self, s: StageProfile, start: int, end: int, work: StepWork) -> float:
+        """Seconds stage `s` is busy for `work` holding [start, end): compute plus sending on."""
+        return s.busy_s(work, end - start, start == 0, end == self.num_layers) + self.send_s(s, end, work)
 
-    def compute_s(self, s: StageProfile, start: int, end: int) -> float:
-        rows = self.shapes.micro_batch_size
-        first, last = start == 0, end == self.num_layers
-        time = s.step_overhead_s + (end - start) * self.layer_s(s)
-        if first:
-            time += s.embed_s * (rows + self.prefill_per_step) / s.micro_batch_size
-        if last:
-            time += s.head_s * rows / s.micro_batch_size
-        return time
-
-    def send_s(self, s: StageProfile, end: int) -> float:
+    def send_s(self, s: StageProfile, end: int, work: StepWork) -> float:
         if end == self.num_layers:
             return 0.0  # the last stage returns a few token ids
-        size = (self.shapes.micro_batch_size + self.prefill_per_step) * self.model.activation_bytes_per_token
-        return size / s.link_bandwidth
+        return work.positions * self.model.activation_bytes_per_token / s.link_bandwidth
 
     def step_s(self, s: StageProfile, start: int, end: int) -> float:
-        return self.compute_s(s, start, end) + self.send_s(s, end)
+        """Mean busy seconds per step over the job, unstretched: what the search balances."""
+        return self.busy_s(s, start, end, self.total) / self.steps
 
+    def job_s(self, chain: Sequence[StageProfile], spans: Sequence[LayerRange]) -> tuple[float, list[float]]:
+        """(seconds the job takes, each stage's busy seconds over it) for this chain and split."""
+        total, busy = 0.0, [0.0] * len(chain)
+        for window in self.windows:
+            alone = [self.busy_s(s, sp.start, sp.end, window.work) for s, sp in zip(chain, spans)]
+            time, stretched = window_s(alone, chain, window, self.shapes.num_micro_batches)
+            total += time
+            busy = [b + x for b, x in zip(busy, stretched)]
+        return total, busy
+
+    # -- memory --
     def weight_bytes(self, start: int, end: int) -> int:
         first, last = start == 0, end == self.num_layers
         size = self.weight_prefix[end] - self.weight_prefix[start]
@@ -96,65 +111,172 @@ class _CostModel:
                 + self.reserve_bytes(s))
         return need <= s.memory_budget
 
-    def placement(self, s: StageProfile, start: int, end: int) -> StagePlacement:
-        return StagePlacement(
-            name=s.name, layers=LayerRange(start, end), is_first=start == 0, is_last=end == self.num_layers,
-            memory_budget=s.memory_budget, weight_bytes=self.weight_bytes(start, end),
-            kv_bytes=(end - start) * self.kv_per_layer, workspace_bytes=self.workspace_bytes(end),
-            reserve_bytes=self.reserve_bytes(s), compute_s=self.compute_s(s, start, end),
-            send_s=self.send_s(s, end), latency_s=s.link_latency_s, layer_s=self.layer_s(s),
-            layer_bytes=(self.model.layer_weight_bytes[min(end, self.num_layers - 1)] + self.kv_per_layer))
-
     def estimate(self, chain: Sequence[StageProfile], spans: Sequence[LayerRange]) -> SplitEstimate:
-        placements = tuple(self.placement(s, span.start, span.end) for s, span in zip(chain, spans))
-        return summarize(placements, self.shapes)
+        job_s, busy = self.job_s(chain, spans)
+        placements = []
+        for s, span, stage_busy in zip(chain, spans, busy):
+            start, end = span.start, span.end
+            send = self.send_s(s, end, self.total) / self.steps
+            placements.append(StagePlacement(
+                name=s.name, layers=LayerRange(start, end), is_first=start == 0, is_last=end == self.num_layers,
+                memory_budget=s.memory_budget, weight_bytes=self.weight_bytes(start, end),
+                kv_bytes=(end - start) * self.kv_per_layer, workspace_bytes=self.workspace_bytes(end),
+                reserve_bytes=self.reserve_bytes(s), compute_s=max(0.0, stage_busy / self.steps - send),
+                send_s=send, latency_s=s.link_latency_s, layer_s=s.layer.of(self.total) / self.steps,
+                layer_bytes=(self.model.layer_weight_bytes[min(end, self.num_layers - 1)] + self.kv_per_layer),
+                alone_s=self.step_s(s, start, end)))
+        return summarize(tuple(placements), self.shapes, job_s, self.job.new_tokens, self.steps)
 
 
-def summarize(placements: tuple[StagePlacement, ...], shapes: Shapes) -> SplitEstimate:
-    """Pace, round trip, tokens/s and bubble of a chain. With m micro-batches in flight the chain
-    runs at its slowest stage's pace unless one step's round trip exceeds m of those."""
+def window_s(alone: list[float], chain: Sequence[StageProfile], window: Window,
+             num_micro_batches: int) -> tuple[float, list[float]]:
+    """(how long the window lasts, each stage's busy seconds in it) from each stage's busy seconds
+    measured alone. CPU stages on one host share its cores and memory bandwidth. Where the broker
+    measured it (`corun_factor`: the step with the host's other stages serving at once, over alone),
+    a stage is stretched by that factor in proportion to how busy the others are. Otherwise from
+    threads and cores: a stage computing while the others compute gets (cores / threads wanted) of
+    what it wants, and the host cannot do more thread-seconds than it has cores; a stage emulating a
+    slower device computes only `compute_share` of its busy time (it sleeps the rest, taking no core)."""
+    steps = max(window.work.steps, 1e-12)
+    latency = sum(s.link_latency_s for s in chain)
+    busy = list(alone)
+    time = 0.0
+    for _ in range(8):  # a fixed point: the stretch depends on how busy the others are, and back
+        chain_bound = window.longest_chain * (sum(busy) / steps + latency)
+        host_bound = 0.0
+        for host, cores in _hosts(chain).items():
+            if any(s.corun_factor > 0 for s in chain if _on(s, host)):
+                continue  # measured together: the factors hold the cores' share too
+            demand = sum(b * s.compute_share * max(1, s.threads) for b, s in zip(alone, chain) if _on(s, host))
+            host_bound = max(host_bound, demand / cores)
+        time = max(max(busy, default=0.0), chain_bound, host_bound)
+        if time <= 0:
+            return 0.0, busy
+        stretched = []
+        for k, (b, s) in enumerate(zip(alone, chain)):
+            others = [j for j, o in enumerate(chain) if j != k and _on(o, s.host)]
+            if not s.shares_cores or not others:
+                stretched.append(b)
+            elif s.corun_factor > 0:
+                overlap = sum(min(1.0, busy[j] / time) for j in others) / len(others)
+                stretched.append(b * (1 + max(0.0, s.corun_factor - 1) * overlap))
+            else:
+                wanted = max(1, s.threads) + sum(max(1, chain[j].threads) * min(1.0, busy[j] * chain[j].compute_share
+                                                                                 / time) for j in others)
+                stretched.append(b * max(1.0, wanted / s.host_cores))
+        busy = stretched
+    return max(time, max(busy, default=0.0)), busy
+
+
+def _hosts(chain: Sequence[StageProfile]) -> dict[str, int]:
+    return {s.host: s.host_cores for s in chain if s.shares_cores}
+
+
+def _on(stage: StageProfile, host: str) -> bool:
+    return stage.shares_cores and stage.host == host
+
+
+def summarize(placements: tuple[StagePlacement, ...], shapes: Shapes, job_s: float | None = None,
+              new_tokens: float | None = None, steps: float | None = None) -> SplitEstimate:
+    """Pace, round trip, tokens/s and bubble of a chain. Without a job's figures: one step per
+    micro-batch in flight, where the chain runs at its slowest stage's pace unless one step's round
+    trip exceeds m of those."""
     step = max(p.step_s for p in placements)
     round_trip = sum(p.step_s + p.latency_s for p in placements)
-    cycle = max(step, round_trip / max(1, shapes.num_micro_batches))
-    tokens = shapes.micro_batch_size / cycle if cycle > 0 else math.inf
-    bubble = 1.0 - sum(p.step_s for p in placements) / (len(placements) * cycle) if cycle > 0 else 0.0
-    return SplitEstimate(placements, step, round_trip, tokens, bubble)
+    if job_s is None:
+        cycle = max(step, round_trip / max(1, shapes.num_micro_batches))
+        steps = float(max(1, shapes.num_micro_batches))
+        job_s, new_tokens = cycle * steps, shapes.micro_batch_size * steps
+    tokens = new_tokens / job_s if job_s > 0 else math.inf
+    bubble = 1.0 - sum(p.step_s for p in placements) * steps / (len(placements) * job_s) if job_s > 0 else 0.0
+    return SplitEstimate(placements, step, round_trip, tokens, bubble, job_s, new_tokens, steps)
 
 
 # -- the planner ------------------------------------------------------------------------------------
 
 def plan_placement(stages: Sequence[StageProfile], model: ModelMemory, batching,
-                   options: PlanOptions = PlanOptions()) -> Plan:
-    """The placement minimizing the slowest stage's time per step within every stage's memory.
+                   options: PlanOptions = PlanOptions(), job: JobShape | None = None) -> Plan:
+    """The placement that finishes the job soonest within every stage's memory.
 
     `stages` is any set of profiles (their order is the chain order when `allow_reorder` is off,
     and the equal split's order); `batching` is a BatchingConfig (resolved for len(stages) if it is
-    not). Raises PlacementError when no placement fits."""
+    not); `job` is the job's windows (broker.workload.job_shape; None: a steady mix of decode and
+    `options.prompt_tokens_per_new_token`). Raises PlacementError when no placement fits."""
     if not stages:
         raise PlacementError("no stages to place the model on: start at least one stage")
     names = [s.name for s in stages]
     if len(set(names)) != len(names):
         raise PlacementError(f"stage names must be unique, got {names}")
     shapes = batching if isinstance(batching, Shapes) else Shapes.from_batching(batching, len(stages))
-    costs = _CostModel(stages, model, shapes, options)
+    costs = _CostModel(stages, model, shapes, options, job)
     chain, spans = _search(costs, options)
     if not chain:
         raise PlacementError(_too_small_message(costs))
+    if len(costs.windows) > 1 or costs.shared:
+        chain, spans = _by_job_time(costs, options, chain, spans)
     chosen = costs.estimate(chain, spans)
     used = {s.name for s in chain}
     equal = None
     if len(stages) <= model.num_layers:
         equal = costs.estimate(stages, equal_partition(model.num_layers, len(stages)))
-    return Plan(chosen, tuple(n for n in names if n not in used), equal, shapes, options)
+    return Plan(chosen, tuple(n for n in names if n not in used), equal, shapes, options, job)
 
 
 def estimate_split(stages: Sequence[StageProfile], spans: Sequence[LayerRange], model: ModelMemory, batching,
-                   options: PlanOptions = PlanOptions()) -> SplitEstimate:
+                   options: PlanOptions = PlanOptions(), job: JobShape | None = None) -> SplitEstimate:
     """The figures of a given chain and split (an equal split, a split in use) under the same model."""
     if len(stages) != len(spans):
         raise ValueError(f"{len(stages)} stages but {len(spans)} spans")
     shapes = batching if isinstance(batching, Shapes) else Shapes.from_batching(batching, len(stages))
-    return _CostModel(stages, model, shapes, options).estimate(stages, spans)
+    return _CostModel(stages, model, shapes, options, job).estimate(stages, spans)
+
+
+ENUMERATION_LIMIT = 4000  # candidate chains x splits priced window by window; beyond, improve the DP's answer
+
+
+def _by_job_time(costs: _CostModel, options: PlanOptions, chain: list[StageProfile],
+                 spans: list[LayerRange]) -> tuple[list[StageProfile], list[LayerRange]]:
+    """The DP balances each stage's total over the job; phases (prefill, decode, the drain) and
+    stages sharing a host's cores make the job's time more than the slowest total. Price candidates
+    window by window: every chain and split when they are few, else the DP's answer with its cuts
+    moved one layer at a time while that helps."""
+    n, stages = costs.num_layers, costs.stages
+    sizes = range(1, len(stages) + 1) if options.allow_drop else [len(stages)]
+    count = sum(math.perm(len(stages), k) * math.comb(n - 1, k - 1) for k in sizes if k <= n)
+    if count <= ENUMERATION_LIMIT:
+        candidates = []
+        for k in sizes:
+            if k > n:
+                continue
+            orders = itertools.permutations(stages, k) if options.allow_reorder else itertools.combinations(stages, k)
+            for order in orders:
+                for cuts in itertools.combinations(range(1, n), k - 1):
+                    bounds = (0, *cuts, n)
+                    split = [LayerRange(a, b) for a, b in zip(bounds, bounds[1:])]
+                    if all(costs.fits(s, sp.start, sp.end) for s, sp in zip(order, split)):
+                        candidates.append((costs.job_s(order, split)[0], list(order), split))
+        if not candidates:
+            return chain, spans
+        best = _prefer_more_stages(candidates, lambda c: c[0], lambda c: len(c[1]), options.drop_tolerance)
+        return best[1], best[2]
+    best_time = costs.job_s(chain, spans)[0]
+    improved = True
+    while improved:
+        improved = False
+        for i in range(len(spans) - 1):
+            for delta in (-1, 1):
+                cut = spans[i].end + delta
+                if not spans[i].start < cut < spans[i + 1].end:
+                    continue
+                trial = list(spans)
+                trial[i], trial[i + 1] = LayerRange(spans[i].start, cut), LayerRange(cut, spans[i + 1].end)
+                if not (costs.fits(chain[i], trial[i].start, trial[i].end)
+                        and costs.fits(chain[i + 1], trial[i + 1].start, trial[i + 1].end)):
+                    continue
+                time = costs.job_s(chain, trial)[0]
+                if time < best_time * (1 - 1e-9):
+                    spans, best_time, improved = trial, time, True
+    return chain, spans
 
 
 def _search(costs: _CostModel, options: PlanOptions) -> tuple[list[StageProfile], list[LayerRange]]:

@@ -30,9 +30,16 @@ def format_split(title: str, split: SplitEstimate) -> list[str]:
 
 def format_plan(plan: Plan) -> str:
     shapes = plan.shapes
+    if plan.job is not None:
+        total = plan.job.total
+        workload = (f"the job's {total.steps:.0f} steps ({total.prefill_tokens:.0f} prompt tokens, "
+                    f"{plan.job.new_tokens:.0f} new tokens) priced in {len(plan.job.windows)} windows: "
+                    f"{plan.chosen.job_s:.1f} s predicted")
+    else:
+        workload = f"{plan.options.prompt_tokens_per_new_token:g} prompt tokens per new token"
     lines = [f"placement for {shapes.num_slots} slots x {shapes.max_context} tokens, micro-batches of "
-             f"{shapes.micro_batch_size} ({shapes.num_micro_batches} in flight), "
-             f"{plan.options.prompt_tokens_per_new_token:g} prompt tokens per new token"]
+             f"{shapes.micro_batch_size} ({shapes.num_micro_batches} in flight), {shapes.max_step_tokens} tokens "
+             f"per step at most, {workload}"]
     lines.append(f"chain: {format_chain(plan.order, plan.spans)}")
     lines += format_split("planned", plan.chosen)
     if plan.left_out:
@@ -68,14 +75,47 @@ def format_explain(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def step_time_report(plan: Plan, before: dict[str, dict], after: dict[str, dict]) -> list[str]:
-    """Per stage: predicted against measured seconds per step (from the stages' busy_s/steps stats)."""
-    lines = []
+def prediction_report(plan: Plan, before: dict[str, dict], after: dict[str, dict], new_tokens: int, wall_s: float,
+                      produced: SplitEstimate | None = None) -> dict:
+    """Predicted against measured for a run: tokens/s of the whole run and, per stage, busy time per
+    step (from the stages' busy_s/steps stats) and the tokens/s its busy time alone would allow.
+    `produced`: the same plan priced for the output lengths the run really produced."""
+    stages = {}
     for stage in plan.stages:
         start, end = before.get(stage.name, {}), after.get(stage.name, {})
         steps = end.get("steps", 0) - start.get("steps", 0)
         busy = end.get("busy_s", 0.0) - start.get("busy_s", 0.0)
-        measured = f"{1000 * busy / steps:.2f} ms over {steps} steps" if steps > 0 else "no steps"
-        lines.append(f"stage {stage.name} {stage.layers}: predicted {1000 * stage.step_s:.2f} ms/step, "
-                     f"measured {measured}")
+        predicted_busy = stage.step_s * plan.chosen.steps
+        stages[stage.name] = {
+            "layers": str(stage.layers), "steps": steps,
+            "predicted_ms_per_step": 1000 * stage.step_s,
+            "measured_ms_per_step": 1000 * busy / steps if steps > 0 else None,
+            "predicted_tok_s": plan.chosen.new_tokens / predicted_busy if predicted_busy > 0 else None,
+            "measured_tok_s": new_tokens / busy if busy > 0 else None}
+    return {"tok_s": plan.tokens_per_s, "measured_tok_s": new_tokens / wall_s if wall_s > 0 else None,
+            "tok_s_for_produced_lengths": produced.tokens_per_s if produced is not None else None,
+            "predicted_steps": plan.chosen.steps, "predicted_new_tokens": plan.chosen.new_tokens,
+            "new_tokens": new_tokens, "wall_s": wall_s, "stages": stages}
+
+
+def format_prediction(report: dict) -> list[str]:
+    """One line per stage, then the run's line: predicted against measured."""
+    lines = [f"{'stage':<12} {'layers':<10} {'busy ms/step predicted':>22} {'measured':>9} {'steps':>6} "
+             f"{'tok/s at its busy time predicted':>33} {'measured':>9}"]
+    for name, s in report["stages"].items():
+        lines.append(f"{name:<12} {s['layers']:<10} {_num(s['predicted_ms_per_step']):>22} "
+                     f"{_num(s['measured_ms_per_step']):>9} {s['steps']:>6} {_num(s['predicted_tok_s']):>33} "
+                     f"{_num(s['measured_tok_s']):>9}")
+    produced = report["tok_s_for_produced_lengths"]
+    measured = report["measured_tok_s"]
+    line = f"run: {_num(report['tok_s'])} tok/s predicted, {_num(measured)} measured"
+    if measured and report["tok_s"]:
+        line += f" ({measured / report['tok_s'] - 1:+.0%})"
+    if produced:
+        line += f"; {_num(produced)} predicted for the output lengths produced ({measured / produced - 1:+.0%})"
+    lines.append(line + f"; {report['new_tokens']} new tokens in {report['wall_s']:.1f} s")
     return lines
+
+
+def _num(value) -> str:
+    return f"{value:.1f}" if isinstance(value, (int, float)) else "-"

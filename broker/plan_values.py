@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from layerbus.broker.step_cost import LinearCost, StepWork
 from layerbus.wire.spans import LayerRange
 
 
@@ -29,7 +30,21 @@ class StageProfile:
     step_overhead_s: float = 0.0  # fixed cost per step whatever the layers (rotary, masks, Python)
     micro_batch_size: int = 32  # decode rows the decode times were measured at
     prefill_tokens: int = 256  # tokens of the measured prefill chunk
-    device: str = "cpu"  # for display
+    device: str = "cpu"  # "cpu" stages on one host share its cores; GPU stages do not compete
+    # Fitted from a profile at several shapes (broker.step_cost): what one layer and the per-step
+    # overhead cost as a function of what a step carries. None (a cluster file, an older profile):
+    # derived from the scalars above, proportional to rows and tokens.
+    layer_cost: LinearCost | None = None
+    overhead_cost: LinearCost | None = None
+    head_step_s: float = 0.0  # the part of head_s that is fixed per step emitting tokens (the rest is per row)
+    head_rows: int = 0  # rows head_s was measured at (0: micro_batch_size)
+    host: str = ""  # the machine it runs on ("" = unknown: shares nothing)
+    host_cores: int = 0  # cores that machine gives its processes (0 = unknown)
+    threads: int = 0  # torch threads of this stage
+    compute_share: float = 1.0  # share of its busy time spent computing (an emulated slower device sleeps the rest)
+    # Measured: its step's time with the other stages of its host serving at once / alone (0 = not
+    # measured: the stretch is then reckoned from threads and cores)
+    corun_factor: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("layer_decode_s", "layer_prefill_s", "embed_s", "head_s", "link_latency_s", "step_overhead_s"):
@@ -42,6 +57,55 @@ class StageProfile:
             raise ValueError(f"stage {self.name!r}: memory_budget must be >= 0 bytes, got {self.memory_budget}")
         if self.micro_batch_size < 1 or self.prefill_tokens < 1:
             raise ValueError(f"stage {self.name!r}: micro_batch_size and prefill_tokens must be >= 1")
+        if not 0 < self.compute_share <= 1:
+            raise ValueError(f"stage {self.name!r}: compute_share must be in (0, 1], got {self.compute_share}")
+
+    @property
+    def layer(self) -> LinearCost:
+        """One decoder layer's cost of a step."""
+        if self.layer_cost is not None:
+            return self.layer_cost
+        return LinearCost(per_row_s=self.layer_decode_s / self.micro_batch_size,
+                          per_token_s=self.layer_prefill_s / self.prefill_tokens)
+
+    @property
+    def overhead(self) -> LinearCost:
+        """The step's cost whatever the layers (rotary tables, masks, Python)."""
+        if self.overhead_cost is not None:
+            return self.overhead_cost
+        return LinearCost(per_step_s=self.step_overhead_s)
+
+    @property
+    def embed_token_s(self) -> float:
+        return self.embed_s / self.micro_batch_size
+
+    @property
+    def head_row_s(self) -> float:
+        return max(0.0, self.head_s - self.head_step_s) / (self.head_rows or self.micro_batch_size)
+
+    def busy_s(self, work: StepWork, num_layers: int, is_first: bool, is_last: bool) -> float:
+        """Seconds this stage computes for `work` holding `num_layers` layers (and the ends it holds)."""
+        time = self.overhead.of(work) + num_layers * self.layer.of(work)
+        if is_first:
+            time += self.embed_token_s * work.positions
+        if is_last:
+            time += self.head_step_s * work.emit_steps + self.head_row_s * work.emit_rows
+        return time
+
+    @property
+    def shares_cores(self) -> bool:
+        """A CPU stage on a known host: it competes for that host's cores with the others there."""
+        return bool(self.host) and self.host_cores > 0 and self.device.split(":")[0] == "cpu"
+
+    def slowed(self, factor: float) -> "StageProfile":
+        """The same stage running `factor` times slower (links unchanged)."""
+        from dataclasses import replace
+
+        return replace(self, layer_decode_s=self.layer_decode_s * factor, layer_prefill_s=self.layer_prefill_s * factor,
+                       embed_s=self.embed_s * factor, head_s=self.head_s * factor,
+                       step_overhead_s=self.step_overhead_s * factor, head_step_s=self.head_step_s * factor,
+                       layer_cost=self.layer_cost.scaled(factor) if self.layer_cost else None,
+                       overhead_cost=self.overhead_cost.scaled(factor) if self.overhead_cost else None)
 
 
 @dataclass(frozen=True)
@@ -125,11 +189,12 @@ class StagePlacement:
     kv_bytes: int  # KV of its layers for all slots at the full context
     workspace_bytes: int
     reserve_bytes: int
-    compute_s: float  # per step: layers + embedding + head + fixed overhead
-    send_s: float  # per step: activations over its link (0 on the last stage)
+    compute_s: float  # per step (mean over the job): layers + embedding + head + fixed overhead, stretched by sharing
+    send_s: float  # per step (mean): activations over its link (0 on the last stage)
     latency_s: float  # its link's latency (counts in the round trip, not in the pace)
     layer_s: float  # one more layer would add this much per step
     layer_bytes: int  # one more layer would need this many bytes (weights + KV)
+    alone_s: float | None = None  # per step as if it had its host to itself (None: as step_s)
 
     @property
     def step_s(self) -> float:
@@ -153,10 +218,13 @@ class SplitEstimate:
     """A chain of stages with their layers, and what it should do."""
 
     stages: tuple[StagePlacement, ...]  # in chain order
-    step_s: float  # the slowest stage's time per step: the pipeline's pace
+    step_s: float  # the slowest stage's busy time per step (mean over the job)
     round_trip_s: float  # one step through every stage and link, back to the broker
-    tokens_per_s: float  # new tokens per second
-    bubble: float  # share of the stages' time spent waiting for the slowest one
+    tokens_per_s: float  # new tokens per second over the job
+    bubble: float  # share of the stages' time spent waiting (for the slowest one, for a phase to pass)
+    job_s: float = 0.0  # seconds the job (or, without one, one step per micro-batch) takes
+    new_tokens: float = 0.0  # new tokens in that time
+    steps: float = 0.0  # steps sent in that time
 
     @property
     def fits(self) -> bool:
@@ -172,7 +240,8 @@ class SplitEstimate:
 
     def to_json(self) -> dict:
         return {"step_ms": 1000 * self.step_s, "round_trip_ms": 1000 * self.round_trip_s,
-                "tokens_per_s": self.tokens_per_s, "bubble": self.bubble, "fits": self.fits,
+                "tokens_per_s": self.tokens_per_s, "bubble": self.bubble, "fits": self.fits, "job_s": self.job_s,
+                "new_tokens": self.new_tokens, "steps": self.steps,
                 "stages": [{"name": s.name, "layers": s.layers.to_json(), "num_layers": len(s.layers),
                             "embed": s.is_first, "head": s.is_last, "step_ms": 1000 * s.step_s,
                             "compute_ms": 1000 * s.compute_s, "send_ms": 1000 * s.send_s,
@@ -191,6 +260,7 @@ class Plan:
     equal: SplitEstimate | None  # equal layer counts over all stages in the given order (None: more stages than layers)
     shapes: Shapes
     options: PlanOptions = field(default_factory=PlanOptions)
+    job: object = None  # the job's windows it was planned for (broker.workload.JobShape; None: a steady mix)
 
     @property
     def stages(self) -> tuple[StagePlacement, ...]:
@@ -215,6 +285,17 @@ class Plan:
     @property
     def bubble(self) -> float:
         return self.chosen.bubble
+
+    @property
+    def chosen_work(self) -> StepWork:
+        """What the job's steps carry in all (without a job: one steady step per micro-batch)."""
+        if self.job is not None:
+            return self.job.total
+        from layerbus.broker.workload import steady_shape
+
+        s = self.shapes
+        return steady_shape(s.micro_batch_size, s.num_micro_batches, self.options.prompt_tokens_per_new_token,
+                            min(256, s.max_context // 2), s.max_step_tokens).total
 
     @property
     def predicted_step_s(self) -> dict[str, float]:

@@ -13,6 +13,7 @@ from typing import Sequence
 from layerbus.broker.chain import Placement
 from layerbus.broker.drift import Work
 from layerbus.broker.partition import balanced_partition, equal_partition
+from layerbus.broker.step_cost import StepWork
 from layerbus.broker.placement import (
     ModelMemory,
     PlacementError,
@@ -33,6 +34,7 @@ class PlanInputs:
     memory: ModelMemory  # the model's exact memory needs in the stages' dtype
     batching: object  # a resolved BatchingConfig (or placement.Shapes)
     options: PlanOptions = PlanOptions()
+    job: object = None  # the job's windows (broker.workload.JobShape), None: a steady mix of decode and prefill
 
 
 def plan_chain(names: Sequence[str], profiles: Sequence[StageProfile], inputs: PlanInputs) -> Plan:
@@ -40,7 +42,7 @@ def plan_chain(names: Sequence[str], profiles: Sequence[StageProfile], inputs: P
     profile in `profiles`. Raises PlacementError naming the model when they cannot hold it."""
     chosen = profiles_of(names, profiles)
     try:
-        return plan_placement(chosen, inputs.memory, inputs.batching, inputs.options)
+        return plan_placement(chosen, inputs.memory, inputs.batching, inputs.options, inputs.job)
     except PlacementError as error:
         raise PlacementError(f"cannot place {inputs.model_name}: {error}") from None
 
@@ -85,9 +87,7 @@ def planned(plan: Plan) -> Placement:
 
 def slowed_profile(profile: StageProfile, factor: float) -> StageProfile:
     """The profile of the same stage running `factor` times slower (links unchanged)."""
-    return replace(profile, layer_decode_s=profile.layer_decode_s * factor,
-                   layer_prefill_s=profile.layer_prefill_s * factor, embed_s=profile.embed_s * factor,
-                   head_s=profile.head_s * factor, step_overhead_s=profile.step_overhead_s * factor)
+    return profile.slowed(factor)
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def replan_slowed(slowed: dict[str, float], current: Placement, live: Sequence[s
     best plan over the `live` stages with those profiles, and say whether moving is worth it."""
     profiles = tuple(slowed_profile(p, slowed[p.name]) if p.name in slowed else p for p in profiles)
     in_use = estimate_split(profiles_of(current.stages, profiles), current.spans, inputs.memory,
-                            inputs.batching, inputs.options)
+                            inputs.batching, inputs.options, inputs.job)
     try:
         best = plan_chain([p.name for p in profiles if p.name in set(live)], profiles, inputs)
     except PlacementError:
@@ -123,22 +123,24 @@ def replan_slowed(slowed: dict[str, float], current: Placement, live: Sequence[s
 
 
 def expected_busy_s(plan: Plan | None, profiles: Sequence[StageProfile], stage_name: str, work: Work) -> float:
-    """What the stage's profile says `work` takes on its span of `plan`: per step its fixed cost,
-    per decode row and prefill token its layers' share, plus the embedding on the first stage and
-    the head for each emitted row on the last. 0 when it is not in the plan (or there is none)."""
+    """What the stage's profile says `work` takes on its span of `plan`, with the plan's cost model
+    (StageProfile.busy_s): per step its fixed cost, per decode row and prefill token its layers'
+    share (attending over the plan's mean context), plus the embedding on the first stage and the
+    head for each emitted row on the last. 0 when it is not in the plan (or there is none)."""
     placement = next((s for s in plan.stages if s.name == stage_name), None) if plan is not None else None
     profile = next((p for p in profiles if p.name == stage_name), None)
     if placement is None or profile is None:
         return 0.0
-    decode_steps = work.decode_rows / profile.micro_batch_size  # in units of the profiled decode step
-    prefill_chunks = work.prefill_tokens / profile.prefill_tokens
-    busy = work.steps * profile.step_overhead_s
-    busy += len(placement.layers) * (decode_steps * profile.layer_decode_s + prefill_chunks * profile.layer_prefill_s)
-    if placement.is_first:
-        busy += (decode_steps + prefill_chunks) * profile.embed_s
-    if placement.is_last:
-        busy += work.emit_rows / profile.micro_batch_size * profile.head_s
-    return busy
+    total = plan.chosen_work
+    kv_per_row = total.decode_kv / total.decode_rows if total.decode_rows else 0.0
+    ctx_per_token = total.prefill_ctx / total.prefill_tokens if total.prefill_tokens else 0.0
+    passes_per_step = total.passes / total.steps if total.steps else 1.0
+    emit_share = total.emit_steps / total.steps if total.steps else 1.0
+    step_work = StepWork(steps=work.steps, passes=work.steps * passes_per_step, decode_rows=work.decode_rows,
+                         decode_kv=work.decode_rows * kv_per_row, prefill_tokens=work.prefill_tokens,
+                         prefill_ctx=work.prefill_tokens * ctx_per_token,
+                         emit_steps=min(work.steps * emit_share, work.emit_rows), emit_rows=work.emit_rows)
+    return profile.busy_s(step_work, len(placement.layers), placement.is_first, placement.is_last)
 
 
 def link_codec_inputs(wire: tuple[str, ...] | str, auto: AutoWireInputs, placement: Placement,

@@ -11,19 +11,22 @@ approximation across a routed network.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from layerbus.broker.control import ClusterError, ControlPlane, StageInfo
 from layerbus.broker.placement import ModelMemory, StageProfile
+from layerbus.broker.step_cost import ProfilePoint, decode_step, fit_costs, prefill_step
 from layerbus.wire import protocol
 
 log = logging.getLogger("layerbus.broker")
 
 MAX_PROBE_BYTES = 512 << 10  # control messages are capped at 1 MiB
+PROFILE_SHAPES = ("decode", "few_rows", "long_kv", "prefill", "late_prefill")  # as stages/profile.py SHAPES
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class ProfilingConfig:
     kv_length: int = 0  # cached tokens per decode row while timing (0 = min(256, max_context // 2))
     probe_rounds: int = 7  # echoes per probe size; the median counts
     timeout_s: float = 300.0  # one stage's profile must arrive within this
+    probe_s: float = 1.5  # stages sharing a machine: serve steps this long alone and together (0 = do not measure)
 
 
 def collect_profiles(control: ControlPlane, stages: list[StageInfo], model_dir: str, model: ModelMemory,
@@ -51,20 +55,106 @@ def collect_profiles(control: ControlPlane, stages: list[StageInfo], model_dir: 
         if "error" in result:
             raise ClusterError(f"stage {stage.name} could not profile itself: {result['error']}")
         bandwidth, latency = probe_link(control, stage, probe_bytes, config.probe_rounds)
-        profile = StageProfile(
-            name=stage.name, layer_decode_s=float(result["layer_decode_s"]),
-            layer_prefill_s=float(result["layer_prefill_s"]), embed_s=float(result["embed_s"]),
-            head_s=float(result["head_s"]), step_overhead_s=float(result.get("step_overhead_s", 0.0)),
-            memory_budget=int(result["memory_budget"]), link_bandwidth=bandwidth, link_latency_s=latency,
-            micro_batch_size=int(result["micro_batch_size"]), prefill_tokens=int(result["prefill_tokens"]),
-            device=stage.device)
+        profile = profile_from_result(result, stage.name, stage.device, stage.host, stage.threads, kv_length,
+                                      bandwidth, latency)
         log.info("stage %s profile (%s, %.1f s): layer %.2f ms/decode step, %.2f ms/prefill chunk, head %.2f ms, "
                  "budget %.0f MiB, link %.0f MB/s + %.0f us", stage.name,
                  "cached" if result.get("cached") else "measured", time.monotonic() - started,
                  1000 * profile.layer_decode_s, 1000 * profile.layer_prefill_s, 1000 * profile.head_s,
                  profile.memory_budget / 2**20, bandwidth / 1e6, 1e6 * latency)
         profiles.append(profile)
+    if config.probe_s > 0:
+        profiles = measure_sharing(control, stages, profiles, request, config.probe_s, config.timeout_s)
     return profiles
+
+
+def measure_sharing(control: ControlPlane, stages: list[StageInfo], profiles: list[StageProfile], request: dict,
+                    probe_s: float, timeout_s: float) -> list[StageProfile]:
+    """Each profile with its `corun_factor`: for the CPU stages of each machine that runs more than
+    one, the decode step served for `probe_s` by each alone, then by all at once; the ratio is what
+    sharing the machine costs it (cores, memory bandwidth, whatever else runs there). Profiles are
+    timed one stage at a time and cached; this is measured afresh for every plan."""
+    by_name = {p.name: p for p in profiles}
+    hosts: dict[str, list[StageInfo]] = {}
+    for stage in stages:
+        if stage.name in by_name and by_name[stage.name].shares_cores:
+            hosts.setdefault(stage.host, []).append(stage)
+    factors: dict[str, float] = {}
+    probe = dict(request, probe_s=probe_s)
+    for host, group in hosts.items():
+        if len(group) < 2:
+            continue
+        alone = {}
+        for stage in group:
+            control.send(stage, protocol.PROFILE, **probe)
+            alone[stage.name] = _probe_result(control, stage, timeout_s)
+        for stage in group:
+            control.send(stage, protocol.PROFILE, **probe)
+        together = _probe_results(control, group, timeout_s)
+        for stage in group:
+            if alone[stage.name] and together.get(stage.name):
+                factors[stage.name] = max(1.0, together[stage.name] / alone[stage.name])
+        log.info("stages sharing %s: step time together / alone %s", host,
+                 ", ".join(f"{name} {factors[name]:.2f}x" for name in sorted(factors) if name in alone) or "not measured")
+    return [replace(p, corun_factor=factors[p.name]) if p.name in factors else p for p in profiles]
+
+
+def _probe_result(control: ControlPlane, stage: StageInfo, timeout_s: float) -> float | None:
+    """The probe's step time, or None when the stage could not run it (it says why; the plan then
+    reckons the sharing from threads and cores)."""
+    return _probe_results(control, [stage], timeout_s).get(stage.name)
+
+
+def _probe_results(control: ControlPlane, stages: list[StageInfo], timeout_s: float) -> dict[str, float | None]:
+    """Every stage's probe result, gathered as they come (one poll may bring several)."""
+    waiting = {stage.name for stage in stages}
+    results: dict[str, float | None] = {}
+    deadline = time.monotonic() + timeout_s
+    while waiting and time.monotonic() < deadline:
+        for event in control.poll(50):
+            if event.kind == "bye" and event.stage in waiting:
+                raise ClusterError(f"stage {event.stage} left while the broker waited for its co-run probe")
+            if event.kind != protocol.PROFILE_RESULT or event.stage not in waiting:
+                continue
+            waiting.discard(event.stage)
+            if "probe_step_s" in event.header:
+                results[event.stage] = float(event.header["probe_step_s"])
+            else:
+                log.warning("stage %s could not run the co-run probe: %s", event.stage,
+                            event.header.get("error", "no step time"))
+                results[event.stage] = None
+        control.heartbeat(0.5)
+    if waiting:
+        raise ClusterError(f"stage(s) {sorted(waiting)} sent no co-run probe result within {timeout_s:.0f} s")
+    return results
+
+
+def profile_from_result(result: dict, name: str, device: str, host: str, threads: int, kv_length: int,
+                        bandwidth: float = math.inf, latency: float = 0.0) -> StageProfile:
+    """The planner's profile from a stage's PROFILE_RESULT: the scalars it reports, plus the costs
+    fitted from its timed shapes (broker.step_cost) when it reports them (a stage of this version)."""
+    rows, chunk = int(result["micro_batch_size"]), int(result["prefill_tokens"])
+    layer = overhead = None
+    head_step = 0.0
+    if all(f"{shape}_per_layer_s" in result for shape in PROFILE_SHAPES):
+        few, long_kv, late = int(result["few_rows"]), int(result["long_kv_length"]), int(result["late_start"])
+        works = {"decode": decode_step(rows, kv_length), "few_rows": decode_step(few, kv_length),
+                 "long_kv": decode_step(rows, long_kv), "prefill": prefill_step(chunk),
+                 "late_prefill": prefill_step(chunk, late)}
+        points = [ProfilePoint(works[shape], float(result[f"{shape}_one_layer_s"]),
+                               float(result[f"{shape}_per_layer_s"])) for shape in PROFILE_SHAPES]
+        layer, overhead = fit_costs(*points)
+        if few < rows:  # the head reads its weights once per step whatever the rows: its fixed part
+            per_row = max(0.0, (float(result["head_s"]) - float(result["head_few_rows_s"])) / (rows - few))
+            head_step = max(0.0, float(result["head_s"]) - per_row * rows)
+    speed = float(result.get("emulate_speed", 1.0))
+    return StageProfile(
+        name=name, layer_decode_s=float(result["layer_decode_s"]), layer_prefill_s=float(result["layer_prefill_s"]),
+        embed_s=float(result["embed_s"]), head_s=float(result["head_s"]),
+        step_overhead_s=float(result.get("step_overhead_s", 0.0)), memory_budget=int(result["memory_budget"]),
+        link_bandwidth=bandwidth, link_latency_s=latency, micro_batch_size=rows, prefill_tokens=chunk, device=device,
+        layer_cost=layer, overhead_cost=overhead, head_step_s=head_step, host=host,
+        host_cores=int(result.get("host_cores", 0)), threads=threads, compute_share=min(1.0, max(speed, 1e-6)))
 
 
 def probe_link(control: ControlPlane, stage: StageInfo, payload_bytes: int, rounds: int) -> tuple[float, float]:

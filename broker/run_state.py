@@ -47,6 +47,48 @@ class ListSource:
         return not self.pending
 
 
+class RecordingSource:
+    """A source that remembers the ids of the requests it handed out, in order."""
+
+    def __init__(self, source: RequestSource):
+        self.source = source
+        self.request_ids: list[str] = []
+
+    def fetch(self, limit: int) -> list[GenerationRequest]:
+        requests = self.source.fetch(limit)
+        self.request_ids.extend(r.request_id for r in requests)
+        return requests
+
+    @property
+    def exhausted(self) -> bool:
+        return self.source.exhausted
+
+    def __getattr__(self, name: str):  # whatever else the wrapped source offers
+        return getattr(self.source, name)
+
+
+class RecordingSink:
+    """A sink that remembers how many tokens each result generated (to price the run afterwards)."""
+
+    def __init__(self, sink: ResultSink):
+        self.sink = sink
+        self.generated: dict[str, int] = {}
+
+    def deliver(self, results: list[GenerationResult]) -> None:
+        for result in results:
+            self.generated[result.request_id] = len(result.token_ids)
+        self.sink.deliver(results)
+
+    def output_lengths(self, request_ids: list[str]) -> list[int] | None:
+        """Tokens generated per request, in `request_ids` order; None unless every one has a result."""
+        if not request_ids or any(rid not in self.generated for rid in request_ids):
+            return None
+        return [self.generated[rid] for rid in request_ids]
+
+    def __getattr__(self, name: str):
+        return getattr(self.sink, name)
+
+
 @dataclass
 class RunStats:
     """What one run did, for status lines and benchmarks."""

@@ -27,30 +27,37 @@ class BatchingConfig:
     num_slots: int = 0  # sequences in flight at once, over all micro-batches (0 = micro_batch_size x micro-batches)
     num_micro_batches: int = 0  # 0 = number of stages + 1, so every stage has work while the broker plans
     micro_batch_size: int = 32  # sequences per micro-batch when num_slots is 0: decode reads every weight
-    # once per micro-batch step, so on a CPU tokens/s grows with this until compute-bound
-    max_step_tokens: int = 256  # tokens one micro-batch step may carry (decode rows + prefill chunks)
+    # once per micro-batch step, so on a CPU tokens/s grows with this until compute-bound. 0 = chosen by
+    # the broker from the stages' profiles and the job (broker.batch_sizing; 32 where it cannot choose)
+    max_step_tokens: int = 256  # tokens one micro-batch step may carry (decode rows + prefill chunks); 0 = chosen
     min_prefill_chunk: int = 16  # a prefill advances at least this much per step, even in a full batch
     max_context: int = 2048  # prompt + generated tokens per sequence (capped by the model's own limit)
     max_step_failures: int = 3  # a sequence whose step fails this many times alone fails with the stage's error
 
     def __post_init__(self) -> None:
-        if self.num_slots < 0 or self.micro_batch_size < 1 or self.num_micro_batches < 0:
-            raise ValueError(f"need num_slots >= 0, micro_batch_size >= 1 and num_micro_batches >= 0, got "
+        if self.num_slots < 0 or self.micro_batch_size < 0 or self.num_micro_batches < 0:
+            raise ValueError(f"need num_slots >= 0, micro_batch_size >= 0 (0 = chosen) and num_micro_batches >= 0, got "
                              f"{self.num_slots=}, {self.micro_batch_size=}, {self.num_micro_batches=}")
-        if self.max_step_tokens < 1 or self.min_prefill_chunk < 1:
-            raise ValueError("max_step_tokens and min_prefill_chunk must be >= 1")
+        if self.max_step_tokens < 0 or self.min_prefill_chunk < 1:
+            raise ValueError("max_step_tokens must be >= 0 (0 = chosen) and min_prefill_chunk >= 1")
         if self.max_step_failures < 1:
             raise ValueError(f"max_step_failures must be >= 1, got {self.max_step_failures}")
         if self.max_context < 2:
             raise ValueError(f"max_context must be >= 2, got {self.max_context}")
 
     def resolved(self, num_stages: int) -> "BatchingConfig":
-        """The same budgets with num_micro_batches and num_slots filled in for a chain of stages."""
+        """The same budgets with num_micro_batches and num_slots filled in for a chain of stages (sizes
+        still left to choose take the defaults: 32 rows, 256 tokens per step)."""
         micro_batches = self.num_micro_batches or num_stages + 1
-        slots = self.num_slots or self.micro_batch_size * micro_batches
+        slots = self.num_slots or (self.micro_batch_size or 32) * micro_batches
         micro_batches = max(1, min(micro_batches, slots))
         return replace(self, num_slots=slots, num_micro_batches=micro_batches,
-                       micro_batch_size=-(-slots // micro_batches))
+                       micro_batch_size=-(-slots // micro_batches), max_step_tokens=self.max_step_tokens or 256)
+
+    @property
+    def chosen_by_broker(self) -> bool:
+        """Some size is left for the broker to choose (0 = auto)."""
+        return not (self.num_slots or self.micro_batch_size) or not self.max_step_tokens
 
 
 @dataclass

@@ -87,15 +87,16 @@ def add_job_options(parser: argparse.ArgumentParser) -> None:
 def add_cluster_options(parser: argparse.ArgumentParser, partition: bool = True) -> None:
     """How the broker batches and splits the model (`run`, `broker`, and without --partition `plan`)."""
     parser.add_argument("--slots", metavar="N", type=non_negative_int, default=0,
-                        help="sequences in flight at once (default: 0 = 32 per micro-batch, one micro-batch per "
-                             "stage plus one)")
-    parser.add_argument("--micro-batch-size", metavar="N", type=positive_int, default=32,
-                        help="sequences per micro-batch when --slots is 0; decode reads every weight once per "
-                             "micro-batch step, so larger is faster until memory runs out (default: 32)")
+                        help="sequences in flight at once (default: 0 = micro-batch size x micro-batches)")
+    parser.add_argument("--micro-batch-size", metavar="N", type=non_negative_int, default=0,
+                        help="sequences per micro-batch when --slots is 0 (default: 0 = chosen from the stages' "
+                             "profiles: the fewest rows whose cost per row is within 15%% of the per-row cost, "
+                             "capped by memory and by the job's items; 32 without profiles)")
     parser.add_argument("--micro-batches", metavar="N", type=non_negative_int, default=0,
                         help="micro-batches in flight (default: 0 = stages + 1, so every stage always has one)")
-    parser.add_argument("--max-step-tokens", metavar="N", type=positive_int, default=256,
-                        help="tokens per micro-batch step; long prompts are prefilled in chunks under it (default: 256)")
+    parser.add_argument("--max-step-tokens", metavar="N", type=non_negative_int, default=0,
+                        help="tokens per micro-batch step; long prompts are prefilled in chunks under it (default: "
+                             "0 = chosen from the stages' profiles; 256 without profiles)")
     parser.add_argument("--max-context", metavar="N", type=positive_int, default=2048,
                         help="prompt + generated tokens per item, capped by the model's limit (default: 2048)")
     if partition:

@@ -66,24 +66,32 @@ def main(args: argparse.Namespace) -> int:
     memory = model_memory(info.files, args.dtype)
     options = PlanOptions(prompt_tokens_per_new_token=args.prompt_ratio, allow_reorder=not args.keep_order,
                           allow_drop=not args.keep_all)
+    from dataclasses import replace
+
+    from layerbus.broker.batch_sizing import choose_batching
+
+    batching = replace(batching, max_context=min(batching.max_context, info.max_positions))
     if args.cluster:
         from layerbus.broker.cluster_file import read_cluster_file
         from layerbus.broker.partition import model_cost_from_config
 
-        from dataclasses import replace
-
-        batching = replace(batching, max_context=min(batching.max_context, info.max_positions))
         count = _count_stages(args.cluster)
-        shapes = Shapes.from_batching(batching, count)
-        profiles = read_cluster_file(args.cluster, model_cost_from_config(info.files.config), shapes)
+        profiles = read_cluster_file(args.cluster, model_cost_from_config(info.files.config),
+                                     Shapes.from_batching(batching.resolved(count), count))
     else:
-        profiles, shapes = _local_profiles(model_dir, memory, batching, args)
+        count = args.stages
+        profiles = _local_profiles(model_dir, memory, batching, args)
+    # Sizes left at 0 are chosen from the profiles, as the broker chooses them (no job: no item cap).
+    sizing = choose_batching(batching, count, profiles, memory, reserve_fraction=options.reserve_fraction)
+    shapes = Shapes.from_batching(sizing.batching, count)
     plan = plan_placement(profiles, memory, shapes, options)
     if args.json:
-        print(json.dumps(plan.to_json(), indent=2))
+        print(json.dumps(dict(plan.to_json(), batching_reasons=list(sizing.reasons)), indent=2))
     else:
         print(format_plan(plan))
         if args.explain:
+            print("batch sizes:")
+            print("\n".join(f"  {reason}" for reason in sizing.reasons))
             print(format_explain(plan))
     return EXIT_OK
 
@@ -127,7 +135,7 @@ def _local_profiles(model_dir, memory, batching, args):
         profiles = collect_profiles(broker.control, stages, str(model_dir), memory,
                                     broker.batching.micro_batch_size, broker.batching.max_step_tokens,
                                     broker.max_context)
-        return profiles, Shapes.from_batching(broker.batching, args.stages)
+        return profiles
     finally:
         cluster.close()
 

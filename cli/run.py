@@ -86,11 +86,22 @@ def run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.Na
     from layerbus.broker.local_cluster import LocalStageOptions
     from layerbus.jobs.local_run import run_job_locally, stage_log_dir
 
+    from layerbus.jobs.job_workload import job_workload
+    from layerbus.models.model_info import load_tokenizer
+
     log_dir = stage_log_dir(job_id)
     trace = getattr(args, "trace", None)  # `eval run` shares this function and has no --trace
+    # The plan prices this job's own prompts and output budgets, and sizes the batches for it.
+    workload = job_workload(store, job_id, load_tokenizer(model_dir))
+    batching = batching_from_args(args)
+    if workload is None:  # scoring (evals): chunks are cut at the step budget, so it stays the fixed default
+        from dataclasses import replace
+
+        batching = replace(batching, micro_batch_size=batching.micro_batch_size or 32,
+                           max_step_tokens=batching.max_step_tokens or 256)
     config = BrokerConfig(str(model_dir), args.stages, partition=args.partition,
-                          batching=batching_from_args(args), pipeline=pipeline_from_args(args),
-                          **wire_from_args(args), trace=trace)
+                          batching=batching, pipeline=pipeline_from_args(args),
+                          workload=workload, **wire_from_args(args), trace=trace)
     options = LocalStageOptions(threads_per_stage=args.threads_per_stage, log_dir=log_dir)
     print(f"layerbus: running {job_id} on {args.stages} local stage(s); stage logs in {log_dir}", file=sys.stderr)
     try:

@@ -37,8 +37,16 @@ from layerbus.wire.spans import LayerRange
 
 log = logging.getLogger("layerbus.stage")
 
-PROFILE_VERSION = 2  # bump when what is measured changes: older cache files are then ignored
-TIMING_FIELDS = ("layer_decode_s", "layer_prefill_s", "embed_s", "head_s", "step_overhead_s")
+PROFILE_VERSION = 3  # bump when what is measured changes: older cache files are then ignored
+# Each shape is timed with one layer and with two: "<shape>_one_layer_s" is overhead + one layer,
+# "<shape>_per_layer_s" what each further layer adds. decode: the requested rows at the requested KV
+# length; few_rows: a quarter of the rows; long_kv: a longer KV length; prefill: one chunk from
+# position 0; late_prefill: the same chunk after `late_start` cached positions. The broker fits a
+# fixed + per-row + per-position cost from them (broker.step_cost.fit_costs).
+PROFILE_LAYERS = 4  # timed with one layer and with this many: the difference is the per-layer cost
+SHAPES = ("decode", "few_rows", "long_kv", "prefill", "late_prefill")
+TIMING_FIELDS = ("layer_decode_s", "layer_prefill_s", "embed_s", "head_s", "step_overhead_s", "head_few_rows_s",
+                 *(f"{shape}_{part}" for shape in SHAPES for part in ("one_layer_s", "per_layer_s")))
 
 
 @dataclass(frozen=True)
@@ -49,12 +57,18 @@ class ProfileRequest:
     micro_batch_size: int  # decode rows per step
     kv_length: int  # cached tokens each decode row attends over (a representative length)
     prefill_tokens: int  # tokens of one prefill chunk
+    # > 0: not a profile but a co-run probe: serve the decode step for this many seconds (see corun_probe)
+    probe_s: float = 0.0
 
     @classmethod
     def from_header(cls, header: dict) -> "ProfileRequest":
         protocol.require_fields(header, "profile", {"model_dir": str, "micro_batch_size": int, "kv_length": int,
                                                     "prefill_tokens": int})
-        request = cls(header["model_dir"], header["micro_batch_size"], header["kv_length"], header["prefill_tokens"])
+        probe_s = header.get("probe_s", 0.0)
+        if not isinstance(probe_s, (int, float)) or isinstance(probe_s, bool) or not 0 <= probe_s <= 60:
+            raise WireError(f"profile probe_s must be a number of seconds in [0, 60], got {probe_s!r}")
+        request = cls(header["model_dir"], header["micro_batch_size"], header["kv_length"], header["prefill_tokens"],
+                      float(probe_s))
         if min(request.micro_batch_size, request.prefill_tokens) < 1 or request.kv_length < 0:
             raise WireError(f"profile shapes must be positive, got {request}")
         return request
@@ -65,6 +79,8 @@ def profile_stage(request: ProfileRequest, device: str, dtype: str, threads: int
     """The PROFILE_RESULT fields: timings (measured, or from the cache when this setup was measured
     before, then slowed by the emulated speed), the memory budget and the shapes they were measured at."""
     files = open_model_dir(request.model_dir)
+    if request.probe_s > 0:
+        return corun_probe(files, request, device, dtype, emulate_speed)
     key = _cache_key(files.path, request, device, dtype, threads)
     path = (cache_dir or _default_cache_dir()) / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}.json"
     measured, cached = _read_cache(path, key), True
@@ -75,9 +91,65 @@ def profile_stage(request: ProfileRequest, device: str, dtype: str, threads: int
         _write_cache(path, key, measured)
         log.info("profiled %s on %s/%s in %.1f s: %s", files.path.name, device, dtype, time.monotonic() - started,
                  ", ".join(f"{k} {1000 * v:.2f} ms" for k, v in measured.items()))
-    return dict(emulated_timings(measured, emulate_speed),
+    return dict(emulated_timings(measured, emulate_speed), **asdict(profile_shapes(request)),
                 memory_budget=memory_budget if memory_budget is not None else free_memory_bytes(device),
-                micro_batch_size=request.micro_batch_size, prefill_tokens=request.prefill_tokens, cached=cached)
+                micro_batch_size=request.micro_batch_size, prefill_tokens=request.prefill_tokens, cached=cached,
+                host_cores=host_cores(), emulate_speed=emulate_speed)
+
+
+@dataclass(frozen=True)
+class ProfileShapes:
+    """The shapes timed besides the requested ones (see SHAPES)."""
+
+    few_rows: int
+    long_kv_length: int
+    late_start: int
+
+
+def profile_shapes(request: ProfileRequest) -> ProfileShapes:
+    kv = request.kv_length
+    return ProfileShapes(few_rows=max(1, request.micro_batch_size // 4), long_kv_length=max(2 * kv, kv + 64),
+                         late_start=max(kv, request.prefill_tokens))
+
+
+def host_cores() -> int:
+    """Cores this process may run on (its affinity), which the stages on this machine share."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def corun_probe(files, request: ProfileRequest, device: str, dtype: str, emulate_speed: float = 1.0) -> dict:
+    """Serve the requested decode step on a few layers for `request.probe_s` seconds, as this stage
+    serves steps (an emulated slower device sleeps after each, as the worker does), and report the
+    median time of the step itself. Never cached: the broker runs it on each stage alone and then on
+    the stages of one machine at once, and the ratio is what sharing that machine costs each
+    (cores, memory bandwidth, whatever else runs there now)."""
+    held = min(PROFILE_LAYERS, files.num_layers)
+    full = load_shard(files, ShardSpec(LayerRange(0, held), False, False, device, dtype))
+    shape = attention_shape(full.config)
+    rows = request.micro_batch_size
+    arena = KVArena(list(range(held)), rows, shape.kv_heads, shape.head_dim, full.dtype, full.device,
+                    request.kv_length + 1)
+    hidden = torch.randn(rows, full.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(full.dtype)
+    step_rows = [StepRow(slot, request.kv_length, 1) for slot in range(rows)]
+    sync = _synchronizer(full.device)
+    samples = []
+    started = time.monotonic()
+    while time.monotonic() - started < request.probe_s or len(samples) < 3:
+        arena.lengths = [request.kv_length] * rows
+        begin = time.monotonic()
+        run_step(full, arena, step_rows, hidden)
+        sync()
+        took = time.monotonic() - begin
+        samples.append(took)
+        if emulate_speed < 1.0:
+            time.sleep((1.0 / emulate_speed - 1.0) * took)
+    del full, arena
+    gc.collect()
+    return {"probe_step_s": statistics.median(samples[1:] if len(samples) > 3 else samples),
+            "probe_steps": len(samples)}
 
 
 def emulated_timings(measured: dict[str, float], emulate_speed: float) -> dict[str, float]:
@@ -88,7 +160,7 @@ def emulated_timings(measured: dict[str, float], emulate_speed: float) -> dict[s
 
 def measure_timings(files, request: ProfileRequest, device: str, dtype: str) -> dict[str, float]:
     """Median times of the serving code on the first one or two layers (random inputs, real weights)."""
-    held = min(2, files.num_layers)
+    held = min(PROFILE_LAYERS, files.num_layers)
     full = load_shard(files, ShardSpec(LayerRange(0, held), True, True, device, dtype))
     config = full.config
 
@@ -98,40 +170,57 @@ def measure_timings(files, request: ProfileRequest, device: str, dtype: str) -> 
 
     shape = attention_shape(config)
     rows = request.micro_batch_size
+    extra = profile_shapes(request)
     arena = KVArena(list(range(held)), rows, shape.kv_heads, shape.head_dim, full.dtype, full.device,
-                    max(request.kv_length + 1, request.prefill_tokens))
+                    max(extra.long_kv_length + 1, extra.late_start + request.prefill_tokens))
     generator = torch.Generator().manual_seed(0)
     hidden_rows = torch.randn(rows, config.hidden_size, generator=generator).to(full.dtype)
     hidden_chunk = torch.randn(request.prefill_tokens, config.hidden_size, generator=generator).to(full.dtype)
-    decode_rows = [StepRow(slot, request.kv_length, 1) for slot in range(rows)]
-    prefill_rows = [StepRow(0, 0, request.prefill_tokens)]
-    arena.lengths = [request.kv_length] * rows
     sync = _synchronizer(full.device)
 
-    def decode(shard: StageShard) -> Callable[[], object]:
-        return lambda: run_step(shard, arena, decode_rows, hidden_rows)
+    def decode(count: int, kv_length: int) -> Callable[[], object]:
+        step_rows = [StepRow(slot, kv_length, 1) for slot in range(count)]
 
-    def prefill(shard: StageShard) -> Callable[[], object]:
-        return lambda: run_step(shard, arena, prefill_rows, hidden_chunk)
+        def run(shard: StageShard) -> object:
+            arena.lengths[:count] = [kv_length] * count  # every row attends over kv_length cached positions
+            return run_step(shard, arena, step_rows, hidden_rows[:count])
+        return run
+
+    def prefill(start: int) -> Callable[[], object]:
+        step_rows = [StepRow(0, start, request.prefill_tokens)]
+
+        def run(shard: StageShard) -> object:
+            arena.lengths[0] = start
+            return run_step(shard, arena, step_rows, hidden_chunk)
+        return run
 
     shards = {count: middle(count) for count in sorted({1, held})}
-    decode_times = {count: _median_time(decode(shard), sync) for count, shard in shards.items()}
-    prefill_times = {count: _median_time(prefill(shard), sync) for count, shard in shards.items()}
-    arena.lengths = [request.kv_length] * rows  # the prefill rewound slot 0
-    layer_decode = _per_layer(decode_times, held)
-    layer_prefill = _per_layer(prefill_times, held)
+    shape_runs = {"decode": decode(rows, request.kv_length), "few_rows": decode(extra.few_rows, request.kv_length),
+                  "long_kv": decode(rows, extra.long_kv_length), "prefill": prefill(0),
+                  "late_prefill": prefill(extra.late_start)}
+    timings: dict[str, float] = {}
+    for name, run in shape_runs.items():
+        times = _paired_medians({count: (lambda shard=shard, run=run: run(shard)) for count, shard in shards.items()},
+                                sync)
+        per_layer = _per_layer(times, held)
+        timings[f"{name}_one_layer_s"] = times[1]
+        timings[f"{name}_per_layer_s"] = per_layer
     token_ids = torch.randint(0, config.vocab_size, (rows, 1), generator=generator).to(full.device)
     normed = hidden_rows.to(full.device)
 
-    def head() -> object:
-        logits = head_logits(full, full.norm(normed))
-        return torch.log_softmax(logits, dim=-1).argmax(dim=-1)
+    def head(count: int) -> Callable[[], object]:
+        def run() -> object:
+            logits = head_logits(full, full.norm(normed[:count]))
+            return torch.log_softmax(logits, dim=-1).argmax(dim=-1)
+        return run
 
     with torch.inference_mode():
         embed = _median_time(lambda: full.embed_tokens(token_ids), sync)
-        head_s = _median_time(head, sync)
-    timings = {"layer_decode_s": layer_decode, "layer_prefill_s": layer_prefill, "embed_s": embed,
-               "head_s": head_s, "step_overhead_s": max(0.0, decode_times[1] - layer_decode)}
+        head_s = _median_time(head(rows), sync)
+        head_few = _median_time(head(extra.few_rows), sync)
+    timings.update({"layer_decode_s": timings["decode_per_layer_s"], "layer_prefill_s": timings["prefill_per_layer_s"],
+                    "embed_s": embed, "head_s": head_s, "head_few_rows_s": head_few,
+                    "step_overhead_s": max(0.0, timings["decode_one_layer_s"] - timings["decode_per_layer_s"])})
     del full, shards, arena
     gc.collect()
     return timings
@@ -156,6 +245,26 @@ def _median_time(run: Callable[[], object], sync: Callable[[], None], min_reps: 
         sync()
         samples.append(time.perf_counter() - begin)
     return statistics.median(samples)
+
+
+def _paired_medians(runs: dict[int, Callable[[], object]], sync: Callable[[], None], min_reps: int = 7,
+                    max_reps: int = 31, budget_s: float = 1.0) -> dict[int, float]:
+    """Median time of each run, timed in turns: load from other processes on a shared machine then
+    falls on both alike, and the difference between layer counts (the per-layer cost) stays right."""
+    for run in runs.values():
+        for _ in range(2):  # warm-up: allocator, caches, lazy kernels
+            run()
+    sync()
+    samples: dict[int, list[float]] = {key: [] for key in runs}
+    started = time.perf_counter()
+    while (len(samples[next(iter(runs))]) < min_reps
+           or (len(samples[next(iter(runs))]) < max_reps and time.perf_counter() - started < budget_s)):
+        for key, run in runs.items():
+            begin = time.perf_counter()
+            run()
+            sync()
+            samples[key].append(time.perf_counter() - begin)
+    return {key: statistics.median(values) for key, values in samples.items()}
 
 
 def _synchronizer(device: torch.device) -> Callable[[], None]:

@@ -175,8 +175,10 @@ def test_expected_busy_s_prices_decode_prefill_and_head_by_the_stage_profile():
     plan = plan_chain(["a", "b"], two, inputs(4, KEEP_ORDER))
     assert plan.order == ["a", "b"] and plan.spans == list(spans(0, 3, 4))  # b's head costs it two layers
     work = Work(steps=3, decode_rows=4, prefill_tokens=8, emit_rows=6)  # 2 decode steps, 2 prefill chunks
-    # a: 3 x 0.1 overhead + 3 layers x (2 x 1.0 + 2 x 10.0) + embed (2 + 2) x 0.5
-    assert expected_busy_s(plan, two, "a", work) == pytest.approx(0.3 + 66.0 + 2.0)
+    # a: 3 x 0.1 overhead + 3 layers x (2 x 1.0 + 2 x 10.0) + embed of 4 + 8 positions x 0.25. The
+    # embedding is a lookup per position, so a prefill chunk of 4 tokens costs it twice a decode step
+    # of 2 rows (before issue 12 both were priced as one profiled step: 4 x 0.5 = 2.0).
+    assert expected_busy_s(plan, two, "a", work) == pytest.approx(0.3 + 66.0 + 3.0)
     # b: 1 layer x 22.0 + head for 6 emitted rows = 3 decode steps x 2.0
     assert expected_busy_s(plan, two, "b", work) == pytest.approx(22.0 + 6.0)
     assert expected_busy_s(plan, two, "z", work) == 0.0

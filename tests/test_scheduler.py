@@ -130,12 +130,13 @@ def test_micro_batches_own_adjacent_slots(num_slots: int, micro_batches: int, nu
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"num_slots": -1}, r"need num_slots >= 0, micro_batch_size >= 1 and num_micro_batches >= 0"),
-    ({"micro_batch_size": 0}, r"self.micro_batch_size=0"),
-    ({"max_step_tokens": 0}, r"max_step_tokens and min_prefill_chunk must be >= 1"),
-    ({"min_prefill_chunk": 0}, r"max_step_tokens and min_prefill_chunk must be >= 1"),
+    # 0 micro-batch size and 0 step tokens mean "chosen by the broker" (issue 12): only negatives are refused.
+    ({"num_slots": -1}, r"need num_slots >= 0, micro_batch_size >= 0 \(0 = chosen\) and num_micro_batches >= 0"),
+    ({"micro_batch_size": -1}, r"self.micro_batch_size=-1"),
+    ({"max_step_tokens": -1}, r"max_step_tokens must be >= 0 \(0 = chosen\) and min_prefill_chunk >= 1"),
+    ({"min_prefill_chunk": 0}, r"max_step_tokens must be >= 0 \(0 = chosen\) and min_prefill_chunk >= 1"),
     ({"max_context": 1}, r"max_context must be >= 2, got 1"),
-], ids=["negative slots", "empty micro-batches", "no step budget", "no prefill chunk", "context of one"])
+], ids=["negative slots", "negative micro-batches", "negative step budget", "no prefill chunk", "context of one"])
 def test_batching_config_rejects_bad_budgets(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         BatchingConfig(**fields)

@@ -1,0 +1,132 @@
+"""Choosing the batch sizes the user left to us (0 = auto) from the stages' profiles, their memory and
+the job: pure, table-tested.
+
+A decode step costs a fixed part (reading every weight once, Python per step) plus a part per row,
+so a row's cost falls with the rows of a micro-batch towards the per-row cost alone. The micro-batch
+is the smallest whose cost per row is within `tolerance` of that asymptote on every stage (more rows
+gain little and cost KV memory and a longer drain at the end of a job), capped by memory (every slot
+holds its KV cache at the full context on every stage) and by the job (no more slots than items).
+The prefill budget per step follows the same rule for prompt tokens: the smallest chunk whose cost
+per token is within `tolerance` of the per-token cost, plus room for the decode rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from layerbus.broker.plan_values import ModelMemory, StageProfile
+from layerbus.broker.step_cost import StepWork, prefill_context
+
+DEFAULT_MICRO_BATCH = 32  # without profiles (partition equal or balanced) and without a user's value
+DEFAULT_STEP_TOKENS = 256
+MAX_MICRO_BATCH = 256
+MIN_STEP_TOKENS, MAX_STEP_TOKENS = 64, 2048
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """The chosen sizes (a resolved BatchingConfig) and one line per choice saying why."""
+
+    batching: object  # broker.scheduler.BatchingConfig, resolved
+    reasons: tuple[str, ...]
+
+
+def choose_batching(requested, num_stages: int, profiles: Sequence[StageProfile], memory: ModelMemory | None,
+                    items: int | None = None, mean_context: float | None = None,
+                    tolerance: float = 0.15, reserve_fraction: float = 0.05) -> Sizing:
+    """`requested`: a BatchingConfig whose micro_batch_size, num_micro_batches, num_slots and
+    max_step_tokens are the user's where non-zero, auto where 0. `items`: the job's item count
+    (None: unknown); `mean_context`: the mean positions a decode row attends over (None: a quarter
+    of max_context). Values the user gave are kept as given."""
+    reasons = []
+    micro_batches = requested.num_micro_batches or num_stages + 1
+    if not requested.num_micro_batches:
+        reasons.append(f"micro-batches {micro_batches}: one per stage plus one, so every stage has one while "
+                       "the broker plans the next")
+    if requested.num_slots:  # the user's slots decide the micro-batch size
+        resolved = requested.resolved(num_stages)
+        size = resolved.micro_batch_size
+        reasons.append(f"slots {resolved.num_slots}: as given (micro-batches of {size})")
+    else:
+        size, why = _micro_batch_size(requested, profiles, memory, micro_batches, items, mean_context, tolerance,
+                                      reserve_fraction)
+        reasons.append(why)
+    chunk = requested.max_step_tokens
+    if not chunk:
+        chunk, why = _step_tokens(profiles, size, requested.max_context, tolerance)
+        reasons.append(why)
+    chosen = replace(requested, micro_batch_size=size, num_micro_batches=micro_batches,
+                     num_slots=requested.num_slots or size * micro_batches, max_step_tokens=chunk)
+    return Sizing(chosen.resolved(num_stages), tuple(reasons))
+
+
+def _micro_batch_size(requested, profiles, memory, micro_batches, items, mean_context, tolerance,
+                      reserve_fraction) -> tuple[int, str]:
+    if requested.micro_batch_size:
+        size, why = requested.micro_batch_size, f"micro-batch size {requested.micro_batch_size}: as given"
+    elif any(p.layer_cost is not None for p in profiles) and memory is not None:
+        profiles = [p for p in profiles if p.layer_cost is not None]  # fitted: they know their fixed part
+        context = mean_context if mean_context is not None else requested.max_context / 4
+        wanted = {p.name: rows_to_amortize(p, memory.num_layers, context, tolerance) for p in profiles}
+        name = max(wanted, key=wanted.get)
+        size = min(MAX_MICRO_BATCH, wanted[name])
+        why = (f"micro-batch size {size}: the smallest whose cost per row is within {tolerance:.0%} of the "
+               f"per-row cost alone on every stage ({name} needs the most rows, at a context of {context:.0f})")
+    else:
+        size, why = DEFAULT_MICRO_BATCH, (f"micro-batch size {DEFAULT_MICRO_BATCH}: the default (no measured "
+                                          "profiles to tell the fixed cost of a step from its cost per row)")
+    if memory is not None and profiles and not requested.micro_batch_size:
+        most = max_slots(profiles, memory, requested.max_context, requested.max_step_tokens or DEFAULT_STEP_TOKENS,
+                         reserve_fraction)
+        if most // micro_batches < size:
+            size = max(1, most // micro_batches)
+            why += f"; capped at {size} by memory (KV for {most} slots x {requested.max_context} tokens fits)"
+    if items is not None and items > 0 and items < size * micro_batches:
+        capped = max(1, math.ceil(items / micro_batches))
+        if capped < size:
+            why += f"; {capped}: the job's {items} items spread over the {micro_batches} micro-batches"
+            size = capped
+    return size, why
+
+
+def rows_to_amortize(profile: StageProfile, num_layers: int, context: float, tolerance: float) -> int:
+    """The fewest decode rows whose cost per row is within `tolerance` of the per-row cost alone,
+    for the whole model on this stage's device (every stage holds a share of layers, and the share
+    scales fixed and per-row parts alike)."""
+    one_row = StepWork(decode_rows=1, decode_kv=context + 1, emit_rows=1)
+    per_row = profile.busy_s(one_row, num_layers, True, True)
+    fixed = profile.busy_s(StepWork(steps=1, passes=1, emit_steps=1), num_layers, True, True)
+    if per_row <= 0:
+        return MAX_MICRO_BATCH
+    return max(1, math.ceil(fixed / (tolerance * per_row)))
+
+
+def max_slots(profiles: Sequence[StageProfile], memory: ModelMemory, max_context: int, step_tokens: int,
+              reserve_fraction: float) -> int:
+    """Slots whose KV cache at the full context fits the stages' memory together, after the weights,
+    each stage's workspace and reserve (the planner then checks each stage's share exactly)."""
+    weights = sum(memory.layer_weight_bytes) + memory.embed_bytes + memory.head_bytes
+    free = sum(p.memory_budget * (1 - reserve_fraction) for p in profiles) - weights
+    free -= sum(memory.workspace_bytes(step_tokens, 1, max_context, i == 0) for i in range(len(profiles)))
+    per_slot = memory.num_layers * memory.kv_bytes_per_token * max_context
+    return max(1, int(free // per_slot)) if per_slot > 0 else MAX_MICRO_BATCH
+
+
+def _step_tokens(profiles: Sequence[StageProfile], rows: int, max_context: int, tolerance: float) -> tuple[int, str]:
+    profiles = [p for p in profiles if p.layer_cost is not None]
+    if not profiles:
+        return DEFAULT_STEP_TOKENS, (f"prefill budget {DEFAULT_STEP_TOKENS} tokens per step: the default (no "
+                                     "measured profiles)")
+    wanted = 0
+    for profile in profiles:
+        fixed = profile.overhead.of(StepWork(steps=1)) + profile.layer.of(StepWork(passes=1))
+        token = profile.layer.of(StepWork(prefill_tokens=1, prefill_ctx=prefill_context(0, 1)))
+        if token > 0:
+            wanted = max(wanted, math.ceil(fixed / (tolerance * token)))
+    chunk = min(MAX_STEP_TOKENS, max(MIN_STEP_TOKENS, -(-wanted // 64) * 64))
+    chunk = min(chunk, max_context)
+    return rows + chunk, (f"prefill budget {rows + chunk} tokens per step: {rows} decode rows plus a chunk of "
+                          f"{chunk}, the smallest (in 64s, at least {MIN_STEP_TOKENS}) whose cost per token is "
+                          f"within {tolerance:.0%} of the per-token cost")

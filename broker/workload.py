@@ -1,0 +1,197 @@
+"""A job's work as the plan sees it: its items' prompt lengths and output budgets, turned into the
+sequence of steps the scheduler will send, summed over consecutive windows of the run.
+
+A job comes in phases: prompts are prefilled (long steps of prompt tokens), then decoded (short
+steps of one row per sequence whose attention grows with the context), and at the end fewer and
+fewer sequences are left. Each phase has its own slowest stage, so the plan prices each window
+separately and adds them up. The steps are the broker's own: the real `Scheduler` is run on the
+items (pure bookkeeping), with each item's output ending after its expected length.
+
+Output lengths: an item runs to its max_new_tokens unless told otherwise (`output_fraction`, or
+the lengths themselves after a run). The planner cannot know where outputs end at EOS; the job
+runner estimates a fraction only from what is measured (items of the same model and task that
+already finished).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from layerbus.broker.requests import GenerationRequest
+from layerbus.broker.scheduler import BatchingConfig, Scheduler
+from layerbus.broker.step_cost import StepWork, prefill_context
+
+WINDOWS = 16  # windows a job is priced in: enough to tell prefill from decode from the drain
+MAX_SIMULATED_ROWS = 200_000  # decode rows simulated at most; a larger job is simulated on a sample of its items
+_TOKEN, _EOS = 0, 1
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a job asks for: per item, its prompt length and output budget."""
+
+    prompt_lengths: tuple[int, ...]
+    max_new_tokens: tuple[int, ...]
+    output_fraction: float = 1.0  # expected new tokens / budget (1: every item runs to its limit)
+    output_lengths: tuple[int, ...] | None = None  # known lengths (after a run), instead of the fraction
+
+    def __post_init__(self) -> None:
+        if len(self.prompt_lengths) != len(self.max_new_tokens):
+            raise ValueError(f"{len(self.prompt_lengths)} prompt lengths but {len(self.max_new_tokens)} budgets")
+        if self.output_lengths is not None and len(self.output_lengths) != len(self.prompt_lengths):
+            raise ValueError(f"{len(self.output_lengths)} output lengths for {len(self.prompt_lengths)} items")
+        if not 0 < self.output_fraction <= 1:
+            raise ValueError(f"output_fraction must be in (0, 1], got {self.output_fraction}")
+
+    @classmethod
+    def of(cls, prompt_lengths: Sequence[int], max_new_tokens: int | Sequence[int],
+           output_fraction: float = 1.0) -> "Workload":
+        budgets = ([int(max_new_tokens)] * len(prompt_lengths) if isinstance(max_new_tokens, int)
+                   else [int(m) for m in max_new_tokens])
+        return cls(tuple(int(n) for n in prompt_lengths), tuple(budgets), output_fraction)
+
+    @property
+    def items(self) -> int:
+        return len(self.prompt_lengths)
+
+    def expected_lengths(self) -> list[int]:
+        if self.output_lengths is not None:
+            return [max(1, min(n, m)) for n, m in zip(self.output_lengths, self.max_new_tokens)]
+        return [max(1, round(m * self.output_fraction)) for m in self.max_new_tokens]
+
+    def with_output_lengths(self, lengths: Sequence[int]) -> "Workload":
+        return Workload(self.prompt_lengths, self.max_new_tokens, 1.0, tuple(int(n) for n in lengths))
+
+    def describe(self) -> str:
+        if not self.items:
+            return "no items"
+        prompts = sorted(self.prompt_lengths)
+        outputs = self.expected_lengths()
+        told = ("lengths as produced" if self.output_lengths is not None else
+                "every item to its limit" if self.output_fraction == 1 else f"{self.output_fraction:.0%} of the limit")
+        return (f"{self.items} items, prompts {prompts[0]}-{prompts[-1]} tokens (mean {sum(prompts) / len(prompts):.0f}), "
+                f"up to {max(self.max_new_tokens)} new tokens, expected {sum(outputs)} in all ({told})")
+
+
+def mean_decode_context(workload: Workload | None) -> float | None:
+    """Positions a decode row attends over, on average: its prompt plus half its output."""
+    if workload is None or not workload.items:
+        return None
+    outputs = workload.expected_lengths()
+    return (sum(workload.prompt_lengths) + sum(outputs) / 2) / workload.items
+
+
+@dataclass(frozen=True)
+class Window:
+    """Consecutive steps of a run, summed: what each stage computes in them, and how many new tokens."""
+
+    work: StepWork
+    new_tokens: float
+    longest_chain: float  # steps of the busiest micro-batch: its steps go through the chain one after another
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """The windows of a job's run under one batching."""
+
+    windows: tuple[Window, ...]
+
+    @property
+    def total(self) -> StepWork:
+        work = StepWork()
+        for window in self.windows:
+            work = work + window.work
+        return work
+
+    @property
+    def new_tokens(self) -> float:
+        return sum(w.new_tokens for w in self.windows)
+
+
+def steady_shape(micro_batch_size: int, num_micro_batches: int, prompt_tokens_per_new_token: float,
+                 kv_length: int, chunk_tokens: int) -> JobShape:
+    """Without a workload: one window of one step per micro-batch, each with a full micro-batch of
+    decode rows at `kv_length` plus the prompt tokens the workload brings per new token (the plan of
+    an unknown job: `layerbus plan --prompt-ratio`, a broker serving whatever comes)."""
+    rows, m = micro_batch_size, num_micro_batches
+    tokens = prompt_tokens_per_new_token * rows
+    chunks = tokens / chunk_tokens if tokens else 0.0
+    per_step = StepWork(steps=1, passes=1, decode_rows=rows, decode_kv=rows * (kv_length + 1),
+                        prefill_tokens=tokens, prefill_ctx=chunks * prefill_context(0, chunk_tokens) if chunks else 0.0,
+                        emit_steps=1, emit_rows=rows)
+    return JobShape((Window(per_step.scaled(m), rows * m, 1.0),))
+
+
+def job_shape(workload: Workload, batching: BatchingConfig, windows: int = WINDOWS) -> JobShape:
+    """Run the scheduler over the workload (a sample of it when it is large) and sum its steps in
+    `windows` windows of equal step counts. `batching` must be resolved (slots, micro-batches)."""
+    if not workload.items:
+        return JobShape(())
+    lengths = workload.expected_lengths()
+    items = list(range(workload.items))
+    scale = 1.0
+    rows = sum(lengths)
+    if rows > MAX_SIMULATED_ROWS:  # every k-th item: the same mix, fewer of them; sums scaled back
+        stride = math.ceil(rows / MAX_SIMULATED_ROWS)
+        items = items[::stride]
+        scale = sum(lengths) / sum(lengths[i] for i in items)
+    steps = _simulate(workload, lengths, items, batching)
+    out = []
+    size = max(1, math.ceil(len(steps) / windows))
+    for begin in range(0, len(steps), size):
+        chunk = steps[begin:begin + size]
+        work = StepWork()
+        per_mb: dict[int, int] = {}
+        new = 0
+        for mb, step, emitted in chunk:
+            work = work + step
+            per_mb[mb] = per_mb.get(mb, 0) + 1
+            new += emitted
+        out.append(Window(work.scaled(scale), new * scale, max(per_mb.values()) * scale))
+    return JobShape(tuple(out))
+
+
+def _simulate(workload: Workload, lengths: list[int], items: list[int],
+              batching: BatchingConfig) -> list[tuple[int, StepWork, int]]:
+    """(micro-batch, what the step carries, new tokens it emits) for every step, in the order sent."""
+    scheduler = Scheduler(batching, batching.num_micro_batches, {_EOS})
+    want: dict[str, int] = {}
+    for i in items:
+        request = GenerationRequest(str(i), [_TOKEN] * max(1, workload.prompt_lengths[i]),
+                                    max_new_tokens=max(1, workload.max_new_tokens[i]))
+        if scheduler.submit(request, 0.0) is None:  # a prompt too long for the context is refused, not run
+            want[str(i)] = lengths[i]
+    steps: list[tuple[int, StepWork, int]] = []
+    idle_rounds = 0
+    while not scheduler.idle and idle_rounds < 2:
+        idle_rounds += 1
+        for mb in range(scheduler.num_micro_batches):
+            plan = scheduler.plan_step(mb, 0.0)
+            if plan is None:
+                continue
+            idle_rounds = 0
+            tokens = {}
+            decode_rows = decode_kv = prefill_tokens = prefill_ctx = 0
+            for row in plan.rows:
+                length = len(row.tokens)
+                if length == 1:  # one position: the stage runs it in the decode group (stages/forward.py)
+                    decode_rows += 1
+                    decode_kv += row.start + 1
+                else:
+                    prefill_tokens += length
+                    prefill_ctx += prefill_context(row.start, length)
+                if row.emit:
+                    sequence = scheduler.active[row.slot]
+                    done = len(sequence.generated) + 1 >= want[sequence.request.request_id]
+                    tokens[row.slot] = (_EOS if done else _TOKEN, 0.0)
+            emitted = len(tokens)
+            # The stages run a step's rows, decode and prefill alike, in one packed pass over the layers
+            # (stages/forward.py, packing), so its weights are read once per step with rows.
+            work = StepWork(steps=1, passes=1 if plan.rows else 0, decode_rows=decode_rows,
+                            decode_kv=decode_kv, prefill_tokens=prefill_tokens, prefill_ctx=prefill_ctx,
+                            emit_steps=1 if emitted else 0, emit_rows=emitted)
+            steps.append((mb, work, emitted))
+            scheduler.apply_result(plan, tokens, 0.0)
+    return steps

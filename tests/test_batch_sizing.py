@@ -1,0 +1,82 @@
+"""Batch sizes chosen from the stages' profiles, their memory and the job (pure, table-tested)."""
+
+from __future__ import annotations
+
+import pytest
+
+from layerbus.broker.batch_sizing import choose_batching, max_slots, rows_to_amortize
+from layerbus.broker.placement import ModelMemory, StageProfile
+from layerbus.broker.scheduler import BatchingConfig
+from layerbus.broker.step_cost import LinearCost
+
+AUTO = BatchingConfig(micro_batch_size=0, max_step_tokens=0, max_context=1000)
+MEMORY = ModelMemory(layer_weight_bytes=(100,) * 10, embed_bytes=100, head_bytes=100, head_shares_embed=False,
+                     kv_bytes_per_token=1, activation_bytes_per_token=8, hidden_size=2, intermediate_size=4,
+                     num_attention_heads=1, vocab_size=8, dtype_bytes=4)
+
+
+def fitted(name: str, per_pass: float, per_row: float, per_token: float = 1e-4, budget: int = 10**9,
+           kv: float = 0.0) -> StageProfile:
+    """A stage whose layer costs `per_pass` per step (reading its weights) and `per_row` per decode row."""
+    return StageProfile(name, layer_decode_s=1.0, layer_prefill_s=1.0, embed_s=0.0, head_s=0.0, memory_budget=budget,
+                        layer_cost=LinearCost(per_pass_s=per_pass, per_row_s=per_row, per_row_kv_s=kv,
+                                              per_token_s=per_token),
+                        overhead_cost=LinearCost())
+
+
+@pytest.mark.parametrize("per_pass, per_row, want", [
+    (1.0, 1.0, 7),  # fixed = 1 row: 7 rows bring it within 15% (1/7 = 14%)
+    (0.0, 1.0, 1),  # nothing fixed: one row is as cheap per row as many
+    (3.0, 0.1, 200),  # weight reads dominate (a GPU): many rows
+])
+def test_rows_to_amortize_the_fixed_part(per_pass, per_row, want) -> None:
+    assert rows_to_amortize(fitted("a", per_pass, per_row), 10, 0.0, 0.15) == want
+
+
+def test_the_kv_cost_counts_per_row() -> None:
+    # Longer contexts cost more per row, so fewer rows amortize the same fixed part.
+    short = rows_to_amortize(fitted("a", 1.0, 0.5, kv=0.01), 10, 0.0, 0.15)
+    long = rows_to_amortize(fitted("a", 1.0, 0.5, kv=0.01), 10, 100.0, 0.15)
+    assert long < short
+
+
+@pytest.mark.parametrize("requested, items, profiles, want_size, want_slots, reason", [
+    # Chosen from the profiles: the stage needing the most rows decides.
+    (AUTO, None, [fitted("a", 1.0, 1.0), fitted("b", 2.0, 1.0)], 14, 14 * 3, "(b1 needs the most rows"),
+    # No more slots than items: 10 items over 3 micro-batches.
+    (AUTO, 10, [fitted("a", 1.0, 1.0), fitted("b", 2.0, 1.0)], 4, 12, "10 items spread over the 3 micro-batches"),
+    # The user's values win.
+    (BatchingConfig(micro_batch_size=5, max_step_tokens=0), None, [fitted("a", 2.0, 1.0)] * 2, 5, 15, "as given"),
+    (BatchingConfig(num_slots=8, micro_batch_size=0, max_step_tokens=0), 100, [fitted("a", 2.0, 1.0)] * 2, 3, 8,
+     "slots 8: as given"),
+    # Profiles that cannot tell fixed from per-row costs (a cluster file's speed): the default.
+    (AUTO, None, [StageProfile("a", 1.0, 1.0, 0.0, 0.0, 10**9)] * 2, 32, 96, "the default"),
+])
+def test_choose_batching(requested, items, profiles, want_size, want_slots, reason) -> None:
+    profiles = [StageProfile(**{**vars(p), "name": f"{p.name}{i}"}) for i, p in enumerate(profiles)]
+    sizing = choose_batching(requested, 2, profiles, MEMORY, items)
+    assert sizing.batching.micro_batch_size == want_size
+    assert sizing.batching.num_slots == want_slots
+    assert sizing.batching.num_micro_batches == 3
+    assert any(reason in line for line in sizing.reasons), sizing.reasons
+
+
+def test_memory_caps_the_slots() -> None:
+    # 2 stages of 2,000 bytes: 1,900 each after the reserve, 1,200 of weights, the workspaces; KV is
+    # 10 layers x 1 byte x 1000 tokens = 10,000 bytes per slot: not even one slot fits, so one it is.
+    small = [fitted("a", 5.0, 0.1, budget=2000), fitted("b", 5.0, 0.1, budget=2000)]
+    assert max_slots(small, MEMORY, 1000, 64, 0.05) == 1
+    sizing = choose_batching(AUTO, 2, small, MEMORY)
+    assert sizing.batching.micro_batch_size == 1 and "capped at 1 by memory" in " ".join(sizing.reasons)
+    roomy = [fitted("a", 5.0, 0.1, budget=10**6), fitted("b", 5.0, 0.1, budget=10**6)]
+    # (2 x 950,000 - 1,200 of weights - 2 workspaces of 5,120 activations + 256,000 scores) // 10,000
+    assert max_slots(roomy, MEMORY, 1000, 64, 0.05) == 137
+
+
+def test_the_prefill_budget_amortizes_the_fixed_part_per_token() -> None:
+    # per pass 1.0, per token 0.01: 1 / (0.15 x 0.01) = 667 tokens -> 704 (in 64s), plus the decode rows.
+    sizing = choose_batching(BatchingConfig(micro_batch_size=8, max_step_tokens=0, max_context=4096), 2,
+                             [fitted("a", 1.0, 1.0, per_token=0.01)] * 1, MEMORY)
+    assert sizing.batching.max_step_tokens == 8 + 704
+    given = choose_batching(BatchingConfig(micro_batch_size=8, max_step_tokens=100), 2, [fitted("a", 1.0, 1.0)], MEMORY)
+    assert given.batching.max_step_tokens == 100

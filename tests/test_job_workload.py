@@ -1,0 +1,61 @@
+"""A queued job's workload for the planner: prompts tokenized as the runner tokenizes them, each
+item's own output budget, refused items left out, and no workload for scoring jobs."""
+
+from __future__ import annotations
+
+import pytest
+
+from layerbus.jobs.item_params import PROMPT_IDS_KEY, item_params
+from layerbus.jobs.job_workload import job_workload
+from layerbus.models.model_info import load_tokenizer
+from layerbus.storage import InvalidItem, JobSettings, JobStore, NewItem
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_models):
+    return load_tokenizer(tiny_models("llama"))
+
+
+@pytest.fixture
+def store(tmp_path):
+    with JobStore.open(f"sqlite:///{tmp_path / 'jobs.db'}") as opened:
+        yield opened
+
+
+def test_prompt_lengths_and_budgets_come_from_the_items(store, tokenizer) -> None:
+    prompts = ["one two three", "a much longer prompt than the first one, with more words in it"]
+    items = [NewItem("a", "x", prompts[0], item_params({}, add_special_tokens=False), seq=1),
+             NewItem("b", "y", prompts[1], item_params({"max_tokens": 7}, add_special_tokens=False), seq=2),
+             NewItem("c", "z", "", {PROMPT_IDS_KEY: [5, 6, 7, 8, 9]}, seq=3)]
+    job = store.create_job(JobSettings(task="generate", model="tiny", max_new_tokens=16), items,
+                           [InvalidItem("bad", "{oops", "line is not JSON", seq=4)])
+    workload = job_workload(store, job, tokenizer)
+    assert workload.prompt_lengths == (len(tokenizer.encode(prompts[0], add_special_tokens=False)),
+                                       len(tokenizer.encode(prompts[1], add_special_tokens=False)), 5)
+    assert workload.max_new_tokens == (16, 7, 16)  # an item's max_tokens overrides the job's
+    assert workload.output_fraction == 1.0  # where outputs end at EOS is not known before they run
+
+
+def test_a_scoring_job_has_no_workload(store, tokenizer) -> None:
+    scoring = {"score": [[[1, 2, 3], [[4], [5, 6]]]]}  # a context and two continuations
+    generation = NewItem("g", "y", "one two", item_params({}, add_special_tokens=False), seq=2)
+    job = store.create_job(JobSettings(task="generate", model="tiny"),
+                           [NewItem("s", "x", "three", scoring, seq=1), generation])
+    assert job_workload(store, job, tokenizer) is None
+
+
+def test_outputs_are_expected_to_end_where_the_same_model_and_task_ended_before(store, tokenizer) -> None:
+    from layerbus.storage import ItemResult
+
+    settings = JobSettings(task="summarize", model="tiny", max_new_tokens=10)
+    items = [NewItem(f"d{i}", "x", "one two", item_params({}, add_special_tokens=False), seq=i + 1) for i in range(10)]
+    first = store.create_job(settings, items)
+    assert job_workload(store, first, tokenizer).output_fraction == 1.0  # nothing has run yet
+    claimed = store.claim_items(first, "w", 10)
+    store.complete_items([ItemResult(item.item_id, output="out", finish_reason="stop", prompt_tokens=2,
+                                     completion_tokens=4 if i % 2 else 2, latency_s=0.1)
+                          for i, item in enumerate(claimed)])
+    second = store.create_job(settings, items)
+    assert job_workload(store, second, tokenizer).output_fraction == pytest.approx(30 / 100)
+    other_task = store.create_job(JobSettings(task="translate", model="tiny", max_new_tokens=10), items)
+    assert job_workload(store, other_task, tokenizer).output_fraction == 1.0

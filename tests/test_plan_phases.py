@@ -1,0 +1,149 @@
+"""The plan's cost model of a job (pure): step costs fitted from profiled shapes, a job's windows from
+the scheduler, phases priced window by window, CPU stages sharing a host's cores."""
+
+from __future__ import annotations
+
+import pytest
+
+from layerbus.broker.placement import ModelMemory, Shapes, StageProfile, estimate_split, plan_placement
+from layerbus.broker.plan_report import format_prediction, prediction_report
+from layerbus.broker.scheduler import BatchingConfig
+from layerbus.broker.step_cost import LinearCost, ProfilePoint, StepWork, decode_step, fit_costs, prefill_step
+from layerbus.broker.workload import Workload, job_shape
+from layerbus.wire.spans import LayerRange
+
+TRUE_LAYER = LinearCost(per_pass_s=2.0, per_row_s=0.5, per_row_kv_s=0.01, per_token_s=0.2, per_token_ctx_s=0.001)
+TRUE_OVERHEAD = LinearCost(per_step_s=1.0, per_row_s=0.05, per_token_s=0.01)
+
+
+def test_fit_recovers_the_coefficients_of_a_linear_stage() -> None:
+    works = [decode_step(32, 256), decode_step(8, 256), decode_step(32, 512), prefill_step(256), prefill_step(256, 256)]
+    points = [ProfilePoint(w, TRUE_OVERHEAD.of(w) + TRUE_LAYER.of(w), TRUE_LAYER.of(w)) for w in works]
+    layer, overhead = fit_costs(*points)
+    for got, want in ((layer, TRUE_LAYER), (overhead, TRUE_OVERHEAD)):
+        for field, value in want.to_json().items():
+            assert getattr(got, field) == pytest.approx(value, rel=1e-9, abs=1e-12), field
+
+
+def test_noise_never_makes_a_coefficient_negative() -> None:
+    works = [decode_step(32, 256), decode_step(8, 256), decode_step(32, 512), prefill_step(256), prefill_step(256, 256)]
+    # Fewer rows measured slower, a longer context faster: noise. The fit stays non-negative.
+    times = [10.0, 11.0, 9.0, 30.0, 29.0]
+    layer, overhead = fit_costs(*[ProfilePoint(w, t + 1.0, t) for w, t in zip(works, times)])
+    assert all(value >= 0 for value in layer.to_json().values())
+    assert layer.of(works[0]) == pytest.approx(10.0)  # the requested shape is still priced as measured
+
+
+def test_job_shape_counts_every_prompt_token_and_new_token() -> None:
+    workload = Workload.of([40, 300, 5, 120], [8, 16, 4, 30], output_fraction=0.5)
+    batching = BatchingConfig(num_slots=4, num_micro_batches=2, max_step_tokens=64, max_context=512).resolved(1)
+    shape = job_shape(workload, batching, windows=4)
+    total = shape.total
+    outputs = workload.expected_lengths()
+    assert outputs == [4, 8, 2, 15]
+    assert shape.new_tokens == sum(outputs)
+    assert total.prefill_tokens == 40 + 300 + 5 + 120  # every prompt position prefilled once
+    assert total.decode_rows == sum(outputs) - len(outputs)  # the first token comes with the prefill
+    assert total.emit_rows == sum(outputs)
+    assert len(shape.windows) == 4
+    # Phases: the first window prefills, the last only decodes (the drain).
+    assert shape.windows[0].work.prefill_tokens > 0 and shape.windows[-1].work.prefill_tokens == 0
+
+
+def test_a_larger_job_is_sampled_and_scaled_back() -> None:
+    import layerbus.broker.workload as workload_module
+
+    workload = Workload.of([10] * 400, 50)
+    batching = BatchingConfig(num_slots=8, num_micro_batches=2, max_context=256).resolved(1)
+    full = job_shape(workload, batching)
+    old, workload_module.MAX_SIMULATED_ROWS = workload_module.MAX_SIMULATED_ROWS, 5000
+    try:
+        sampled = job_shape(workload, batching)
+    finally:
+        workload_module.MAX_SIMULATED_ROWS = old
+    assert sampled.new_tokens == pytest.approx(full.new_tokens)
+    assert sampled.total.steps == pytest.approx(full.total.steps, rel=0.05)
+
+
+MEMORY = ModelMemory(layer_weight_bytes=(100,) * 12, embed_bytes=10, head_bytes=10, head_shares_embed=False,
+                     kv_bytes_per_token=1, activation_bytes_per_token=0, hidden_size=2, intermediate_size=4,
+                     num_attention_heads=1, vocab_size=8, dtype_bytes=4)
+SHAPES = Shapes(num_slots=8, micro_batch_size=2, num_micro_batches=4, max_context=64, max_step_tokens=16)
+
+
+def stage(name: str, host: str = "", cores: int = 0, device: str = "cpu", share: float = 1.0,
+          per_row: float = 1.0) -> StageProfile:
+    return StageProfile(name, layer_decode_s=1.0, layer_prefill_s=1.0, embed_s=0.0, head_s=0.0, memory_budget=10**9,
+                        layer_cost=LinearCost(per_row_s=per_row, per_token_s=0.1), overhead_cost=LinearCost(),
+                        host=host, host_cores=cores, threads=1, device=device, compute_share=share)
+
+
+@pytest.mark.parametrize("stages, want_ratio", [
+    # 3 one-thread stages on 3 hosts: no sharing.
+    ([stage("a", "h1", 2), stage("b", "h2", 2), stage("c", "h3", 2)], 1.0),
+    # ... on one host of 2 cores: 3 threads want 2 cores, the job takes 1.5x as long.
+    ([stage("a", "h", 2), stage("b", "h", 2), stage("c", "h", 2)], 1.5),
+    # GPU stages in one box do not compete for its CPU cores.
+    ([stage("a", "h", 2, "cuda:0"), stage("b", "h", 2, "cuda:1"), stage("c", "h", 2, "cuda:2")], 1.0),
+    # Emulated slower devices sleep most of their time: 3 x 1/3 of a core fits 2 cores.
+    ([stage("a", "h", 2, share=1 / 3), stage("b", "h", 2, share=1 / 3), stage("c", "h", 2, share=1 / 3)], 1.0),
+])
+def test_stages_sharing_a_hosts_cores_are_slower_together(stages, want_ratio) -> None:
+    spans = [LayerRange(0, 4), LayerRange(4, 8), LayerRange(8, 12)]
+    alone = estimate_split([stage(s.name) for s in stages], spans, MEMORY, SHAPES)
+    shared = estimate_split(stages, spans, MEMORY, SHAPES)
+    assert shared.job_s / alone.job_s == pytest.approx(want_ratio, rel=1e-6)
+
+
+def test_phases_each_have_their_slowest_stage() -> None:
+    # `fast_decode` decodes cheaply but prefills slowly; `slow_decode` the other way round. A job that
+    # prefills, then decodes, is slower than the bottleneck of its summed work says: each phase waits
+    # for a different stage. Priced window by window, the job takes longer than one window says.
+    fast_decode = StageProfile("p", 1.0, 1.0, 0.0, 0.0, 10**9, layer_cost=LinearCost(per_row_s=0.1, per_token_s=1.0),
+                               overhead_cost=LinearCost())
+    slow_decode = StageProfile("d", 1.0, 1.0, 0.0, 0.0, 10**9, layer_cost=LinearCost(per_row_s=1.0, per_token_s=0.1),
+                               overhead_cost=LinearCost())
+    batching = BatchingConfig(num_slots=8, num_micro_batches=2, max_step_tokens=32, max_context=128).resolved(2)
+    job = job_shape(Workload.of([60] * 8, 30), batching, windows=16)
+    one_window = job_shape(Workload.of([60] * 8, 30), batching, windows=1)
+    spans = [LayerRange(0, 6), LayerRange(6, 12)]
+    phased = estimate_split([fast_decode, slow_decode], spans, MEMORY, batching, job=job)
+    summed = estimate_split([fast_decode, slow_decode], spans, MEMORY, batching, job=one_window)
+    assert phased.job_s > 1.2 * summed.job_s
+    assert phased.new_tokens == summed.new_tokens == 8 * 30
+    # And the planner, told the job, finds the split that finishes it soonest.
+    plan = plan_placement([fast_decode, slow_decode], MEMORY, batching, job=job)
+    best = min(estimate_split(chain, [LayerRange(0, k), LayerRange(k, 12)], MEMORY, batching, job=job).job_s
+               for chain in ([fast_decode, slow_decode], [slow_decode, fast_decode]) for k in range(1, 12))
+    assert plan.chosen.job_s == pytest.approx(best)
+
+
+def test_prediction_report_has_a_line_per_stage() -> None:
+    stages = [stage("a"), stage("b")]
+    plan = plan_placement(stages, MEMORY, SHAPES)
+    before = {"a": {"busy_s": 1.0, "steps": 10}, "b": {"busy_s": 0.0, "steps": 0}}
+    after = {"a": {"busy_s": 11.0, "steps": 110}, "b": {"busy_s": 8.0, "steps": 100}}
+    report = prediction_report(plan, before, after, new_tokens=200, wall_s=20.0)
+    assert report["stages"]["a"]["measured_ms_per_step"] == pytest.approx(100.0)
+    assert report["stages"]["b"]["measured_tok_s"] == pytest.approx(25.0)
+    assert report["measured_tok_s"] == pytest.approx(10.0)
+    lines = format_prediction(report)
+    assert len(lines) == 4 and [line.split()[0] for line in lines[1:3]] == plan.order  # in chain order
+    assert lines[-1].startswith(f"run: {plan.tokens_per_s:.1f} tok/s predicted, 10.0 measured")
+
+
+@pytest.mark.parametrize("factors, want_ratio", [
+    ((1.5, 1.5), 1.5),  # measured: each step 1.5x slower while the other serves, and the other always does
+    ((1.0, 1.0), 1.0),  # measured: sharing costs nothing (two cores, enough memory bandwidth)
+    # Only the first suffers; it then sets the pace, the second waits for it part of the time and
+    # disturbs it only then: busy_a = 1 + 1 / busy_a, the golden ratio (not 2x).
+    ((2.0, 1.0), (1 + 5 ** 0.5) / 2),
+])
+def test_a_measured_corun_factor_replaces_the_thread_count(factors, want_ratio) -> None:
+    from dataclasses import replace
+
+    spans = [LayerRange(0, 6), LayerRange(6, 12)]
+    two = [replace(stage("a", "h", 2), corun_factor=factors[0]), replace(stage("b", "h", 2), corun_factor=factors[1])]
+    alone = estimate_split([stage("a"), stage("b")], spans, MEMORY, SHAPES)
+    shared = estimate_split(two, spans, MEMORY, SHAPES)
+    assert shared.job_s / alone.job_s == pytest.approx(want_ratio, rel=0.02)
