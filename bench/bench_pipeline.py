@@ -96,7 +96,8 @@ def best_sorted_baseline(model_dir: Path, prompts, max_new_tokens: int, batches:
 
 
 def run_layerbus(model_dir: Path, prompts, max_new_tokens: int, stages: int, threads_per_stage: int,
-                 batching: BatchingConfig = BatchingConfig(max_context=4096)) -> dict:
+                 batching: BatchingConfig = BatchingConfig(micro_batch_size=0, max_step_tokens=0,
+                                                           max_context=4096)) -> dict:
     """layerbus on local stage processes; `batching` as given (its defaults: what `layerbus run` uses)."""
     requests = [GenerationRequest(pid, ids, max_new_tokens=max_new_tokens) for pid, ids in prompts]
     config = BrokerConfig(str(model_dir), stages, batching=batching)
@@ -144,7 +145,9 @@ def main() -> None:
         rows.append(run_baseline(model_dir, prompts, args.max_new_tokens, args.batch, cores, set(info.eos_ids)))
         rows.append(best_sorted_baseline(model_dir, prompts, args.max_new_tokens, args.sorted_batches, cores,
                                          set(info.eos_ids)))
-    batching = BatchingConfig(num_slots=args.slots, num_micro_batches=args.micro_batches, max_context=4096)
+    # 0 = chosen by the broker from the stages' profiles, as `layerbus run` does by default
+    batching = BatchingConfig(num_slots=args.slots, num_micro_batches=args.micro_batches, micro_batch_size=0,
+                              max_step_tokens=0, max_context=4096)
     for stages in args.stages:
         rows.append(run_layerbus(model_dir, prompts, args.max_new_tokens, stages, max(1, cores // stages), batching))
     for row in rows:
