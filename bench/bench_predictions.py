@@ -182,8 +182,8 @@ def main() -> None:
         elif case.startswith("pipeline-"):
             stages = int(case.split("-")[1])
             prompts = tokenized_prompts(tokenizer, args.pipeline_prompts)
-            # bench_pipeline.py's settings: its BatchingConfig defaults (micro-batches of 32, stages + 1 of them).
-            batching = BatchingConfig(max_context=4096)
+            # bench_pipeline.py's settings: batch sizes chosen by the broker, as `layerbus run` does.
+            batching = BatchingConfig(micro_batch_size=0, max_step_tokens=0, max_context=4096)
             rows.append(run_cluster(case, model_dir, prompts, 128, batching, "planned", [()] * stages,
                                     max(1, cores // stages)))
         elif case.startswith("A-"):
