@@ -259,6 +259,9 @@ class ControlPlane:
                       is_first=i == 0, is_last=i == len(chain) - 1, next_address=next_address,
                       num_slots=num_slots, max_context=max_context, wire=link_codec, **traced)
         deadline = self.clock() + timeout_s
+        # Take in what queued while the broker was busy (planning a large job takes seconds, during
+        # which heartbeats wait in the socket): judged before that, every stage would look silent.
+        self.poll(0)
         while True:  # a failed load is checked first: it is a ClusterError (re-plan without it), not a loss
             failed = [(stage, span) for stage, span in zip(chain, placement.spans) if stage.state is StageState.FAILED]
             if failed:
