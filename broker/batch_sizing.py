@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from layerbus.broker.plan_values import ModelMemory, StageProfile
+from layerbus.broker.scheduler import default_micro_batches
 from layerbus.broker.step_cost import StepWork, prefill_context
 
 DEFAULT_MICRO_BATCH = 32  # without profiles (partition equal or balanced) and without a user's value
@@ -41,10 +42,11 @@ def choose_batching(requested, num_stages: int, profiles: Sequence[StageProfile]
     (None: unknown); `mean_context`: the mean positions a decode row attends over (None: a quarter
     of max_context). Values the user gave are kept as given."""
     reasons = []
-    micro_batches = requested.num_micro_batches or num_stages + 1
+    micro_batches = requested.num_micro_batches or default_micro_batches(num_stages)
     if not requested.num_micro_batches:
         reasons.append(f"micro-batches {micro_batches}: one per stage plus one, so every stage has one while "
-                       "the broker plans the next")
+                       "the broker plans the next" if num_stages > 1 else
+                       "micro-batches 1: a single stage waits only the broker's few milliseconds between steps")
     if requested.num_slots:  # the user's slots decide the micro-batch size
         resolved = requested.resolved(num_stages)
         size = resolved.micro_batch_size

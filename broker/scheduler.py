@@ -25,7 +25,7 @@ class BatchingConfig:
     """Budgets for the schedule."""
 
     num_slots: int = 0  # sequences in flight at once, over all micro-batches (0 = micro_batch_size x micro-batches)
-    num_micro_batches: int = 0  # 0 = number of stages + 1, so every stage has work while the broker plans
+    num_micro_batches: int = 0  # 0 = number of stages + 1 (1 for one stage): see default_micro_batches
     micro_batch_size: int = 32  # sequences per micro-batch when num_slots is 0: decode reads every weight
     # once per micro-batch step, so on a CPU tokens/s grows with this until compute-bound. 0 = chosen by
     # the broker from the stages' profiles and the job (broker.batch_sizing; 32 where it cannot choose)
@@ -48,7 +48,7 @@ class BatchingConfig:
     def resolved(self, num_stages: int) -> "BatchingConfig":
         """The same budgets with num_micro_batches and num_slots filled in for a chain of stages (sizes
         still left to choose take the defaults: 32 rows, 256 tokens per step)."""
-        micro_batches = self.num_micro_batches or num_stages + 1
+        micro_batches = self.num_micro_batches or default_micro_batches(num_stages)
         slots = self.num_slots or (self.micro_batch_size or 32) * micro_batches
         micro_batches = max(1, min(micro_batches, slots))
         return replace(self, num_slots=slots, num_micro_batches=micro_batches,
@@ -58,6 +58,13 @@ class BatchingConfig:
     def chosen_by_broker(self) -> bool:
         """Some size is left for the broker to choose (0 = auto)."""
         return not (self.num_slots or self.micro_batch_size) or not self.max_step_tokens
+
+
+def default_micro_batches(num_stages: int) -> int:
+    """One micro-batch per stage plus one, so every stage has one while the broker plans the next;
+    a single stage gets one: the broker's few milliseconds between its steps cost less than halving
+    the rows of every step would (dense work measured 194 against 115 tok/s on the default model)."""
+    return num_stages + 1 if num_stages > 1 else 1
 
 
 @dataclass

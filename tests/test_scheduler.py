@@ -549,7 +549,7 @@ def test_every_request_finishes_exactly_once_with_the_reference_output(seed, num
 
 
 @pytest.mark.parametrize("config, stages, slots, micro_batches", [
-    (BatchingConfig(), 1, 64, 2),  # defaults: stages + 1 micro-batches of 32
+    (BatchingConfig(), 1, 32, 1),  # defaults: one micro-batch for one stage (see default_micro_batches)
     (BatchingConfig(), 3, 128, 4),
     (BatchingConfig(micro_batch_size=8), 2, 24, 3),
     (BatchingConfig(num_slots=10), 3, 10, 4),  # an explicit slot count wins
