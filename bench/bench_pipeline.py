@@ -30,6 +30,7 @@ from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions  # noq
 from layerbus.broker.partition import model_cost_from_config  # noqa: E402
 from layerbus.broker.requests import GenerationRequest  # noqa: E402
 from layerbus.broker.scheduler import BatchingConfig  # noqa: E402
+from layerbus.broker.workload import Workload  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -100,7 +101,9 @@ def run_layerbus(model_dir: Path, prompts, max_new_tokens: int, stages: int, thr
                                                            max_context=4096)) -> dict:
     """layerbus on local stage processes; `batching` as given (its defaults: what `layerbus run` uses)."""
     requests = [GenerationRequest(pid, ids, max_new_tokens=max_new_tokens) for pid, ids in prompts]
-    config = BrokerConfig(str(model_dir), stages, batching=batching)
+    # The job's shape, as `layerbus run` gives it from the store (jobs.job_workload): sizes and plan use it.
+    workload = Workload.of([len(ids) for _, ids in prompts], max_new_tokens)
+    config = BrokerConfig(str(model_dir), stages, batching=batching, workload=workload)
     with LocalCluster(config, LocalStageOptions(threads_per_stage=threads_per_stage)) as cluster:
         spans = [str(span) for span in cluster.broker.spans]
         results, stats = cluster.broker.generate(requests)

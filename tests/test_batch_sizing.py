@@ -45,6 +45,13 @@ def test_the_kv_cost_counts_per_row() -> None:
     (AUTO, None, [fitted("a", 1.0, 1.0), fitted("b", 2.0, 1.0)], 14, 14 * 3, "(b1 needs the most rows"),
     # No more slots than items: 10 items over 3 micro-batches.
     (AUTO, 10, [fitted("a", 1.0, 1.0), fitted("b", 2.0, 1.0)], 4, 12, "10 items spread over the 3 micro-batches"),
+    # A job a little larger than the amortizing size gets a slot per item, not a tail of a second wave.
+    (AUTO, 64, [fitted("a", 1.0, 1.0), fitted("b", 2.0, 1.0)], 22, 66, "a slot for each of the job's 64 items"),
+    # A large job: the most per micro-batch (then memory decides, below).
+    (AUTO, 10**6, [fitted("a", 1.0, 1.0, budget=10**12), fitted("b", 2.0, 1.0, budget=10**12)], 256, 768,
+     "the most per micro-batch"),
+    # Without profiles the default size grows the same way.
+    (AUTO, 200, [StageProfile("a", 1.0, 1.0, 0.0, 0.0, 10**9)] * 2, 67, 201, "a slot for each of the job's 200"),
     # The user's values win.
     (BatchingConfig(micro_batch_size=5, max_step_tokens=0), None, [fitted("a", 2.0, 1.0)] * 2, 5, 15, "as given"),
     (BatchingConfig(num_slots=8, micro_batch_size=0, max_step_tokens=0), 100, [fitted("a", 2.0, 1.0)] * 2, 3, 8,
@@ -71,6 +78,12 @@ def test_memory_caps_the_slots() -> None:
     roomy = [fitted("a", 5.0, 0.1, budget=10**6), fitted("b", 5.0, 0.1, budget=10**6)]
     # (2 x 950,000 - 1,200 of weights - 2 workspaces of 5,120 activations + 256,000 scores) // 10,000
     assert max_slots(roomy, MEMORY, 1000, 64, 0.05) == 137
+    # A job of a million items wants 256 per micro-batch; memory caps it at 170 slots // 3 micro-batches
+    # (workspaces for the default 256 tokens per step, the prefill budget being auto too).
+    larger = [fitted("a", 5.0, 0.1, budget=2 * 10**6), fitted("b", 5.0, 0.1, budget=2 * 10**6)]
+    assert max_slots(larger, MEMORY, 1000, 256, 0.05) == 170
+    big_job = choose_batching(AUTO, 2, larger, MEMORY, items=10**6)
+    assert big_job.batching.micro_batch_size == 56 and "capped at 56 by memory" in " ".join(big_job.reasons)
 
 
 def test_the_prefill_budget_amortizes_the_fixed_part_per_token() -> None:
