@@ -41,6 +41,7 @@ from layerbus.broker.workload import Workload, job_shape, mean_decode_context
 from layerbus.models.model_info import ModelInfo, load_tokenizer, read_model_info
 from layerbus.wire.trace_events import PLACE
 from layerbus.wire.spans import LayerRange
+from layerbus.wire.weight_formats import check_weight_format
 
 log = logging.getLogger("layerbus.broker")
 PARTITIONS = ("planned", "balanced", "equal")
@@ -66,6 +67,8 @@ class BrokerConfig:
     # link, or one per link in chain order; "auto" chooses per link from `wire_auto`.
     wire: tuple[str, ...] | str = "float32"
     wire_auto: AutoWireInputs = field(default_factory=AutoWireInputs)
+    # How the stages hold their layers' weights (wire.weight_formats); a stage's own --weights wins.
+    weights: str = "auto"
     # Write a Trace Event (Perfetto) timeline of every step on every stage to this file (broker.trace_file):
     # after each run, and with what it has when the broker closes. None: nothing is recorded.
     trace: str | None = None
@@ -79,6 +82,7 @@ class Broker:
     def __init__(self, config: BrokerConfig, context: zmq.Context | None = None):
         if config.partition not in PARTITIONS:
             raise ValueError(f"partition {config.partition!r} is not one of {', '.join(PARTITIONS)}")
+        check_weight_format(config.weights)
         self.config = config
         self.model: ModelInfo = read_model_info(config.model_dir)
         if config.num_stages > self.model.files.num_layers:
@@ -207,7 +211,7 @@ class Broker:
             began = self.tracer.now()
         self.control.assign(self.placement, str(self.model.path), self.results_address, self.batching.num_slots,
                             self.max_context, self.config.load_timeout_s,
-                            liveness_window_s=self.config.pipeline.liveness_window_s)
+                            liveness_window_s=self.config.pipeline.liveness_window_s, weights=self.config.weights)
         if self.tracer is not None:
             self.tracer.span("load spans", PLACE, began, self.tracer.now(), chain=self.placement.text())
 

@@ -67,7 +67,8 @@ class StageInfo:
     last_seen: float  # broker clock when anything last arrived from it
     state: StageState = StageState.SPARE
     loaded: LayerRange | None = None  # the span it said it loaded in its last READY (its own report)
-    param_bytes: int = 0
+    param_bytes: int = 0  # bytes of the weights it holds (packed blocks counted as held)
+    weights: str = ""  # the weight format it reported loading in READY ("fp32", "int4 (q4_1 g32)", ...)
     load_s: float = 0.0
     peak_rss: int = 0  # the stage's peak resident memory when it reported READY
     rss_before_load: int = 0  # its resident memory before loading the span
@@ -155,6 +156,7 @@ class ControlPlane:
             stage.state = StageState.READY
             stage.loaded = _loaded_span(header.get("layers"))
             stage.param_bytes = int(header.get("param_bytes", 0))
+            stage.weights = str(header.get("weights", ""))
             stage.load_s = float(header.get("load_s", 0.0))
             stage.peak_rss = int(header.get("peak_rss", 0))
             stage.rss_before_load = int(header.get("rss_before_load", 0))
@@ -241,10 +243,11 @@ class ControlPlane:
         return self.live_stages()[:count]
 
     def assign(self, placement: Placement, model_dir: str, result_address: str, num_slots: int,
-               max_context: int, timeout_s: float, liveness_window_s: float | None = None) -> None:
-        """Give each stage of `placement` its span, next hop and the codec of that hop (float32 where
-        the placement has none); wait until all report READY. A stage whose load fails raises
-        ClusterError naming it.
+               max_context: int, timeout_s: float, liveness_window_s: float | None = None,
+               weights: str = "auto") -> None:
+        """Give each stage of `placement` its span, next hop, the codec of that hop (float32 where
+        the placement has none) and the weight format (a stage started with its own --weights keeps
+        that); wait until all report READY. A stage whose load fails raises ClusterError naming it.
 
         With `liveness_window_s`, a stage that dies while loading raises StageLost (its heartbeats
         continue during a load, so a long load is not mistaken for a death)."""
@@ -257,7 +260,7 @@ class ControlPlane:
             traced = {"trace": True} if self.tracer is not None else {}
             self.send(stage, protocol.ASSIGN, epoch=self.epoch, model_dir=model_dir, layers=span.to_json(),
                       is_first=i == 0, is_last=i == len(chain) - 1, next_address=next_address,
-                      num_slots=num_slots, max_context=max_context, wire=link_codec, **traced)
+                      num_slots=num_slots, max_context=max_context, wire=link_codec, weights=weights, **traced)
         deadline = self.clock() + timeout_s
         # Take in what queued while the broker was busy (planning a large job takes seconds, during
         # which heartbeats wait in the socket): judged before that, every stage would look silent.

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from layerbus.cli.errors import EXIT_FAILED, EXIT_OK, UsageError
 from layerbus.cli.options import (
     add_cluster_options,
+    add_weights,
     add_trace,
     batching_from_args,
     add_db,
@@ -53,6 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--job", metavar="JOB", default=None,
                         help="run this one job, then exit (0 iff it completed); default: run jobs as they come")
     add_cluster_options(parser)
+    add_weights(parser)
     add_trace(parser)
     parser.add_argument("--poll", metavar="SECONDS", type=float, default=2.0,
                         help="how often to look for new jobs when idle (default: 2)")
@@ -72,7 +74,7 @@ def main(args: argparse.Namespace) -> int:
     config = BrokerConfig(str(model_dir), args.stages, control_bind=args.bind_control,
                           results_bind=args.bind_results, advertise_host=args.advertise, partition=args.partition,
                           batching=batching_from_args(args), pipeline=pipeline_from_args(args),
-                          **wire_from_args(args),
+                          **wire_from_args(args), weights=args.weights,
                           register_timeout_s=args.register_timeout, trace=args.trace)
     with open_store(args.db) as store:
         if args.job:

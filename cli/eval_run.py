@@ -12,6 +12,7 @@ from pathlib import Path
 from layerbus.cli.errors import EXIT_FAILED, EXIT_OK, UsageError
 from layerbus.cli.options import (
     add_cluster_options,
+    add_weights,
     add_db,
     add_model,
     add_verbose,
@@ -57,6 +58,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print the outcome as JSON")
     add_db(parser)
     add_cluster_options(parser)
+    add_weights(parser)
     add_verbose(parser)
     parser.set_defaults(handler=main)
 
@@ -132,7 +134,7 @@ def _queued(store, args, options) -> tuple[str, Path]:
     info = model_for_stages(model_dir, args.stages)
     # lm-eval's max_length: what the broker's context allows (--max-context, capped by the model's limit).
     max_length = min(args.max_context, info.max_positions)
-    fingerprint = {"model": model_fingerprint(model_dir), "dtype": "float32", "wire": args.wire,
+    fingerprint = {"model": model_fingerprint(model_dir), "dtype": "float32", "weights": args.weights, "wire": args.wire,
                    "layerbus": _version(), "max_length": max_length, "limit": options.limit,
                    "num_fewshot": [t.num_fewshot for t in tasks], "seed": suite.seed}
     tokenizer = load_tokenizer(model_dir)

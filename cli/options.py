@@ -124,6 +124,17 @@ def add_cluster_options(parser: argparse.ArgumentParser, partition: bool = True)
                              "takes the cheapest codec within the quality budget)")
 
 
+def add_weights(parser: argparse.ArgumentParser) -> None:
+    """--weights for the broker's stages (`run`, `broker`); a stage's own --weights wins over it."""
+    from layerbus.wire.weight_formats import WEIGHT_FORMATS
+
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto",
+                        help="how the stages hold their layers' weights: auto (full precision in their --dtype, "
+                             "for now), native (the checkpoint's own quantized blocks, e.g. a GGUF's Q4_1), fp32, "
+                             "bf16, fp16, or int8 / int4 (quantized as they load: symmetric / asymmetric groups "
+                             "of 32); a stage started with its own --weights keeps it (default: auto)")
+
+
 WIRE_NAMES = ("float32", "float16", "bfloat16", "int8", "int4", "auto")  # as wire.codecs, without importing torch
 
 

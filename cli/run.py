@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from layerbus.cli.errors import EXIT_FAILED, EXIT_OK, RunFailed, UsageError
 from layerbus.cli.options import (
     add_cluster_options,
+    add_weights,
     add_trace,
     batching_from_args,
     add_job_options,
@@ -45,6 +46,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--threads-per-stage", metavar="N", type=non_negative_int, default=0,
                         help="torch threads per stage (default: this machine's cores shared evenly)")
     add_cluster_options(parser)
+    add_weights(parser)
     add_trace(parser)
     add_verbose(parser)
     parser.set_defaults(handler=main)
@@ -101,7 +103,7 @@ def run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.Na
                            max_step_tokens=batching.max_step_tokens or 256)
     config = BrokerConfig(str(model_dir), args.stages, partition=args.partition,
                           batching=batching, pipeline=pipeline_from_args(args),
-                          workload=workload, **wire_from_args(args), trace=trace)
+                          workload=workload, **wire_from_args(args), weights=args.weights, trace=trace)
     options = LocalStageOptions(threads_per_stage=args.threads_per_stage, log_dir=log_dir)
     print(f"layerbus: running {job_id} on {args.stages} local stage(s); stage logs in {log_dir}", file=sys.stderr)
     try:

@@ -9,6 +9,7 @@ import sys
 
 from layerbus.stages.worker import StageConfig, run_stage
 from layerbus.wire.frames import DEFAULT_MAX_MESSAGE_BYTES
+from layerbus.wire.weight_formats import WEIGHT_FORMATS
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -59,6 +60,10 @@ def add_stage_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--advertise", default=None, help="address other machines use to reach --bind")
     parser.add_argument("--device", default="cpu", help="cpu, cuda:N or mps (default: cpu)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default=None,
+                        help="how this stage holds its layers' weights, over the broker's --weights: auto (its "
+                             "--dtype), native (the checkpoint's own blocks), fp32, bf16, fp16, int8 or int4 "
+                             "(quantized on load, groups of 32) (default: as the broker says)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     parser.add_argument("--memory-budget", type=byte_size, default=None, metavar="SIZE",
                         help="memory this stage may fill (weights, KV cache, workspace), in bytes or with a unit: "
@@ -77,7 +82,7 @@ def add_stage_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> StageConfig:
     return StageConfig(broker=args.broker, name=args.name, bind=args.bind, advertise=args.advertise,
-                       device=args.device, dtype=args.dtype, threads=args.threads,
+                       device=args.device, dtype=args.dtype, weights=args.weights, threads=args.threads,
                        memory_budget=args.memory_budget, broker_timeout_s=args.broker_timeout,
                        emulate_speed=args.emulate_speed, emulate_slowdown=args.emulate_slowdown,
                        max_message_bytes=args.max_message_bytes)

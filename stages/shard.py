@@ -16,7 +16,9 @@ from transformers import AutoModelForCausalLM
 
 from layerbus.models.model_files import ModelDirError, ModelFiles
 from layerbus.models.tensor_reader import TensorReader
+from layerbus.models.weight_blocks import quantize
 from layerbus.stages.attention import ATTENTION_NAME
+from layerbus.stages.packed_linear import PackedLinear, pack_linears
 from layerbus.wire.spans import LayerRange
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -31,6 +33,9 @@ class ShardSpec:
     is_last: bool  # holds the final norm and the LM head (emits tokens)
     device: str = "cpu"  # "cpu", "cuda:N" or "mps"
     dtype: str = "float32"  # "float32", "bfloat16" or "float16"
+    # Block layout ("q8_0", "q4_1", ...) the decoder layers' linear weights are quantized into as they are
+    # read (wire.weight_formats: --weights int8 / int4); None keeps them in `dtype`.
+    quantize_to: str | None = None
 
 
 class StageShard(nn.Module):
@@ -68,11 +73,13 @@ class StageShard(nn.Module):
         return DTYPES[self.spec.dtype]
 
     def parameter_bytes(self) -> int:
-        """Bytes of distinct parameters held (a tied head shared with the embedding counts once)."""
+        """Bytes of the weights held: distinct parameters (a tied head shared with the embedding counts
+        once) and the blocks of packed linear layers."""
         seen = {}
         for param in self.parameters():
             seen[param.data_ptr()] = param.numel() * param.element_size()
-        return sum(seen.values())
+        packed = sum(module.weight_bytes() for module in self.modules() if isinstance(module, PackedLinear))
+        return sum(seen.values()) + packed
 
 
 def _always_sliding(config) -> bool:
@@ -99,6 +106,10 @@ def load_shard(files: ModelFiles, spec: ShardSpec) -> StageShard:
     norm = base.norm if spec.is_last else None
     lm_head = skeleton.lm_head if spec.is_last else None
     device = torch.device(spec.device)
+
+    if spec.quantize_to is not None:
+        for index, layer in zip(spec.layers, layers):
+            pack_linears(layer, spec.quantize_to, lambda name: f"model.layers.{index}.{name}")
 
     names = {}
     if embed is not None:
@@ -135,11 +146,26 @@ def _materialize(module: nn.Module, prefix: str, reader: TensorReader, device, s
     # Non-persistent buffers (e.g. Gemma's embedding scale) are not in the checkpoint; the model's
     # own initializer knows their values. It also writes random weights, so it runs before loading.
     for sub in module.modules():
-        if getattr(sub, "_non_persistent_buffers_set", None):
+        if getattr(sub, "_non_persistent_buffers_set", None) and not isinstance(sub, PackedLinear):
             skeleton._init_weights(sub)
     with torch.no_grad():
         for key, target in module.state_dict(keep_vars=True).items():
             reader.read_into(f"{prefix}.{key}", target)
+        for name, sub in module.named_modules():
+            if isinstance(sub, PackedLinear):
+                _load_packed(sub, f"{prefix}.{name}.weight", reader, device)
+
+
+def _load_packed(linear: PackedLinear, name: str, reader: TensorReader, device) -> None:
+    """Quantize one full-precision weight as it is read: only it is ever held beside the blocks."""
+    weight = torch.empty(reader.shape(name), dtype=torch.float32)
+    reader.read_into(name, weight)
+    blocks = quantize(weight, linear.layout.name)
+    del weight
+    for field in ("d", "m", "qs"):
+        value = getattr(blocks, field)
+        setattr(blocks, field, None if value is None else value.to(device))
+    linear.load_blocks(blocks)
 
 
 def _load_head(lm_head: nn.Module, embed: nn.Module | None, files: ModelFiles, reader: TensorReader,

@@ -33,6 +33,7 @@ from layerbus.wire.frames import DEFAULT_MAX_MESSAGE_BYTES, Message, WireError, 
 from layerbus.wire.protocol import StepRow
 from layerbus.wire.sampling import SamplingParams
 from layerbus.wire.spans import LayerRange
+from layerbus.wire.weight_formats import choose_weights
 
 log = logging.getLogger("layerbus.stage")
 
@@ -47,6 +48,7 @@ class StageConfig:
     advertise: str | None = None  # address other machines use to reach `bind` (default: as bound)
     device: str = "cpu"  # cpu, cuda:N or mps
     dtype: str = "float32"  # float32, bfloat16 or float16
+    weights: str | None = None  # --weights (wire.weight_formats); None = what the broker's assignment says
     threads: int = 0  # torch intra-op threads (0 = torch's default)
     memory_budget: int | None = None  # bytes this stage may use for weights + KV (None = not set)
     heartbeat_interval_s: float = 0.5  # control-plane heartbeat period
@@ -209,7 +211,7 @@ class StageWorker:
     # -- control plane --------------------------------------------------------------------------
     def _register(self) -> None:
         self._send_control(protocol.REGISTER, name=self.name, device=self.config.device, dtype=self.config.dtype,
-                           threads=torch.get_num_threads(), memory_budget=self.config.memory_budget,
+                           weights=self.config.weights, threads=torch.get_num_threads(), memory_budget=self.config.memory_budget,
                            emulate_speed=self.config.emulate_speed,
                            data_address=self.data_address, pid=os.getpid(), host=socket.gethostname())
         log.info("stage %s registered with %s, receiving on %s", self.name, self.config.broker, self.data_address)
@@ -264,8 +266,9 @@ class StageWorker:
             reset_peak_rss()
             started, rss_before = time.monotonic(), current_rss_bytes()
             self.busy_since = started
+            weights = choose_weights(self.config.weights, header.get("weights", "auto"), self.config.dtype)
             spec = ShardSpec(LayerRange.from_json(header["layers"]), header["is_first"], header["is_last"],
-                             self.config.device, self.config.dtype)
+                             self.config.device, weights.dtype, weights.quantize_to)
             self.shard, self.arena, self.epoch = None, None, -1  # drop the old span before loading the new one
             shard = load_shard(open_model_dir(header["model_dir"]), spec)
             shape = attention_shape(shard.config)
@@ -278,10 +281,11 @@ class StageWorker:
             # Asked again in every assignment, so a broker started without --trace turns it off; records
             # of earlier epochs not shipped yet are kept.
             self.tracer = (self.tracer or StageTracer()) if header.get("trace") is True else None
-            log.info("stage %s loaded layers %s of %s in %.2f s (%d parameter bytes)", self.name, spec.layers,
-                     header["model_dir"], time.monotonic() - started, shard.parameter_bytes())
+            log.info("stage %s loaded layers %s of %s as %s in %.2f s (%d weight bytes)", self.name, spec.layers,
+                     header["model_dir"], weights.describe(), time.monotonic() - started, shard.parameter_bytes())
             self._send_control(protocol.READY, epoch=self.epoch, layers=spec.layers.to_json(),
-                               param_bytes=shard.parameter_bytes(), load_s=time.monotonic() - started,
+                               param_bytes=shard.parameter_bytes(), weights=weights.describe(),
+                               load_s=time.monotonic() - started,
                                peak_rss=peak_rss_bytes(), rss_before_load=rss_before)
         except Exception as error:  # any load failure is reported with its text; the stage stays up
             log.exception("stage %s: assignment failed", self.name)

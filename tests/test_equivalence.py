@@ -70,8 +70,9 @@ def assert_equivalent(model, requests, results, references=None, tie: float = NE
     return exact
 
 
-def run_pipeline(model_dir: Path, num_stages: int, requests, num_slots: int, check=None, **batching):
-    config = BrokerConfig(str(model_dir), num_stages,
+def run_pipeline(model_dir: Path, num_stages: int, requests, num_slots: int, check=None, weights: str = "auto",
+                 **batching):
+    config = BrokerConfig(str(model_dir), num_stages, weights=weights,
                           batching=BatchingConfig(num_slots=num_slots, **batching))
     with LocalCluster(config, LocalStageOptions(threads_per_stage=1)) as cluster:
         if check is not None:

@@ -1,0 +1,70 @@
+"""A Linear layer that holds its weight as GGUF-style blocks (models.weight_blocks) and the swap that puts
+it in place of a decoder layer's attention and MLP projections.
+
+Each projection's weight is either quantized from the checkpoint's full-precision tensor as it is read
+(`int8`, `int4`: one tensor at a time, so a load never holds more than one full-precision weight beside
+the blocks) or read as the checkpoint's own blocks (`native`). The embedding, norms and LM head keep the
+shard's dtype.
+
+The forward pass dequantizes the weight into the compute dtype and runs the ordinary matmul: for float32
+that is exactly the weight a float32 import of the same blocks holds, so outputs match it token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from layerbus.models.weight_blocks import BLOCK, Blocks, LAYOUTS, dequantize
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T + b with W [out_features, in_features] held in 32-weight blocks."""
+
+    def __init__(self, in_features: int, out_features: int, layout: str, bias: nn.Parameter | None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.layout = LAYOUTS[layout]
+        self.bias = bias
+        # Not in the checkpoint under these names, so not in state_dict: load_blocks fills them.
+        for name in ("d", "m", "qs"):
+            self.register_buffer(name, None, persistent=False)
+
+    def load_blocks(self, blocks: Blocks) -> None:
+        if blocks.layout != self.layout or blocks.shape != (self.out_features, self.in_features):
+            raise ValueError(f"blocks {blocks.layout.name} {list(blocks.shape)} do not fit a {self.layout.name} "
+                             f"Linear of [{self.out_features}, {self.in_features}]")
+        self.d, self.m, self.qs = blocks.d, blocks.m, blocks.qs
+
+    def blocks(self) -> Blocks:
+        return Blocks(self.layout, self.d, self.m, self.qs)
+
+    def weight_bytes(self) -> int:
+        return self.blocks().nbytes()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = dequantize(self.blocks())  # [out, in] float32
+        return F.linear(x, weight if x.dtype == torch.float32 else weight.to(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, layout={self.layout.name}"
+
+
+def pack_linears(layer: nn.Module, layout: str, name_of: Callable[[str], str]) -> list[str]:
+    """Replace every nn.Linear inside `layer` (on the meta device) by an empty PackedLinear; return their
+    names. `name_of(name)` names a Linear in errors (its checkpoint name)."""
+    packed = []
+    for name, module in list(layer.named_modules()):
+        if type(module) is not nn.Linear:
+            continue
+        if module.in_features % BLOCK:
+            raise ValueError(f"{name_of(name)} has {module.in_features} input channels, not a multiple of {BLOCK}: "
+                             f"its weight cannot be held in blocks; use --weights fp32, bf16 or fp16")
+        parent_name, _, child = name.rpartition(".")
+        parent = layer.get_submodule(parent_name) if parent_name else layer
+        setattr(parent, child, PackedLinear(module.in_features, module.out_features, layout, module.bias))
+        packed.append(name)
+    return packed

@@ -1,0 +1,60 @@
+"""GGUF blocks in torch against the gguf package's own quantize and dequantize, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, dequantize as gguf_dequantize, quantize as gguf_quantize
+
+from layerbus.models.weight_blocks import LAYOUTS, dequantize, from_raw, quantize
+
+GGML_TYPES = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1,
+              "q8_0": GGMLQuantizationType.Q8_0}
+
+
+def _weight(rows: int = 24, cols: int = 96) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(rows, cols, generator=generator) * 0.05
+    weight[0, :32] = 0.0  # a block of zeros: d = 0, whose inverse must not be inf
+    weight[1, 5] = 3.0  # an outlier in a block
+    weight[2, 40] = -2.5  # a negative extreme (q4_0 maps the signed extreme to -8)
+    return weight
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_quantize_gives_ggufs_bytes(layout):
+    weight = _weight()
+    reference = gguf_quantize(weight.numpy(), GGML_TYPES[layout])  # uint8 [rows, blocks * block_bytes]
+    ours = quantize(weight, layout)
+    again = from_raw(torch.from_numpy(reference.copy()), LAYOUTS[layout], *weight.shape)
+    assert torch.equal(ours.d.view(torch.int16), again.d.view(torch.int16))
+    assert torch.equal(ours.qs, again.qs)
+    if again.m is not None:
+        assert torch.equal(ours.m.view(torch.int16), again.m.view(torch.int16))
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_dequantize_is_ggufs_bit_for_bit(layout):
+    weight = _weight()
+    raw = gguf_quantize(weight.numpy(), GGML_TYPES[layout])
+    expected = torch.from_numpy(np.ascontiguousarray(gguf_dequantize(raw, GGML_TYPES[layout]), dtype=np.float32))
+    blocks = from_raw(torch.from_numpy(raw.copy()), LAYOUTS[layout], *weight.shape)
+    got = dequantize(blocks)
+    assert got.dtype == torch.float32 and got.shape == weight.shape
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+    assert torch.equal(dequantize(blocks, slice(5, 11)), got[5:11])
+
+
+@pytest.mark.parametrize("layout, bound", [("q8_0", 0.004), ("q4_1", 0.05), ("q4_0", 0.08)])
+def test_blocks_hold_the_weight_within_the_format_s_step(layout, bound):
+    weight = torch.randn(16, 64, generator=torch.Generator().manual_seed(1)) * 0.1
+    blocks = quantize(weight, layout)
+    assert (dequantize(blocks) - weight).abs().max() < bound
+    bits = LAYOUTS[layout].block_bytes * 8 / 32
+    assert blocks.nbytes() == weight.numel() * bits / 8
+
+
+def test_cols_must_fill_whole_blocks():
+    with pytest.raises(ValueError, match="blocks of 32"):
+        quantize(torch.zeros(4, 40), "q4_1")
