@@ -126,6 +126,7 @@ def status_json(status: JobStatus, events: Sequence[JobEvent] | None = None) -> 
         "error": status.error,
         "wire": _wire_links(status.job_id),
         "chain": _chain_line(status.job_id),
+        "stages": _stages(status.job_id),
     }
     if events is not None:
         out["events"] = [{"at": _iso(e.at), "kind": e.kind, "message": e.message, "duration_s": e.duration_s}
@@ -178,6 +179,14 @@ def _wire_links(job_id: str) -> list[dict] | None:
 
     links = (read_run_info(job_id) or {}).get("wire")
     return links if isinstance(links, list) else None
+
+
+def _stages(job_id: str) -> list[dict] | None:
+    """Each stage of the job's last run on this machine ([{name, layers, weights, weight_bytes}]), or None."""
+    from layerbus.storage.run_info import read_run_info
+
+    stages = (read_run_info(job_id) or {}).get("stages")
+    return stages if isinstance(stages, list) else None
 
 
 def _chain_line(job_id: str) -> str | None:

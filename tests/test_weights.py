@@ -154,3 +154,21 @@ def test_a_stage_s_own_weights_flag_wins(tiny_models):
         reported = {stage.name: (stage.weights, stage.param_bytes) for stage in cluster.broker.chain}
     assert reported["stage-0"][0] == "int4 (q4_1 g32)"
     assert reported["stage-1"][0] == "int8 (q8_0 g32)"
+
+
+@pytest.mark.cluster
+def test_run_weights_flag_and_status_json_stages(tmp_path, tiny_models):
+    """`layerbus run --weights int4`: `status --json` lists every stage's span, format and weight bytes."""
+    from tests.test_cli_helpers import JOB_ID, layerbus, status_json, write_jsonl
+
+    home = tmp_path / "home"
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"id": f"doc-{i}", "text": f"Batch {i}."} for i in range(3)])
+    db = f"sqlite:///{tmp_path / 'jobs.db'}"
+    result = layerbus(home, "run", corpus, "--task", "summarize", "--model", tiny_models("llama"), "--stages", "2",
+                      "--db", db, "--max-new-tokens", "4", "--max-context", "128", "--weights", "int4",
+                      "--partition", "balanced", timeout=120)
+    assert result.returncode == 0, result.stderr
+    stages = status_json(home, JOB_ID.search(result.stdout).group(), "--db", db)["stages"]
+    assert sorted(s["name"] for s in stages) == ["stage-0", "stage-1"]
+    assert [s["layers"] for s in stages] == ["[0, 2)", "[2, 4)"]
+    assert all(s["weights"] == "int4 (q4_1 g32)" and s["weight_bytes"] > 0 for s in stages)
