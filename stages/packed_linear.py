@@ -21,6 +21,9 @@ from torch.nn import functional as F
 from layerbus.models.weight_blocks import BLOCK, Blocks, LAYOUTS, dequantize
 
 
+TILE_ELEMENTS = 1 << 18  # weights dequantized at once: 1 MiB of float32, about what a core's L2 holds
+
+
 class PackedLinear(nn.Module):
     """y = x W^T + b with W [out_features, in_features] held in 32-weight blocks."""
 
@@ -46,19 +49,50 @@ class PackedLinear(nn.Module):
         return self.blocks().nbytes()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = dequantize(self.blocks())  # [out, in] float32
-        return F.linear(x, weight if x.dtype == torch.float32 else weight.to(x.dtype), self.bias)
+        # Rows of the weight are dequantized a tile at a time, each tile multiplied while it is in cache: the
+        # whole dequantized weight is never held (a tied head of 49152 x 576 would be 113 MB per step).
+        # Each output column is one row's dot product, so tiling the rows leaves every sum as it was.
+        blocks = self.blocks()
+        flat = x.reshape(-1, self.in_features)
+        out = flat.new_empty(flat.shape[0], self.out_features)
+        step = max(16, TILE_ELEMENTS // self.in_features)
+        for start in range(0, self.out_features, step):
+            rows = slice(start, min(start + step, self.out_features))
+            weight = dequantize(blocks, rows)  # [rows, in] float32, exactly gguf's values
+            bias = self.bias[rows] if self.bias is not None else None
+            out[:, rows] = F.linear(flat, weight if x.dtype == torch.float32 else weight.to(x.dtype), bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, layout={self.layout.name}"
 
 
-def pack_linears(layer: nn.Module, layout: str, name_of: Callable[[str], str]) -> list[str]:
-    """Replace every nn.Linear inside `layer` (on the meta device) by an empty PackedLinear; return their
-    names. `name_of(name)` names a Linear in errors (its checkpoint name)."""
+class PackedEmbedding(nn.Module):
+    """An embedding table held in blocks: each looked-up row is dequantized on its own (a row of blocks
+    dequantizes to the very row of the whole table's dequantization)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
+        self.table: PackedLinear | None = None
+
+    def load_blocks(self, blocks: Blocks) -> None:
+        self.table = PackedLinear(self.embedding_dim, self.num_embeddings, blocks.layout.name, None)
+        self.table.load_blocks(blocks)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = Blocks(self.table.layout, self.table.d[flat], None if self.table.m is None else self.table.m[flat],
+                      self.table.qs[flat])
+        return dequantize(rows).to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+
+def pack_linears(layer: nn.Module, layout_of: Callable[[str], str | None], name_of: Callable[[str], str]) -> list[str]:
+    """Replace each nn.Linear inside `layer` (on the meta device) for which `layout_of(name)` gives a block
+    layout by an empty PackedLinear; return their names. `name_of(name)` is its checkpoint name, for errors."""
     packed = []
     for name, module in list(layer.named_modules()):
-        if type(module) is not nn.Linear:
+        if type(module) is not nn.Linear or (layout := layout_of(name)) is None:
             continue
         if module.in_features % BLOCK:
             raise ValueError(f"{name_of(name)} has {module.in_features} input channels, not a multiple of {BLOCK}: "

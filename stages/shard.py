@@ -16,9 +16,9 @@ from transformers import AutoModelForCausalLM
 
 from layerbus.models.model_files import ModelDirError, ModelFiles
 from layerbus.models.tensor_reader import TensorReader
-from layerbus.models.weight_blocks import quantize
 from layerbus.stages.attention import ATTENTION_NAME
-from layerbus.stages.packed_linear import PackedLinear, pack_linears
+from layerbus.stages.packed_linear import PackedEmbedding, PackedLinear, pack_linears
+from layerbus.stages.weight_sources import block_source, to_device
 from layerbus.wire.spans import LayerRange
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -36,6 +36,9 @@ class ShardSpec:
     # Block layout ("q8_0", "q4_1", ...) the decoder layers' linear weights are quantized into as they are
     # read (wire.weight_formats: --weights int8 / int4); None keeps them in `dtype`.
     quantize_to: str | None = None
+    # Hold the checkpoint's own blocks where it has them (--weights native: a GGUF kept in the model
+    # directory); without a GGUF the safetensors are the checkpoint's format and load as `dtype`.
+    native: bool = False
 
 
 class StageShard(nn.Module):
@@ -72,6 +75,11 @@ class StageShard(nn.Module):
     def dtype(self) -> torch.dtype:
         return DTYPES[self.spec.dtype]
 
+    def block_layouts(self) -> str | None:
+        """The block layouts held ("q4_1, q8_0"), or None when every weight is in full precision."""
+        layouts = sorted({m.layout.name for m in self.modules() if isinstance(m, PackedLinear)})
+        return ", ".join(layouts) or None
+
     def parameter_bytes(self) -> int:
         """Bytes of the weights held: distinct parameters (a tied head shared with the embedding counts
         once) and the blocks of packed linear layers."""
@@ -107,22 +115,27 @@ def load_shard(files: ModelFiles, spec: ShardSpec) -> StageShard:
     lm_head = skeleton.lm_head if spec.is_last else None
     device = torch.device(spec.device)
 
-    if spec.quantize_to is not None:
+    reader = TensorReader(files.tensor_files, files.path)
+    source = block_source(files, spec.quantize_to, spec.native, reader)
+    if source is not None:
         for index, layer in zip(spec.layers, layers):
-            pack_linears(layer, spec.quantize_to, lambda name: f"model.layers.{index}.{name}")
+            pack_linears(layer, lambda name: source.layout(f"model.layers.{index}.{name}.weight"),
+                         lambda name: f"model.layers.{index}.{name}")
+        if embed is not None and source.layout("model.embed_tokens.weight"):
+            embed = PackedEmbedding(embed.num_embeddings, embed.embedding_dim, dtype)
+            embed.load_blocks(to_device(source.read("model.embed_tokens.weight"), device))
 
     names = {}
-    if embed is not None:
+    if embed is not None and not isinstance(embed, PackedEmbedding):
         names[embed] = "model.embed_tokens"
     for index, layer in zip(spec.layers, layers):
         names[layer] = f"model.layers.{index}"
     if norm is not None:
         names[norm] = "model.norm"
-    reader = TensorReader(files.tensor_files, files.path)
     for module, prefix in names.items():
-        _materialize(module, prefix, reader, device, skeleton)
+        _materialize(module, prefix, reader, device, skeleton, source)
     if lm_head is not None:
-        lm_head = _load_head(lm_head, embed, files, reader, device)
+        lm_head = _load_head(lm_head, embed, files, reader, device, source)
     # inv_freq is a non-persistent buffer: it is not in the checkpoint and to_empty() left garbage,
     # so the rotary module is rebuilt on the real device, which computes it afresh.
     with torch.device(device):
@@ -141,7 +154,7 @@ def _runtime_config(files: ModelFiles):
     return config
 
 
-def _materialize(module: nn.Module, prefix: str, reader: TensorReader, device, skeleton) -> None:
+def _materialize(module: nn.Module, prefix: str, reader: TensorReader, device, skeleton, source) -> None:
     module.to_empty(device=device)
     # Non-persistent buffers (e.g. Gemma's embedding scale) are not in the checkpoint; the model's
     # own initializer knows their values. It also writes random weights, so it runs before loading.
@@ -152,30 +165,25 @@ def _materialize(module: nn.Module, prefix: str, reader: TensorReader, device, s
         for key, target in module.state_dict(keep_vars=True).items():
             reader.read_into(f"{prefix}.{key}", target)
         for name, sub in module.named_modules():
-            if isinstance(sub, PackedLinear):
-                _load_packed(sub, f"{prefix}.{name}.weight", reader, device)
-
-
-def _load_packed(linear: PackedLinear, name: str, reader: TensorReader, device) -> None:
-    """Quantize one full-precision weight as it is read: only it is ever held beside the blocks."""
-    weight = torch.empty(reader.shape(name), dtype=torch.float32)
-    reader.read_into(name, weight)
-    blocks = quantize(weight, linear.layout.name)
-    del weight
-    for field in ("d", "m", "qs"):
-        value = getattr(blocks, field)
-        setattr(blocks, field, None if value is None else value.to(device))
-    linear.load_blocks(blocks)
+            if isinstance(sub, PackedLinear):  # one tensor at a time: only it is held beside the blocks
+                sub.load_blocks(to_device(source.read(f"{prefix}.{name}.weight"), device))
 
 
 def _load_head(lm_head: nn.Module, embed: nn.Module | None, files: ModelFiles, reader: TensorReader,
-               device) -> nn.Module:
+               device, source) -> nn.Module:
     tied = getattr(files.config, "tie_word_embeddings", False) or not files.has_tensor("lm_head.weight")
+    name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    if tied and isinstance(embed, PackedEmbedding):
+        return embed.table  # one stage holds both ends: share the blocks, as transformers shares the matrix
     if tied and embed is not None:
         lm_head.weight = embed.weight  # one stage holds both ends: share, as transformers does
         return lm_head
+    layout = source.layout(name) if source is not None else None
+    if layout is not None and getattr(lm_head, "bias", None) is None:
+        packed = PackedLinear(lm_head.in_features, lm_head.out_features, layout, None)
+        packed.load_blocks(to_device(source.read(name), device))
+        return packed
     lm_head.to_empty(device=device)
-    name = "model.embed_tokens.weight" if tied else "lm_head.weight"
     with torch.no_grad():
         reader.read_into(name, lm_head.weight)
         if getattr(lm_head, "bias", None) is not None:

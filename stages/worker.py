@@ -268,7 +268,7 @@ class StageWorker:
             self.busy_since = started
             weights = choose_weights(self.config.weights, header.get("weights", "auto"), self.config.dtype)
             spec = ShardSpec(LayerRange.from_json(header["layers"]), header["is_first"], header["is_last"],
-                             self.config.device, weights.dtype, weights.quantize_to)
+                             self.config.device, weights.dtype, weights.quantize_to, native=weights.name == "native")
             self.shard, self.arena, self.epoch = None, None, -1  # drop the old span before loading the new one
             shard = load_shard(open_model_dir(header["model_dir"]), spec)
             shape = attention_shape(shard.config)
@@ -282,9 +282,9 @@ class StageWorker:
             # of earlier epochs not shipped yet are kept.
             self.tracer = (self.tracer or StageTracer()) if header.get("trace") is True else None
             log.info("stage %s loaded layers %s of %s as %s in %.2f s (%d weight bytes)", self.name, spec.layers,
-                     header["model_dir"], weights.describe(), time.monotonic() - started, shard.parameter_bytes())
+                     header["model_dir"], weights.describe(shard.block_layouts()), time.monotonic() - started, shard.parameter_bytes())
             self._send_control(protocol.READY, epoch=self.epoch, layers=spec.layers.to_json(),
-                               param_bytes=shard.parameter_bytes(), weights=weights.describe(),
+                               param_bytes=shard.parameter_bytes(), weights=weights.describe(shard.block_layouts()),
                                load_s=time.monotonic() - started,
                                peak_rss=peak_rss_bytes(), rss_before_load=rss_before)
         except Exception as error:  # any load failure is reported with its text; the stage stays up

@@ -58,3 +58,35 @@ def test_blocks_hold_the_weight_within_the_format_s_step(layout, bound):
 def test_cols_must_fill_whole_blocks():
     with pytest.raises(ValueError, match="blocks of 32"):
         quantize(torch.zeros(4, 40), "q4_1")
+
+
+def test_gguf_header_reader_agrees_with_gguf_s_reader(tmp_path):
+    """read_tensor_infos (a lean header parser) finds what gguf.GGUFReader finds: names, shapes, types,
+    absolute offsets, past metadata of every kind (a string array like a tokenizer's among them)."""
+    from gguf import GGUFReader, GGUFWriter
+
+    from layerbus.models.gguf_blocks import read_tensor_infos
+
+    path = tmp_path / "tiny.gguf"
+    writer = GGUFWriter(path, "llama")
+    writer.add_uint32("llama.block_count", 2)
+    writer.add_float32("llama.rope.freq_base", 10000.0)
+    writer.add_array("tokenizer.ggml.tokens", [f"tok{i}" for i in range(300)])
+    writer.add_array("tokenizer.ggml.scores", [float(i) for i in range(300)])
+    writer.add_bool("general.flag", True)
+    weight = _weight(64, 96).numpy()
+    for name, kind in (("blk.0.attn_q.weight", "q4_1"), ("blk.0.ffn_down.weight", "q8_0")):
+        raw = gguf_quantize(weight, GGML_TYPES[kind])
+        writer.add_tensor(name, raw, raw_dtype=GGML_TYPES[kind])
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(96, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    architecture, infos = read_tensor_infos(path)
+    reference = GGUFReader(path)
+    assert architecture == "llama"
+    assert infos == {t.name: (tuple(int(n) for n in t.shape), int(t.tensor_type), int(t.data_offset))
+                     for t in reference.tensors}
+    assert infos["blk.0.attn_q.weight"][0] == (96, 64)

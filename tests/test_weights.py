@@ -43,13 +43,15 @@ def test_choose_weights_names_the_choices():
         choose_weights(None, "int3", "float32")
 
 
-@pytest.mark.parametrize("choice, reported", [
-    (WeightChoice("auto", "float32", None), "fp32"),
-    (WeightChoice("int4", "float32", "q4_1"), "int4 (q4_1 g32)"),
-    (WeightChoice("bf16", "bfloat16", None), "bf16"),
+@pytest.mark.parametrize("choice, layouts, reported", [
+    (WeightChoice("auto", "float32", None), None, "fp32"),
+    (WeightChoice("int4", "float32", "q4_1"), "q4_1", "int4 (q4_1 g32)"),
+    (WeightChoice("bf16", "bfloat16", None), None, "bf16"),
+    (WeightChoice("native", "float32", None), "q4_1, q8_0", "native (q4_1, q8_0 g32)"),
+    (WeightChoice("native", "float32", None), None, "fp32"),  # a plain safetensors checkpoint
 ])
-def test_reported_format(choice, reported):
-    assert choice.describe() == reported
+def test_reported_format(choice, layouts, reported):
+    assert choice.describe(layouts) == reported
 
 
 def _reference_with_blocks(model_dir, layout: str):
@@ -172,3 +174,20 @@ def test_run_weights_flag_and_status_json_stages(tmp_path, tiny_models):
     assert sorted(s["name"] for s in stages) == ["stage-0", "stage-1"]
     assert [s["layers"] for s in stages] == ["[0, 2)", "[2, 4)"]
     assert all(s["weights"] == "int4 (q4_1 g32)" and s["weight_bytes"] > 0 for s in stages)
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_native_default_model_matches_its_float32_import(smollm2_case):
+    """--weights native on the default model runs on the GGUF's own Q4_1 (and Q8_0 embedding) blocks and
+    generates token for token what transformers generates on the float32 import, on 3 stages that hold
+    together under a quarter of the float32 model's 538,060,032 bytes (the tied head is held twice: by
+    the first stage as its embedding, by the last as its head)."""
+    model_dir, model, requests, references = smollm2_case
+    loaded = []
+    results, _ = run_pipeline(model_dir, 3, requests, num_slots=4, max_step_tokens=64, weights="native",
+                              check=lambda broker: loaded.extend((s.weights, s.param_bytes) for s in broker.chain))
+    assert [r.error for r in results] == [None] * len(results)
+    assert [r.token_ids for r in results] == references
+    assert {weights for weights, _ in loaded} <= {"native (q4_1, q8_0 g32)", "native (q4_1 g32)"}
+    assert sum(size for _, size in loaded) < 0.24 * 538_060_032

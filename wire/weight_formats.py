@@ -33,12 +33,13 @@ class WeightChoice:
     dtype: str  # the shard's dtype: activations, norms, embeddings and unquantized weights
     quantize_to: str | None  # block layout to quantize full-precision linear weights into, None = keep them
 
-    def describe(self, native_blocks: str | None = None) -> str:
-        """What the stage reports: "int4 (q4_1 g32)", "native (q4_1 g32)", "fp32", ..."""
-        blocks = self.quantize_to or (native_blocks if self.name == "native" else None)
+    def describe(self, block_layouts: str | None = None) -> str:
+        """What the stage reports: "int4 (q4_1 g32)", "native (q4_1, q8_0 g32)", "fp32", ...; `block_layouts`
+        are those the loaded shard holds (native: whatever the checkpoint had)."""
         full = {dtype: name for name, dtype in FULL_PRECISION.items()}[self.dtype]
-        return f"{self.name} ({blocks} g{GROUP_SIZE})" if blocks else (full if self.name in ("auto", "native")
-                                                                       else self.name)
+        if block_layouts:
+            return f"{self.name} ({block_layouts} g{GROUP_SIZE})"
+        return full if self.name in ("auto", "native") else self.name
 
 
 def check_weight_format(name: str, flag: str = "--weights") -> str:

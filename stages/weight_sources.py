@@ -1,0 +1,65 @@
+"""Where a shard's blocks come from: quantized from full-precision tensors as they are read (`int8`,
+`int4`) or the checkpoint's own blocks in the model directory's GGUF (`native`).
+
+Both answer, per checkpoint tensor name, whether it is held in blocks and in which layout, and read it.
+Quantizing on load packs only the decoder layers' projections (embeddings and the head keep the shard's
+dtype); native packs whatever the GGUF stores in a layout layerbus reads, the embedding included.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from layerbus.models.gguf_blocks import GGUFBlocks, model_gguf
+from layerbus.models.model_files import ModelFiles
+from layerbus.models.tensor_reader import TensorReader
+from layerbus.models.weight_blocks import Blocks, quantize
+
+_LAYER_LINEAR = re.compile(r"^model\.layers\.\d+\..+\.weight$")
+
+
+class QuantizeOnLoad:
+    """Decoder-layer projections quantized into `layout` as they are read, one tensor at a time."""
+
+    def __init__(self, layout: str, reader: TensorReader):
+        self.layout_name, self.reader = layout, reader
+
+    def layout(self, name: str) -> str | None:
+        return self.layout_name if _LAYER_LINEAR.match(name) else None
+
+    def read(self, name: str) -> Blocks:
+        weight = torch.empty(self.reader.shape(name), dtype=torch.float32)
+        self.reader.read_into(name, weight)
+        return quantize(weight, self.layout_name)  # the full-precision tensor is freed on return
+
+
+class NativeBlocks:
+    """The checkpoint's own blocks, read from the GGUF kept in the model directory."""
+
+    def __init__(self, gguf: Path, config):
+        self.gguf = GGUFBlocks(gguf, config)
+
+    def layout(self, name: str) -> str | None:
+        return self.gguf.layout(name)
+
+    def read(self, name: str) -> Blocks:
+        return self.gguf.read(name)
+
+
+def block_source(files: ModelFiles, quantize_to: str | None, native: bool, reader: TensorReader):
+    """The source of a shard's blocks, or None when it holds every weight in full precision (native on a
+    directory without a GGUF: the safetensors are the checkpoint's own format)."""
+    if quantize_to is not None:
+        return QuantizeOnLoad(quantize_to, reader)
+    gguf = model_gguf(files.path) if native else None
+    return NativeBlocks(gguf, files.config) if gguf is not None else None
+
+
+def to_device(blocks: Blocks, device: torch.device) -> Blocks:
+    if device.type == "cpu":
+        return blocks
+    return Blocks(blocks.layout, blocks.d.to(device), None if blocks.m is None else blocks.m.to(device),
+                  blocks.qs.to(device))
