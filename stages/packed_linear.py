@@ -19,9 +19,13 @@ from torch import nn
 from torch.nn import functional as F
 
 from layerbus.models.weight_blocks import BLOCK, Blocks, LAYOUTS, dequantize
+from layerbus.stages.block_kernel import dequantize_rows
 
 
-TILE_ELEMENTS = 1 << 18  # weights dequantized at once: 1 MiB of float32, about what a core's L2 holds
+# Weights dequantized at once: 4 MiB of float32. Every projection of SmolLM2-135M is one tile (no copy
+# of the output, one kernel call); a head of 49152 rows goes in tiles of 1820. Measured against 1 MiB
+# tiles in bench/bench_weights.py: the per-tile overhead mattered more than the cache.
+TILE_ELEMENTS = 1 << 20
 
 
 class PackedLinear(nn.Module):
@@ -52,16 +56,24 @@ class PackedLinear(nn.Module):
         # Rows of the weight are dequantized a tile at a time, each tile multiplied while it is in cache: the
         # whole dequantized weight is never held (a tied head of 49152 x 576 would be 113 MB per step).
         # Each output column is one row's dot product, so tiling the rows leaves every sum as it was.
-        blocks = self.blocks()
+        step = max(16, TILE_ELEMENTS // self.in_features)
+        if step >= self.out_features:  # one tile: no output buffer to fill
+            return F.linear(x, self._weight_rows(slice(0, self.out_features), x.dtype), self.bias)
         flat = x.reshape(-1, self.in_features)
         out = flat.new_empty(flat.shape[0], self.out_features)
-        step = max(16, TILE_ELEMENTS // self.in_features)
         for start in range(0, self.out_features, step):
             rows = slice(start, min(start + step, self.out_features))
-            weight = dequantize(blocks, rows)  # [rows, in] float32, exactly gguf's values
             bias = self.bias[rows] if self.bias is not None else None
-            out[:, rows] = F.linear(flat, weight if x.dtype == torch.float32 else weight.to(x.dtype), bias)
+            out[:, rows] = F.linear(flat, self._weight_rows(rows, x.dtype), bias)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _weight_rows(self, rows: slice, dtype: torch.dtype) -> torch.Tensor:
+        """Rows of the weight, dequantized to exactly gguf's float32 values, in `dtype`."""
+        blocks = self.blocks()
+        weight = torch.empty(rows.stop - rows.start, self.in_features, device=self.d.device)
+        if not dequantize_rows(blocks, rows, weight):
+            weight = dequantize(blocks, rows)
+        return weight if dtype == torch.float32 else weight.to(dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, layout={self.layout.name}"

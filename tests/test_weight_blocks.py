@@ -90,3 +90,32 @@ def test_gguf_header_reader_agrees_with_gguf_s_reader(tmp_path):
     assert infos == {t.name: (tuple(int(n) for n in t.shape), int(t.tensor_type), int(t.data_offset))
                      for t in reference.tensors}
     assert infos["blk.0.attn_q.weight"][0] == (96, 64)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_compiled_kernel_dequantizes_as_gguf_does(layout, tmp_path, monkeypatch):
+    """The C kernel writes gguf's float32 values bit for bit (no fused multiply-add)."""
+    from layerbus.stages import block_kernel
+
+    monkeypatch.setenv("LAYERBUS_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(block_kernel, "_kernel", False)
+    weight = _weight(40, 160)
+    blocks = quantize(weight, layout)
+    out = torch.full((30, 160), float("nan"))
+    assert block_kernel.dequantize_rows(blocks, slice(5, 35), out), "gcc is on this machine: the kernel builds"
+    expected = torch.from_numpy(np.ascontiguousarray(
+        gguf_dequantize(gguf_quantize(weight.numpy(), GGML_TYPES[layout]), GGML_TYPES[layout]), dtype=np.float32))
+    assert torch.equal(out.view(torch.int32), expected[5:35].contiguous().view(torch.int32))
+    assert list(tmp_path.glob("blocks-*.so")), "built into the kernel cache"
+
+
+def test_without_a_compiler_torch_dequantizes(tmp_path, monkeypatch, caplog):
+    from layerbus.stages import block_kernel
+
+    monkeypatch.setattr(block_kernel, "_kernel", False)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("LAYERBUS_KERNEL_CACHE", str(tmp_path))
+    with caplog.at_level("WARNING"):
+        assert not block_kernel.dequantize_rows(quantize(_weight(), "q4_1"), slice(0, 4), torch.empty(4, 96))
+    assert "torch ops dequantize" in caplog.text
+    monkeypatch.setattr(block_kernel, "_kernel", False)
