@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from layerbus.models.home import home_path
-from layerbus.models.weight_blocks import Blocks
+from layerbus.models.weight_blocks import BLOCK, Blocks
 
 log = logging.getLogger("layerbus.stage")
 
@@ -147,14 +147,15 @@ def _cpu_flags() -> str:
         return os.uname().machine
 
 
-def dequantize_rows(blocks: Blocks, rows: slice, out: torch.Tensor) -> bool:
-    """Write rows `rows` of the blocks, dequantized, into `out` (float32, contiguous, [n, cols]).
-    False when the kernel is unavailable or the blocks are not on the CPU: the caller uses torch."""
+def dequantize_rows(blocks: Blocks, rows: slice) -> torch.Tensor | None:
+    """Rows `rows` of the blocks dequantized into a new float32 tensor [n, cols], or None when the kernel
+    is unavailable or the blocks are not on the CPU (the caller then uses models.weight_blocks.dequantize)."""
     kernel = load_kernel()
     if kernel is None or blocks.d.device.type != "cpu":
-        return False
+        return None
     d = blocks.d[rows].to(torch.float32)  # 1/32 of the weights: cheap, and keeps the kernel free of fp16
     qs = blocks.qs[rows]
+    out = torch.empty(d.shape[0], d.shape[1] * BLOCK)
     n_blocks = ctypes.c_int64(d.numel())
     pointer = ctypes.c_void_p
     if blocks.layout.name == "q4_1":
@@ -165,4 +166,4 @@ def dequantize_rows(blocks: Blocks, rows: slice, out: torch.Tensor) -> bool:
         kernel.dequant_q4_0(pointer(d.data_ptr()), pointer(qs.data_ptr()), pointer(out.data_ptr()), n_blocks)
     else:
         kernel.dequant_q8_0(pointer(d.data_ptr()), pointer(qs.data_ptr()), pointer(out.data_ptr()), n_blocks)
-    return True
+    return out

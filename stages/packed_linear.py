@@ -70,8 +70,8 @@ class PackedLinear(nn.Module):
     def _weight_rows(self, rows: slice, dtype: torch.dtype) -> torch.Tensor:
         """Rows of the weight, dequantized to exactly gguf's float32 values, in `dtype`."""
         blocks = self.blocks()
-        weight = torch.empty(rows.stop - rows.start, self.in_features, device=self.d.device)
-        if not dequantize_rows(blocks, rows, weight):
+        weight = dequantize_rows(blocks, rows)
+        if weight is None:
             weight = dequantize(blocks, rows)
         return weight if dtype == torch.float32 else weight.to(dtype)
 

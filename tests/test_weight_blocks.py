@@ -101,8 +101,8 @@ def test_compiled_kernel_dequantizes_as_gguf_does(layout, tmp_path, monkeypatch)
     monkeypatch.setattr(block_kernel, "_kernel", False)
     weight = _weight(40, 160)
     blocks = quantize(weight, layout)
-    out = torch.full((30, 160), float("nan"))
-    assert block_kernel.dequantize_rows(blocks, slice(5, 35), out), "gcc is on this machine: the kernel builds"
+    out = block_kernel.dequantize_rows(blocks, slice(5, 35))
+    assert out is not None, "gcc is on this machine: the kernel builds"
     expected = torch.from_numpy(np.ascontiguousarray(
         gguf_dequantize(gguf_quantize(weight.numpy(), GGML_TYPES[layout]), GGML_TYPES[layout]), dtype=np.float32))
     assert torch.equal(out.view(torch.int32), expected[5:35].contiguous().view(torch.int32))
@@ -116,6 +116,6 @@ def test_without_a_compiler_torch_dequantizes(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("LAYERBUS_KERNEL_CACHE", str(tmp_path))
     with caplog.at_level("WARNING"):
-        assert not block_kernel.dequantize_rows(quantize(_weight(), "q4_1"), slice(0, 4), torch.empty(4, 96))
+        assert block_kernel.dequantize_rows(quantize(_weight(), "q4_1"), slice(0, 4)) is None
     assert "torch ops dequantize" in caplog.text
     monkeypatch.setattr(block_kernel, "_kernel", False)

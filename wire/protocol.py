@@ -11,8 +11,10 @@ Data plane (PUSH/PULL, broker -> stage 0 -> ... -> last stage -> broker):
           (last stage -> broker)
 
 Control plane (DEALER at each stage, ROUTER at the broker), headers only:
-  stage -> broker: register {name, device, dtype, threads, memory_budget, data_address, pid, host}
-                   ready {epoch, layers, param_bytes, load_s, peak_rss}
+  stage -> broker: register {name, device, dtype, weights (its own --weights, or null), threads,
+                   memory_budget, data_address, pid, host}
+                   ready {epoch, layers, param_bytes (weights held, blocks included), weights (the format
+                   loaded, e.g. "int4 (q4_1 g32)"), load_s, peak_rss}
                    heartbeat {stats, busy_s, epoch} (from the stage's heartbeat socket, identity
                    + "\0heartbeat")     failure {error, epoch, step?, mb?, attempt?, cause: step|send}
                    rejected {sender, error} (a malformed data message was dropped)   bye {}
@@ -23,6 +25,7 @@ Control plane (DEALER at each stage, ROUTER at the broker), headers only:
                    (the answer to trace_flush)
   broker -> stage: assign {epoch, model_dir, layers, is_first, is_last, next_address, num_slots,
                    max_context, wire (codec of the outgoing hidden states; default float32),
+                   weights (wire/weight_formats.py; default auto; a stage's own --weights wins),
                    trace? (true: record step spans, see wire/trace_events.py)}
                    heartbeat {sent_us?}     shutdown {}
                    reset {} (you were presumed dead: drop your span and register again)
