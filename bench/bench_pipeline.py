@@ -105,8 +105,9 @@ def run_layerbus(model_dir: Path, prompts, max_new_tokens: int, stages: int, thr
     workload = Workload.of([len(ids) for _, ids in prompts], max_new_tokens)
     config = BrokerConfig(str(model_dir), stages, batching=batching, workload=workload)
     with LocalCluster(config, LocalStageOptions(threads_per_stage=threads_per_stage)) as cluster:
-        spans = [str(span) for span in cluster.broker.spans]
         results, stats = cluster.broker.generate(requests)
+        spans = [str(span) for span in cluster.broker.spans]
+        plan, batching = cluster.broker.plan, cluster.broker.batching
     errors = [r.error for r in results if r.error]
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
@@ -115,7 +116,11 @@ def run_layerbus(model_dir: Path, prompts, max_new_tokens: int, stages: int, thr
     return {"system": f"layerbus, {stages} stage(s)", "threads": threads_per_stage * stages, "spans": spans,
             "useful_tokens": useful, "computed_tokens": useful, "wall_s": stats.wall_s,
             "useful_tok_s": useful / stats.wall_s, "busy_fraction": busy,
-            "broker_cpu_ms_per_token": 1000 * stats.broker_cpu_s / max(useful, 1), "steps": stats.steps}
+            "broker_cpu_ms_per_token": 1000 * stats.broker_cpu_s / max(useful, 1), "steps": stats.steps,
+            # what the plan predicted for this job before it ran (None: not planned), and the sizes used
+            "predicted_tok_s": plan.chosen.tokens_per_s if plan is not None else None,
+            "batching": {"micro_batches": batching.num_micro_batches, "micro_batch_size": batching.micro_batch_size,
+                         "slots": batching.num_slots, "max_step_tokens": batching.max_step_tokens}}
 
 
 def main() -> None:
@@ -162,12 +167,16 @@ def main() -> None:
     args.out.write_text(json.dumps(report, indent=2))
     print(f"\n{len(prompts)} prompts ({report['prompt_tokens']} prompt tokens), max_new_tokens {args.max_new_tokens}, "
           f"{cores} cores, float32 matmul peak {peak:.0f} GFLOP/s, {flops_per_token / 1e6:.0f} MFLOP/token")
-    print("| system | threads | useful tok/s | MFU | wall s | useful / computed tokens | stage busy | broker CPU ms/token |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| system | threads | useful tok/s | predicted (error) | MFU | wall s | useful / computed tokens | stage busy | "
+          "broker CPU ms/token |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         busy = ", ".join(f"{v:.0%}" for v in row.get("busy_fraction", {}).values()) or "-"
         broker = f"{row['broker_cpu_ms_per_token']:.2f}" if "broker_cpu_ms_per_token" in row else "-"
-        print(f"| {row['system']} | {row['threads']} | {row['useful_tok_s']:.1f} | {row['mfu']:.1%} | {row['wall_s']:.1f} | "
+        predicted = row.get("predicted_tok_s")
+        versus = (f"{predicted:.1f} ({row['useful_tok_s'] / predicted - 1:+.0%})" if predicted else "-")
+        print(f"| {row['system']} | {row['threads']} | {row['useful_tok_s']:.1f} | {versus} | {row['mfu']:.1%} | "
+              f"{row['wall_s']:.1f} | "
               f"{row['useful_tokens']} / {row['computed_tokens']} | {busy} | {broker} |")
     print(f"\nwritten to {args.out}")
 
