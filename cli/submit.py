@@ -46,15 +46,21 @@ def submit_job(store: JobStore, args: argparse.Namespace, check_model: Callable[
     model_dir = _job_model(args.model, read.records)
     if check_model is not None:
         check_model(model_dir)
-    from layerbus.models.model_info import load_tokenizer, read_model_info
+    from layerbus.models.chat_template import read_chat_template
+    from layerbus.models.model_files import check_model_dir
+    from layerbus.models.model_info import load_tokenizer
     from layerbus.storage import JobSettings
 
-    read_model_info(model_dir)  # ModelDirError names what is wrong with the directory
+    check_model_dir(model_dir)  # ModelDirError names what is wrong with the directory
     records, invalid, problems = _same_model(read.records, model_dir, args.model)
-    try:
-        tokenizer = load_tokenizer(model_dir)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
+    # The chat template alone renders the prompts; transformers' tokenizer (and with it torch, seconds
+    # to import) only where the template needs it.
+    tokenizer = read_chat_template(model_dir)
+    if tokenizer is None:
+        try:
+            tokenizer = load_tokenizer(model_dir)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
     items, render_invalid, render_problems = _render_items(records, spec, tokenizer)
     invalid, problems = invalid + render_invalid, problems + render_problems
     if problems and not args.skip_invalid:
