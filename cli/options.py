@@ -93,7 +93,8 @@ def add_cluster_options(parser: argparse.ArgumentParser, partition: bool = True)
                              "profiles: the fewest rows whose cost per row is within 15%% of the per-row cost, "
                              "capped by memory and by the job's items; 32 without profiles)")
     parser.add_argument("--micro-batches", metavar="N", type=non_negative_int, default=0,
-                        help="micro-batches in flight (default: 0 = planned from the profiles: one per stage or one more, 1 for a single stage; stages + 1 without profiles)")
+                        help="micro-batches in flight (default: 0 = planned from the profiles: one per stage or "
+                             "one more, 1 for a single stage; stages + 1 without profiles)")
     parser.add_argument("--max-step-tokens", metavar="N", type=non_negative_int, default=0,
                         help="tokens per micro-batch step; long prompts are prefilled in chunks under it (default: "
                              "0 = chosen from the stages' profiles; 256 without profiles)")
