@@ -89,8 +89,8 @@ def _job_model(given: str | None, records: list[InputRecord]) -> Path:
     found = find_named_model(name, progress=lambda message: print(message, file=sys.stderr))
     if found is None:
         raise UsageError(f"every line names the model {name!r}, which is neither a model directory nor a prepared "
-                         f"model (`layerbus model`): pass --model DIR for the model to run them on, and name that model "
-                         f"in the lines' body.model (its path, directory name or prepared name)")
+                         "model (`layerbus model`): pass --model DIR for the model to run them on, and name that "
+                         "model in the lines' body.model (its path, directory name or prepared name)")
     print(f"layerbus: using the model the lines name, {name!r} ({found})", file=sys.stderr)
     return found
 
