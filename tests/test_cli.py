@@ -151,7 +151,16 @@ def test_status_stays_light():
 
 def test_help_lists_every_subcommand(home):
     result = layerbus(home, "--help")
-    for command in ("submit", "run", "status", "results", "cancel", "broker", "stage", "model"):
+    for command in ("submit", "run", "status", "results", "cancel", "broker", "stage", "model", "keys"):
         assert command in result.stdout
     stage_help = layerbus(home, "stage", "--help")
     assert stage_help.returncode == 0 and "--broker" in stage_help.stdout
+
+
+def test_keys_new_writes_a_pair_once(home, tmp_path):
+    made = layerbus(home, "keys", "new", tmp_path / "keys", "--name", "broker")
+    assert made.returncode == 0, made.stderr
+    assert made.stdout.strip() == str(tmp_path / "keys" / "broker.key")
+    assert (tmp_path / "keys" / "broker.key_secret").stat().st_mode & 0o077 == 0
+    again = layerbus(home, "keys", "new", tmp_path / "keys", "--name", "broker")
+    assert again.returncode == 2 and "never overwritten" in again.stderr and "Traceback" not in again.stderr
