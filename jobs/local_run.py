@@ -36,6 +36,8 @@ def run_job_locally(store: JobStore, job_id: str, config: BrokerConfig, options:
     from tqdm import tqdm
 
     with LocalCluster(config, options) as cluster:
+        for kind, message in cluster.broker.start_events:  # a stage process that ended while the model was placed
+            store.add_job_event(job_id, kind, message)
         write_run_info(job_id, cluster.broker.run_info())
         with tqdm(desc=job_id, unit="item", file=sys.stderr, disable=None if progress else True,
                   dynamic_ncols=True) as bar:
