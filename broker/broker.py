@@ -17,7 +17,7 @@ from layerbus.broker.model_memory import model_memory
 from layerbus.broker.partition import model_cost_from_config
 from layerbus.broker.pipeline import Pipeline, PipelineConfig
 from layerbus.broker.placement import PlacementError, Plan, PlanOptions, StageProfile, estimate_split
-from layerbus.broker.batch_sizing import choose_batching
+from layerbus.broker.batch_sizing import choose_batching, choose_by_plan
 from layerbus.broker.plan_report import format_plan, format_prediction, prediction_report
 from layerbus.broker.planning import (
     PlanInputs,
@@ -176,20 +176,30 @@ class Broker:
                                     inputs.memory, rows, requested.max_step_tokens or 256,
                                     self.max_context, self.config.profiling) if missing else []
         self.profiles = tuple(profiles_of(names, self.profiles + tuple(measured)))  # in chain-name order
+        plan = None
         if measured and self.placement is None and self.requested_batching.chosen_by_broker:
             # Chosen once, with the first profiles: the stages size their KV caches for these slots.
-            workload = self.config.workload
-            sizing = choose_batching(self.requested_batching, len(names), self.profiles, inputs.memory,
-                                     workload.items if workload else None, mean_decode_context(workload),
-                                     reserve_fraction=self.config.plan_options.reserve_fraction)
-            self.batching, self.batching_reasons = sizing.batching, sizing.reasons
-            inputs = self._plan_inputs(stages)
+            plan = self._size_batches(names, stages, inputs.memory)
         for reason in self.batching_reasons:
             log.info("batching: %s", reason)
-        plan = plan_chain(names, self.profiles, inputs)
+        plan = plan or plan_chain(names, self.profiles, self._plan_inputs(stages))
         for line in format_plan(plan).splitlines():
             log.info("%s", line)
         return planned(plan)
+
+    def _size_batches(self, names: list[str], stages: list[StageInfo], memory) -> Plan:
+        """Choose the sizes left to the broker (each candidate count of micro-batches planned, the
+        fastest predicted kept: broker.batch_sizing.choose_by_plan); the plan for them."""
+        def plan_for(batching: BatchingConfig) -> Plan:
+            self.batching = batching
+            return plan_chain(names, self.profiles, self._plan_inputs(stages))
+
+        workload = self.config.workload
+        sizing, plan = choose_by_plan(self.requested_batching, len(names), self.profiles, memory, plan_for,
+                                      workload.items if workload else None, mean_decode_context(workload),
+                                      self.config.plan_options.reserve_fraction)
+        self.batching, self.batching_reasons = sizing.batching, sizing.reasons
+        return plan
 
     def _plan_inputs(self, stages: list[StageInfo]) -> PlanInputs:
         dtypes = sorted({stage.dtype for stage in stages})
