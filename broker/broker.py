@@ -110,6 +110,10 @@ class Broker:
         self.tracer = BrokerTrace(config.trace) if config.trace else None
         self.control.tracer = self.tracer
         self.last_prediction: dict | None = None  # the last run's predicted against measured (see _prediction_report)
+        # (kind, message) of what went wrong while starting (a stage process ended, a stage lost while
+        # loading), for the job's events: the job is not known yet when the broker starts.
+        self.start_events: list[tuple[str, str]] = []
+        self._exits_noted = 0
 
     # -- the placement in use, read-only views -------------------------------------------------
     @property
@@ -222,15 +226,48 @@ class Broker:
             self.tracer.span("load spans", PLACE, began, self.tracer.now(), chain=self.placement.text())
 
     def start(self) -> None:
-        """Wait for the stages, give each its span, wait until all have loaded."""
-        stages = self.control.wait_for_stages(self.config.num_stages, self.config.register_timeout_s)
-        self._assign(self._place(stages))
+        """Wait for the stages, give each its span, wait until all have loaded.
+
+        Where the broker started the stage processes (control.children), one that ends before it has
+        loaded its span is left out and the model placed again, once it has been restarted and registered
+        again or given up on; what happened is in `start_events`. Elsewhere a lost stage fails the start.
+        """
+        deadline = self.control.clock() + self.config.register_timeout_s
+        while True:
+            stages = self.control.wait_for_stages(self.config.num_stages, deadline - self.control.clock(),
+                                                  self.config.pipeline.heartbeat_interval_s)
+            try:
+                self._assign(self._place(stages))
+                break
+            except ClusterError as error:  # StageLost included: died while loading, or left while profiled
+                lost = lost_in_start(error, stages)
+                if self.control.children is None or lost is None:
+                    raise
+                self._forget(lost)
+                self._note_exits()
+                reason = error.reason if isinstance(error, StageLost) else lost.error or str(error)
+                self.start_events.append(("stage_lost", f"stage {lost.name} lost while the model was being placed "
+                                          f"({reason}); placing it again"))
+                log.warning("%s", self.start_events[-1][1])
+        self._note_exits()
+        if self.start_events and len(self.chain) < self.config.num_stages:
+            self.start_events.append(("placed_fewer", f"placed over {len(self.chain)} of {self.config.num_stages} "
+                                      f"stages: {self.control.stages_missing() or 'the plan left some out'}"))
+            log.warning("%s", self.start_events[-1][1])
         self.pipeline = Pipeline(self.context, self.control, lambda: self.placement, self.results, self.batching,
                                  set(self.model.eos_ids), self._new_detokenizer, self.config.pipeline,
                                  recover=self.recover, rebalance=self.rebalance, expected=self._expected_busy_s,
                                  tracer=self.tracer)
 
     # -- re-planning -----------------------------------------------------------------------------
+    def _note_exits(self) -> None:
+        """Turn the stage processes that ended since the last call into start events."""
+        for ended in self.control.exits[self._exits_noted:]:
+            then = f"restarted ({ended.restarts} of at most {self.control.children.max_restarts})" \
+                if ended.restarted else "not restarted: going on without it"
+            self.start_events.append(("stage_exited", f"stage {ended.name} (pid {ended.pid}) {ended.why}; {then}"))
+        self._exits_noted = len(self.control.exits)
+
     def _forget(self, stage: StageInfo) -> None:
         """A lost stage serves no more; if it registers again it is measured anew."""
         self.control.mark_lost(stage)
@@ -380,3 +417,11 @@ class Broker:
             self.pipeline.close()
         self.results.close(linger=0)
         self.control.socket.close(linger=0)
+
+
+
+def lost_in_start(error: ClusterError, stages: list[StageInfo]) -> StageInfo | None:
+    """The stage whose loss `error` is while starting (StageLost's, or one of `stages` gone), else None."""
+    if isinstance(error, StageLost):
+        return error.stage
+    return next((stage for stage in stages if not stage.state.alive), None)

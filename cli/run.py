@@ -19,6 +19,7 @@ from layerbus.cli.options import (
     wire_from_args,
     non_negative_int,
     open_store,
+    leases_from_args,
     pipeline_from_args,
     positive_int,
     report_trace,
@@ -105,7 +106,7 @@ def run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.Na
     print(f"layerbus: running {job_id} on {args.stages} local stage(s); stage logs in {log_dir}", file=sys.stderr)
     try:
         with stop_on_signals():
-            return run_job_locally(store, job_id, config, options, results_dir())
+            return run_job_locally(store, job_id, config, options, results_dir(), leases=leases_from_args(args))
     except ClusterError as error:
         raise RunFailed(f"{error}\nstage logs: {log_dir}; the job keeps its finished items: "
                         f"`layerbus run --job {job_id}` resumes it") from None

@@ -268,6 +268,7 @@ class StageWorker:
             spec = ShardSpec(LayerRange.from_json(header["layers"]), header["is_first"], header["is_last"],
                              self.config.device, self.config.dtype)
             self.shard, self.arena, self.epoch = None, None, -1  # drop the old span before loading the new one
+            _hold_while(os.environ.get("LAYERBUS_HOLD_LOAD_WHILE", ""))
             shard = load_shard(open_model_dir(header["model_dir"]), spec)
             shape = attention_shape(shard.config)
             arena = KVArena(list(spec.layers), header["num_slots"], shape.kv_heads, shape.head_dim,
@@ -438,6 +439,14 @@ class StageWorker:
                                               row.start + row.length, row_log_probs)
                 tokens.append([row.slot, token, logprob])
         return {"tokens": tokens, "scores": scores}
+
+
+def _hold_while(path: str, limit_s: float = 120.0) -> None:
+    """For tests only (LAYERBUS_HOLD_LOAD_WHILE=PATH): wait while PATH exists before loading a span, so a
+    test can kill a stage that is certainly mid-load. Heartbeats go on meanwhile, as in a long load."""
+    deadline = time.monotonic() + limit_s
+    while path and os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _peer_address(frame) -> str:
