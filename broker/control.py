@@ -7,6 +7,7 @@ stage processes itself (a LocalCluster), `children` tells it which of them ended
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -181,10 +182,11 @@ class ControlPlane:
         if kind == protocol.READY and header.get("epoch") == self.epoch:
             stage.state = StageState.READY
             stage.loaded = _loaded_span(header.get("layers"))
-            stage.param_bytes = int(header.get("param_bytes", 0))
-            stage.load_s = float(header.get("load_s", 0.0))
-            stage.peak_rss = int(header.get("peak_rss", 0))
-            stage.rss_before_load = int(header.get("rss_before_load", 0))
+            # Reported figures only: one a stage got wrong is shown as 0, never allowed to stop the broker.
+            stage.param_bytes = int(_figure(header.get("param_bytes")))
+            stage.load_s = _figure(header.get("load_s"))
+            stage.peak_rss = int(_figure(header.get("peak_rss")))
+            stage.rss_before_load = int(_figure(header.get("rss_before_load")))
         elif kind == protocol.FAILURE:
             log.error("stage %s reports: %s", stage.name, header.get("error"))
             if not isinstance(header.get("mb"), int):  # not about one step: the stage cannot serve its span
@@ -204,6 +206,10 @@ class ControlPlane:
         try:
             protocol.require_fields(header, "register", {"name": str, "device": str, "dtype": str,
                                                          "threads": int, "data_address": str})
+            budget = header.get("memory_budget")
+            if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+                raise WireError(f"register header field 'memory_budget' must be a positive int of bytes or absent, "
+                                f"got {budget!r:.60}")
         except WireError as error:
             log.error("registration from %r refused: %s", identity, error)
             return
@@ -211,7 +217,7 @@ class ControlPlane:
             identity=identity, name=header["name"], device=header["device"], dtype=header["dtype"],
             threads=header["threads"], memory_budget=header.get("memory_budget"),
             data_address=header["data_address"], host=str(header.get("host", "?")),
-            pid=int(header.get("pid", 0)), last_seen=now)
+            pid=int(_figure(header.get("pid"))), last_seen=now)
         if any(ended.name == header["name"] and ended.pid == self.stages[identity].pid for ended in self.exits):
             # Registered, then ended before this message was read: it cannot serve.
             self.stages[identity].state = StageState.GONE
@@ -339,6 +345,13 @@ def lost_reason(stage: StageInfo, now: float, window_s: float, stuck_s: float) -
     if stage.busy_s > stuck_s:
         return f"stuck in one step or load for {stage.busy_s:.0f} s (limit {stuck_s:g} s)"
     return None
+
+
+def _figure(value: object) -> float:
+    """A number a stage reported, or 0 for anything that is not a finite non-negative number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return 0.0
+    return float(value)
 
 
 def _loaded_span(value: object) -> LayerRange | None:

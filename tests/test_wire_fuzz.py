@@ -168,3 +168,61 @@ def test_oversized_announcements_are_refused_before_anything_is_allocated() -> N
         assert "exceeds the limit" in str(error)
     else:
         raise AssertionError("a message over the limit was accepted")
+
+
+# -- the broker's control channel -----------------------------------------------------------------
+
+STAGE_KINDS = [protocol.REGISTER, protocol.READY, protocol.FAILURE, protocol.REJECTED, protocol.BYE,
+               protocol.PROFILE_RESULT, protocol.PROBE_ECHO, protocol.HEARTBEAT, "unknown-kind"]
+REGISTER = {"name": "stage-x", "device": "cpu", "dtype": "float32", "threads": 1, "data_address": "tcp://127.0.0.1:1"}
+
+
+def _control_frames(identity: bytes, header: dict) -> list:
+    import zmq
+
+    return [zmq.Frame(identity), *(zmq.Frame(bytes(memoryview(f))) for f in encode(header))]
+
+
+# What each kind carries when a stage sends it well; the fuzz replaces or removes some of it.
+VALID_FIELDS = {
+    protocol.REGISTER: dict(REGISTER, pid=7, host="h", memory_budget=10**9),
+    protocol.READY: {"epoch": 0, "layers": [0, 2], "param_bytes": 10, "load_s": 0.5, "peak_rss": 100,
+                     "rss_before_load": 50},
+    protocol.FAILURE: {"epoch": 0, "mb": 0, "step": 1, "attempt": 0, "cause": "step", "error": "boom"},
+    protocol.REJECTED: {"sender": "tcp://127.0.0.1:9", "error": "bad"},
+    protocol.BYE: {},
+    protocol.PROFILE_RESULT: {"timings": {"decode": 0.1}, "budget": 10**9},
+    protocol.PROBE_ECHO: {"seq": 1},
+    protocol.HEARTBEAT: {"busy_s": 1.0, "stats": {"steps": 3}, "trace": {"records": []}},
+    "unknown-kind": {},
+}
+
+
+@FUZZ
+@given(kind=st.sampled_from(STAGE_KINDS), data=st.data(), heartbeat=st.booleans())
+def test_the_broker_survives_any_control_message_from_a_registered_stage(kind, data, heartbeat) -> None:
+    """A registered stage (or anything speaking with its identity) sends a message of any kind with
+    its fields replaced, removed or added: the broker's control plane handles it without raising,
+    and keeps serving."""
+    import zmq
+
+    fields = dict(VALID_FIELDS[kind])
+    for name in data.draw(st.lists(st.sampled_from(sorted(set(fields) | {"busy_s", "stats", "trace", "epoch"})),
+                                   min_size=1, max_size=3, unique=True)):
+        if data.draw(st.booleans()):
+            fields[name] = data.draw(JSON)
+        else:
+            fields.pop(name, None)
+
+    from layerbus.broker.control import ControlPlane
+
+    context = zmq.Context.instance()
+    control = ControlPlane(context, "tcp://127.0.0.1:*")
+    try:
+        control._handle(_control_frames(b"stage-x", dict(REGISTER, kind=protocol.REGISTER)))
+        assert b"stage-x" in control.stages
+        identity = b"stage-x" + (protocol.HEARTBEAT_IDENTITY_SUFFIX if heartbeat else b"")
+        control._handle(_control_frames(identity, dict(fields, kind=kind)))
+        control._handle(_control_frames(b"stage-x", {"kind": protocol.HEARTBEAT}))  # still serving
+    finally:
+        control.socket.close(linger=0)
