@@ -55,14 +55,14 @@ def useful_length(tokens: list[int], eos_ids: set[int]) -> int:
 
 
 def run_baseline(model_dir: Path, prompts, max_new_tokens: int, batch: int, threads: int, eos_ids,
-                 sort_by_length: bool = False) -> dict:
+                 sort_by_length: bool = False, device: str = "cpu", dtype: str = "float32") -> dict:
     """`generate` in static batches of `batch` prompts, in corpus order or sorted by prompt length
     (what a user who knows `generate` pads every batch to its longest prompt would do)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
     if sort_by_length:
         prompts = sorted(prompts, key=lambda item: len(item[1]))
     useful = computed = 0
@@ -71,8 +71,8 @@ def run_baseline(model_dir: Path, prompts, max_new_tokens: int, batch: int, thre
         chunk = [ids for _, ids in prompts[i:i + batch]]
         width = max(len(ids) for ids in chunk)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in chunk])
-        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in chunk])
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in chunk], device=device)
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in chunk], device=device)
         with torch.no_grad():
             out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=pad)
@@ -86,10 +86,10 @@ def run_baseline(model_dir: Path, prompts, max_new_tokens: int, batch: int, thre
 
 
 def best_sorted_baseline(model_dir: Path, prompts, max_new_tokens: int, batches: list[int], threads: int,
-                         eos_ids) -> dict:
+                         eos_ids, device: str = "cpu", dtype: str = "float32") -> dict:
     """`generate` on length-sorted prompts at each batch size; the fastest, with the others' figures."""
-    tried = [run_baseline(model_dir, prompts, max_new_tokens, batch, threads, eos_ids, sort_by_length=True)
-             for batch in batches]
+    tried = [run_baseline(model_dir, prompts, max_new_tokens, batch, threads, eos_ids, sort_by_length=True,
+                          device=device, dtype=dtype) for batch in batches]
     best = max(tried, key=lambda row: row["useful_tok_s"])
     best["tried"] = {row["system"]: round(row["useful_tok_s"], 1) for row in tried}
     best["system"] += " (best of " + ", ".join(str(batch) for batch in batches) + ")"
@@ -98,15 +98,18 @@ def best_sorted_baseline(model_dir: Path, prompts, max_new_tokens: int, batches:
 
 def run_layerbus(model_dir: Path, prompts, max_new_tokens: int, stages: int, threads_per_stage: int,
                  batching: BatchingConfig = BatchingConfig(micro_batch_size=0, max_step_tokens=0,
-                                                           max_context=4096)) -> dict:
+                                                           max_context=4096),
+                 device: str = "cpu", dtype: str = "float32") -> dict:
     """layerbus on local stage processes; `batching` as given (its defaults: what `layerbus run` uses)."""
     requests = [GenerationRequest(pid, ids, max_new_tokens=max_new_tokens) for pid, ids in prompts]
     # The job's shape, as `layerbus run` gives it from the store (jobs.job_workload): sizes and plan use it.
     workload = Workload.of([len(ids) for _, ids in prompts], max_new_tokens)
     config = BrokerConfig(str(model_dir), stages, batching=batching, workload=workload)
-    with LocalCluster(config, LocalStageOptions(threads_per_stage=threads_per_stage)) as cluster:
-        spans = [str(span) for span in cluster.broker.spans]
+    with LocalCluster(config, LocalStageOptions(threads_per_stage=threads_per_stage, device=device,
+                                                dtype=dtype)) as cluster:
         results, stats = cluster.broker.generate(requests)
+        spans = [str(span) for span in cluster.broker.spans]
+        plan, batching = cluster.broker.plan, cluster.broker.batching
     errors = [r.error for r in results if r.error]
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
@@ -115,7 +118,11 @@ def run_layerbus(model_dir: Path, prompts, max_new_tokens: int, stages: int, thr
     return {"system": f"layerbus, {stages} stage(s)", "threads": threads_per_stage * stages, "spans": spans,
             "useful_tokens": useful, "computed_tokens": useful, "wall_s": stats.wall_s,
             "useful_tok_s": useful / stats.wall_s, "busy_fraction": busy,
-            "broker_cpu_ms_per_token": 1000 * stats.broker_cpu_s / max(useful, 1), "steps": stats.steps}
+            "broker_cpu_ms_per_token": 1000 * stats.broker_cpu_s / max(useful, 1), "steps": stats.steps,
+            # what the plan predicted for this job before it ran (None: not planned), and the sizes used
+            "predicted_tok_s": plan.chosen.tokens_per_s if plan is not None else None,
+            "batching": {"micro_batches": batching.num_micro_batches, "micro_batch_size": batching.micro_batch_size,
+                         "slots": batching.num_slots, "max_step_tokens": batching.max_step_tokens}}
 
 
 def main() -> None:
@@ -162,12 +169,16 @@ def main() -> None:
     args.out.write_text(json.dumps(report, indent=2))
     print(f"\n{len(prompts)} prompts ({report['prompt_tokens']} prompt tokens), max_new_tokens {args.max_new_tokens}, "
           f"{cores} cores, float32 matmul peak {peak:.0f} GFLOP/s, {flops_per_token / 1e6:.0f} MFLOP/token")
-    print("| system | threads | useful tok/s | MFU | wall s | useful / computed tokens | stage busy | broker CPU ms/token |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| system | threads | useful tok/s | predicted (error) | MFU | wall s | useful / computed tokens | stage busy | "
+          "broker CPU ms/token |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         busy = ", ".join(f"{v:.0%}" for v in row.get("busy_fraction", {}).values()) or "-"
         broker = f"{row['broker_cpu_ms_per_token']:.2f}" if "broker_cpu_ms_per_token" in row else "-"
-        print(f"| {row['system']} | {row['threads']} | {row['useful_tok_s']:.1f} | {row['mfu']:.1%} | {row['wall_s']:.1f} | "
+        predicted = row.get("predicted_tok_s")
+        versus = (f"{predicted:.1f} ({row['useful_tok_s'] / predicted - 1:+.0%})" if predicted else "-")
+        print(f"| {row['system']} | {row['threads']} | {row['useful_tok_s']:.1f} | {versus} | {row['mfu']:.1%} | "
+              f"{row['wall_s']:.1f} | "
               f"{row['useful_tokens']} / {row['computed_tokens']} | {busy} | {broker} |")
     print(f"\nwritten to {args.out}")
 

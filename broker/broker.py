@@ -17,7 +17,7 @@ from layerbus.broker.model_memory import model_memory
 from layerbus.broker.partition import model_cost_from_config
 from layerbus.broker.pipeline import Pipeline, PipelineConfig
 from layerbus.broker.placement import PlacementError, Plan, PlanOptions, StageProfile, estimate_split
-from layerbus.broker.batch_sizing import choose_batching
+from layerbus.broker.batch_sizing import choose_batching, choose_by_plan
 from layerbus.broker.plan_report import format_plan, format_prediction, prediction_report
 from layerbus.broker.planning import (
     PlanInputs,
@@ -114,6 +114,10 @@ class Broker:
         self.tracer = BrokerTrace(config.trace) if config.trace else None
         self.control.tracer = self.tracer
         self.last_prediction: dict | None = None  # the last run's predicted against measured (see _prediction_report)
+        # (kind, message) of what went wrong while starting (a stage process ended, a stage lost while
+        # loading), for the job's events: the job is not known yet when the broker starts.
+        self.start_events: list[tuple[str, str]] = []
+        self._exits_noted = 0
 
     # -- the placement in use, read-only views -------------------------------------------------
     @property
@@ -183,20 +187,30 @@ class Broker:
                                     inputs.memory, rows, requested.max_step_tokens or 256,
                                     self.max_context, self.config.profiling) if missing else []
         self.profiles = tuple(profiles_of(names, self.profiles + tuple(measured)))  # in chain-name order
+        plan = None
         if measured and self.placement is None and self.requested_batching.chosen_by_broker:
             # Chosen once, with the first profiles: the stages size their KV caches for these slots.
-            workload = self.config.workload
-            sizing = choose_batching(self.requested_batching, len(names), self.profiles, inputs.memory,
-                                     workload.items if workload else None, mean_decode_context(workload),
-                                     reserve_fraction=self.config.plan_options.reserve_fraction)
-            self.batching, self.batching_reasons = sizing.batching, sizing.reasons
-            inputs = self._plan_inputs(stages)
+            plan = self._size_batches(names, stages, inputs.memory)
         for reason in self.batching_reasons:
             log.info("batching: %s", reason)
-        plan = plan_chain(names, self.profiles, inputs)
+        plan = plan or plan_chain(names, self.profiles, self._plan_inputs(stages))
         for line in format_plan(plan).splitlines():
             log.info("%s", line)
         return planned(plan)
+
+    def _size_batches(self, names: list[str], stages: list[StageInfo], memory) -> Plan:
+        """Choose the sizes left to the broker (each candidate count of micro-batches planned, the
+        fastest predicted kept: broker.batch_sizing.choose_by_plan); the plan for them."""
+        def plan_for(batching: BatchingConfig) -> Plan:
+            self.batching = batching
+            return plan_chain(names, self.profiles, self._plan_inputs(stages))
+
+        workload = self.config.workload
+        sizing, plan = choose_by_plan(self.requested_batching, len(names), self.profiles, memory, plan_for,
+                                      workload.items if workload else None, mean_decode_context(workload),
+                                      self.config.plan_options.reserve_fraction)
+        self.batching, self.batching_reasons = sizing.batching, sizing.reasons
+        return plan
 
     def _plan_inputs(self, stages: list[StageInfo]) -> PlanInputs:
         dtypes = sorted({stage.dtype for stage in stages})
@@ -223,15 +237,48 @@ class Broker:
             self.tracer.span("load spans", PLACE, began, self.tracer.now(), chain=self.placement.text())
 
     def start(self) -> None:
-        """Wait for the stages, give each its span, wait until all have loaded."""
-        stages = self.control.wait_for_stages(self.config.num_stages, self.config.register_timeout_s)
-        self._assign(self._place(stages))
+        """Wait for the stages, give each its span, wait until all have loaded.
+
+        Where the broker started the stage processes (control.children), one that ends before it has
+        loaded its span is left out and the model placed again, once it has been restarted and registered
+        again or given up on; what happened is in `start_events`. Elsewhere a lost stage fails the start.
+        """
+        deadline = self.control.clock() + self.config.register_timeout_s
+        while True:
+            stages = self.control.wait_for_stages(self.config.num_stages, deadline - self.control.clock(),
+                                                  self.config.pipeline.heartbeat_interval_s)
+            try:
+                self._assign(self._place(stages))
+                break
+            except ClusterError as error:  # StageLost included: died while loading, or left while profiled
+                lost = lost_in_start(error, stages)
+                if self.control.children is None or lost is None:
+                    raise
+                self._forget(lost)
+                self._note_exits()
+                reason = error.reason if isinstance(error, StageLost) else lost.error or str(error)
+                self.start_events.append(("stage_lost", f"stage {lost.name} lost while the model was being placed "
+                                          f"({reason}); placing it again"))
+                log.warning("%s", self.start_events[-1][1])
+        self._note_exits()
+        if self.start_events and len(self.chain) < self.config.num_stages:
+            self.start_events.append(("placed_fewer", f"placed over {len(self.chain)} of {self.config.num_stages} "
+                                      f"stages: {self.control.stages_missing() or 'the plan left some out'}"))
+            log.warning("%s", self.start_events[-1][1])
         self.pipeline = Pipeline(self.context, self.control, lambda: self.placement, self.results, self.batching,
                                  set(self.model.eos_ids), self._new_detokenizer, self.config.pipeline,
                                  recover=self.recover, rebalance=self.rebalance, expected=self._expected_busy_s,
                                  tracer=self.tracer)
 
     # -- re-planning -----------------------------------------------------------------------------
+    def _note_exits(self) -> None:
+        """Turn the stage processes that ended since the last call into start events."""
+        for ended in self.control.exits[self._exits_noted:]:
+            then = f"restarted ({ended.restarts} of at most {self.control.children.max_restarts})" \
+                if ended.restarted else "not restarted: going on without it"
+            self.start_events.append(("stage_exited", f"stage {ended.name} (pid {ended.pid}) {ended.why}; {then}"))
+        self._exits_noted = len(self.control.exits)
+
     def _forget(self, stage: StageInfo) -> None:
         """A lost stage serves no more; if it registers again it is measured anew."""
         self.control.mark_lost(stage)
@@ -381,3 +428,11 @@ class Broker:
             self.pipeline.close()
         self.results.close(linger=0)
         self.control.socket.close(linger=0)
+
+
+
+def lost_in_start(error: ClusterError, stages: list[StageInfo]) -> StageInfo | None:
+    """The stage whose loss `error` is while starting (StageLost's, or one of `stages` gone), else None."""
+    if isinstance(error, StageLost):
+        return error.stage
+    return next((stage for stage in stages if not stage.state.alive), None)

@@ -1,15 +1,17 @@
 """The broker's control plane: a ROUTER socket where stages register, get their spans, heartbeat
 and report failures. It keeps one `StageInfo` per stage (what the stage is and how it is doing; which
 layers it serves is the broker's `Placement`), decides in one place when a stage is lost
-(`lost_reason`), and hands the pipeline loop the events it must act on."""
+(`lost_reason`), and hands the pipeline loop the events it must act on. Where the broker started the
+stage processes itself (a LocalCluster), `children` tells it which of them ended, and why."""
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import zmq
 
@@ -18,6 +20,9 @@ from layerbus.wire import protocol
 from layerbus.wire.frames import WireError, decode, encode
 from layerbus.wire.protocol import HEARTBEAT_IDENTITY_SUFFIX
 from layerbus.wire.spans import LayerRange
+
+if TYPE_CHECKING:
+    from layerbus.broker.stage_supervisor import StageExit
 
 log = logging.getLogger("layerbus.broker")
 
@@ -94,6 +99,15 @@ class TraceSink(Protocol):
     def stage_message(self, stage: StageInfo, payload: dict) -> None: ...
 
 
+class ChildWatch(Protocol):
+    """The stage processes this broker started (broker.stage_supervisor.StageSupervisor)."""
+
+    given_up: set[str]  # names of stages that ended and will not come back
+    max_restarts: int  # restarts of each stage allowed while the cluster starts
+
+    def check(self) -> list["StageExit"]: ...
+
+
 class ControlPlane:
     def __init__(self, context: zmq.Context, bind: str = "tcp://127.0.0.1:*",
                  clock: Callable[[], float] = time.monotonic):
@@ -108,6 +122,9 @@ class ControlPlane:
         self.last_heartbeat = 0.0
         # Set by a tracing broker: assignments then ask for step records, and heartbeats carry the clock.
         self.tracer: TraceSink | None = None
+        # Set by a LocalCluster: its stage processes, looked at on every poll; `exits` is what they reported.
+        self.children: ChildWatch | None = None
+        self.exits: list[StageExit] = []
 
     # -- receiving -----------------------------------------------------------------------------
     def poll(self, timeout_ms: int = 0) -> list[ControlEvent]:
@@ -115,7 +132,18 @@ class ControlPlane:
         if self.socket.poll(timeout_ms):
             while self.socket.poll(0):
                 events.extend(self._handle(self.socket.recv_multipart(copy=False)))
+        if self.children is not None:
+            events.extend(self._child_exited(ended) for ended in self.children.check())
         return events
+
+    def _child_exited(self, ended: "StageExit") -> ControlEvent:
+        """A stage process this broker started has ended: the stage is gone now, not after the liveness
+        window, and says why. A later registration under its name (a restart) is a new stage."""
+        self.exits.append(ended)
+        stage = self.stages.get(ended.name.encode())
+        if stage is not None and stage.pid == ended.pid and stage.state.alive:
+            stage.state, stage.loaded, stage.error = StageState.GONE, None, f"its process {ended.why}"
+        return ControlEvent("bye", ended.name, {"exited": ended.why})
 
     def _handle(self, frames) -> list[ControlEvent]:
         identity = bytes(frames[0].buffer)
@@ -155,11 +183,12 @@ class ControlPlane:
         if kind == protocol.READY and header.get("epoch") == self.epoch:
             stage.state = StageState.READY
             stage.loaded = _loaded_span(header.get("layers"))
-            stage.param_bytes = int(header.get("param_bytes", 0))
+            # Reported figures only: one a stage got wrong is shown as 0, never allowed to stop the broker.
+            stage.param_bytes = int(_figure(header.get("param_bytes")))
             stage.weights = str(header.get("weights", ""))
-            stage.load_s = float(header.get("load_s", 0.0))
-            stage.peak_rss = int(header.get("peak_rss", 0))
-            stage.rss_before_load = int(header.get("rss_before_load", 0))
+            stage.load_s = _figure(header.get("load_s"))
+            stage.peak_rss = int(_figure(header.get("peak_rss")))
+            stage.rss_before_load = int(_figure(header.get("rss_before_load")))
         elif kind == protocol.FAILURE:
             log.error("stage %s reports: %s", stage.name, header.get("error"))
             if not isinstance(header.get("mb"), int):  # not about one step: the stage cannot serve its span
@@ -179,6 +208,10 @@ class ControlPlane:
         try:
             protocol.require_fields(header, "register", {"name": str, "device": str, "dtype": str,
                                                          "threads": int, "data_address": str})
+            budget = header.get("memory_budget")
+            if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+                raise WireError(f"register header field 'memory_budget' must be a positive int of bytes or absent, "
+                                f"got {budget!r:.60}")
         except WireError as error:
             log.error("registration from %r refused: %s", identity, error)
             return
@@ -186,7 +219,10 @@ class ControlPlane:
             identity=identity, name=header["name"], device=header["device"], dtype=header["dtype"],
             threads=header["threads"], memory_budget=header.get("memory_budget"),
             data_address=header["data_address"], host=str(header.get("host", "?")),
-            pid=int(header.get("pid", 0)), last_seen=now)
+            pid=int(_figure(header.get("pid"))), last_seen=now)
+        if any(ended.name == header["name"] and ended.pid == self.stages[identity].pid for ended in self.exits):
+            # Registered, then ended before this message was read: it cannot serve.
+            self.stages[identity].state = StageState.GONE
         log.info("stage %s registered (%s, %s, %d threads, data at %s)", header["name"], header["device"],
                  header["dtype"], header["threads"], header["data_address"])
 
@@ -233,14 +269,32 @@ class ControlPlane:
             self.send(stage, protocol.SHUTDOWN)
 
     # -- orchestration -------------------------------------------------------------------------
-    def wait_for_stages(self, count: int, timeout_s: float) -> list[StageInfo]:
+    def wait_for_stages(self, count: int, timeout_s: float, heartbeat_interval_s: float = 0.5) -> list[StageInfo]:
+        """The first `count` live stages once they have registered, less those `children` gave up on (their
+        process ended for good). The ones that registered hear heartbeats meanwhile, so they do not leave."""
         deadline = self.clock() + timeout_s
-        while len(self.live_stages()) < count:
+        while True:
+            expected = count - len(self.children.given_up) if self.children is not None else count
+            live = self.live_stages()
+            if expected < 1:
+                raise ClusterError(f"none of the {count} stages can serve: {self.stages_missing()}")
+            if len(live) >= expected:
+                return live[:expected]
             if self.clock() > deadline:
-                raise ClusterError(f"{len(self.live_stages())} of {count} stages registered within {timeout_s:.0f} s "
-                                   f"at {self.address}; start more with `layerbus stage --broker {self.address}`")
+                missing = self.stages_missing()
+                raise ClusterError(f"{len(live)} of {expected} stages registered and alive after {timeout_s:.0f} s "
+                                   f"at {self.address}{'; ' + missing if missing else ''}; start more with "
+                                   f"`layerbus stage --broker {self.address}`")
             self.poll(100)
-        return self.live_stages()[:count]
+            self.heartbeat(heartbeat_interval_s)
+
+    def stages_missing(self) -> str:
+        """The stages that registered and left, and the stage processes that ended, each with why."""
+        gone = [f"{s.name} registered, then {s.error or s.state.value}" for s in self.stages.values()
+                if not s.state.alive]
+        ended = [f"{e.name} (pid {e.pid}) {e.why}" for e in self.exits
+                 if e.name.encode() not in self.stages or self.stages[e.name.encode()].pid != e.pid]
+        return "; ".join(gone + ended)
 
     def assign(self, placement: Placement, model_dir: str, result_address: str, num_slots: int,
                max_context: int, timeout_s: float, liveness_window_s: float | None = None,
@@ -285,7 +339,7 @@ def lost_reason(stage: StageInfo, now: float, window_s: float, stuck_s: float) -
     is not about one step, it has been silent past `window_s`, or one step or load has run past
     `stuck_s` (its heartbeats go on, its main loop does not). The one place "stage gone" is decided."""
     if stage.state is StageState.GONE:
-        return "it left (stopped or shut down)"
+        return stage.error or "it left (stopped or shut down)"
     if stage.state is StageState.FAILED:
         return f"it reported: {stage.error}"
     silent = now - stage.last_seen
@@ -294,6 +348,13 @@ def lost_reason(stage: StageInfo, now: float, window_s: float, stuck_s: float) -
     if stage.busy_s > stuck_s:
         return f"stuck in one step or load for {stage.busy_s:.0f} s (limit {stuck_s:g} s)"
     return None
+
+
+def _figure(value: object) -> float:
+    """A number a stage reported, or 0 for anything that is not a finite non-negative number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return 0.0
+    return float(value)
 
 
 def _loaded_span(value: object) -> LayerRange | None:

@@ -1,5 +1,7 @@
 """A broker in this process plus N stage processes on this machine: for `layerbus run`, tests and
-benchmarks. Every process it starts is stopped on exit: SIGTERM, a bounded wait, then SIGKILL; and on
+benchmarks. A stage process that ends while the cluster starts is named with why and restarted a few
+times (broker.stage_supervisor); one that cannot come back is left out and the model placed over the
+others. Every process it starts is stopped on exit: SIGTERM, a bounded wait, then SIGKILL; and on
 Linux the kernel sends them SIGTERM if this process dies without exiting (kill -9), so a killed broker
 leaves no stages behind to compete with the one that resumes its job."""
 
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from layerbus.broker.broker import Broker, BrokerConfig
+from layerbus.broker.stage_supervisor import StageSupervisor
 
 log = logging.getLogger("layerbus.cluster")
 
@@ -30,6 +33,9 @@ class LocalStageOptions:
     extra_args: tuple[str, ...] = ()  # passed to every `python -m layerbus.stages`
     stage_args: tuple[tuple[str, ...], ...] = ()  # passed to stage i only (e.g. --emulate-speed 0.33)
     env: dict[str, str] = field(default_factory=dict)  # added to each stage's environment
+    # Restarts of a stage process that ends before the model is placed (a crash at start-up, a load that
+    # runs out of memory); after that the run goes on without it, if the others can hold the model.
+    max_restarts: int = 2
 
 
 class LocalCluster:
@@ -38,17 +44,27 @@ class LocalCluster:
     def __init__(self, config: BrokerConfig, options: LocalStageOptions = LocalStageOptions()):
         self.config, self.options = config, options
         self.broker: Broker | None = None
-        self.processes: list[subprocess.Popen] = []
+        self.supervisor: StageSupervisor | None = None
         self.log_files = []
+
+    @property
+    def processes(self) -> list[subprocess.Popen]:
+        """The stage processes, process i running stage-i (the latest one, after a restart)."""
+        return self.supervisor.processes if self.supervisor is not None else []
 
     def __enter__(self) -> "LocalCluster":
         try:
             self.spawn()
-            self.broker.start()
+            self.start()
         except BaseException:
             self.close()
             raise
         return self
+
+    def start(self) -> None:
+        """Start the broker (it places the model); stage processes that end after this are not restarted."""
+        self.broker.start()
+        self.supervisor.starting = False
 
     def __exit__(self, *exc) -> None:
         self.close()
@@ -65,23 +81,32 @@ class LocalCluster:
         return max(1, (os.cpu_count() or 1) // self.config.num_stages)
 
     def _spawn_stages(self) -> None:
-        env = dict(os.environ, **self.options.env)
-        for i in range(self.config.num_stages):
-            command = [sys.executable, "-m", "layerbus.stages", "--broker", self.broker.address, "--name", f"stage-{i}",
-                       "--threads", str(self.threads_per_stage()), "--device", self.options.device,
-                       "--dtype", self.options.dtype, *self.options.extra_args,
-                       *(self.options.stage_args[i] if i < len(self.options.stage_args) else ())]
-            stderr = None
-            if self.options.log_dir is not None:
-                self.options.log_dir.mkdir(parents=True, exist_ok=True)
-                stderr = open(self.options.log_dir / f"stage-{i}.log", "ab")
-                self.log_files.append(stderr)
-            # A new process group, so a Ctrl-C at the terminal reaches the broker alone and the
-            # broker stops its stages in order.
-            self.processes.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
-                                                   start_new_session=True, preexec_fn=_die_with_parent))
+        self.supervisor = StageSupervisor(self._spawn_stage, self._log_path, self.config.num_stages,
+                                          self.options.max_restarts)
+        self.broker.control.children = self.supervisor
+
+    def _log_path(self, i: int) -> Path | None:
+        return self.options.log_dir / f"stage-{i}.log" if self.options.log_dir is not None else None
+
+    def _spawn_stage(self, i: int) -> subprocess.Popen:
+        command = [sys.executable, "-m", "layerbus.stages", "--broker", self.broker.address, "--name", f"stage-{i}",
+                   "--threads", str(self.threads_per_stage()), "--device", self.options.device,
+                   "--dtype", self.options.dtype, *self.options.extra_args,
+                   *(self.options.stage_args[i] if i < len(self.options.stage_args) else ())]
+        stderr = None
+        path = self._log_path(i)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            stderr = open(path, "ab")
+            self.log_files.append(stderr)
+        # A new process group, so a Ctrl-C at the terminal reaches the broker alone and the
+        # broker stops its stages in order.
+        return subprocess.Popen(command, env=dict(os.environ, **self.options.env), stdout=subprocess.DEVNULL,
+                                stderr=stderr, start_new_session=True, preexec_fn=_die_with_parent)
 
     def close(self, timeout_s: float = 10.0) -> None:
+        if self.supervisor is not None:
+            self.supervisor.starting = False  # stages told to stop are not restarted
         if self.broker is not None:
             try:
                 self.broker.close()
@@ -101,7 +126,7 @@ class LocalCluster:
                 process.wait()
         for handle in self.log_files:
             handle.close()
-        self.processes, self.log_files = [], []
+        self.supervisor, self.log_files = None, []
 
 
 def _die_with_parent() -> None:

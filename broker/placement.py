@@ -214,12 +214,28 @@ def plan_placement(stages: Sequence[StageProfile], model: ModelMemory, batching,
         raise PlacementError(_too_small_message(costs))
     if len(costs.windows) > 1 or costs.shared:
         chain, spans = _by_job_time(costs, options, chain, spans)
+    chain = _given_order_if_close(costs, options, stages, chain, spans)
     chosen = costs.estimate(chain, spans)
     used = {s.name for s in chain}
     equal = None
     if len(stages) <= model.num_layers:
         equal = costs.estimate(stages, equal_partition(model.num_layers, len(stages)))
     return Plan(chosen, tuple(n for n in names if n not in used), equal, shapes, options, job)
+
+
+def _given_order_if_close(costs: _CostModel, options: PlanOptions, stages: Sequence[StageProfile],
+                          chain: list[StageProfile], spans: list[LayerRange]) -> list[StageProfile]:
+    """The chosen stages in the order they were given, on the same spans, when that fits and is
+    predicted within `options.reorder_tolerance` of the chosen order's job time; else the chain."""
+    chosen = {s.name for s in chain}
+    given = [s for s in stages if s.name in chosen]
+    if [s.name for s in given] == [s.name for s in chain]:
+        return chain
+    if not all(costs.fits(s, span.start, span.end) for s, span in zip(given, spans)):
+        return chain
+    if costs.job_s(given, spans)[0] <= costs.job_s(chain, spans)[0] * (1 + options.reorder_tolerance):
+        return given
+    return chain
 
 
 def estimate_split(stages: Sequence[StageProfile], spans: Sequence[LayerRange], model: ModelMemory, batching,

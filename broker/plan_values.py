@@ -149,6 +149,10 @@ class PlanOptions:
     # Use fewer stages only when that is this much faster: profiles are noisy (a busy host, a tiny
     # model whose steps are mostly fixed cost), and a stage left out for noise is a stage wasted.
     drop_tolerance: float = 0.2
+    # Keep the stages in the order given (by name, for local stages) unless another order is predicted
+    # this much faster: identical stages whose profiles differ by timing noise were chained
+    # stage-3 -> stage-2 -> stage-1 -> stage-0, and a chain should read in its names' order.
+    reorder_tolerance: float = 0.05
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens_per_new_token >= 0:
@@ -157,6 +161,8 @@ class PlanOptions:
             raise ValueError(f"reserve_fraction must be in [0, 1), got {self.reserve_fraction}")
         if not self.drop_tolerance >= 0:
             raise ValueError(f"drop_tolerance must be >= 0, got {self.drop_tolerance}")
+        if not self.reorder_tolerance >= 0:
+            raise ValueError(f"reorder_tolerance must be >= 0, got {self.reorder_tolerance}")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from layerbus.cli.options import (
     model_for_stages,
     wire_from_args,
     open_store,
+    leases_from_args,
     pipeline_from_args,
     positive_int,
     report_trace,
@@ -100,6 +101,7 @@ def _serve(store: JobStore, broker: Broker, model_dir: Path, args: argparse.Name
     from layerbus.jobs.runner import run_job
     from layerbus.storage.run_info import write_run_info
 
+    leases = leases_from_args(args)
     print(f"layerbus broker: waiting for {args.stages} stage(s) at {broker.address}: start each with "
           f"`layerbus stage --broker {broker.address}`", file=sys.stderr, flush=True)
     if "0.0.0.0" in broker.address:
@@ -110,7 +112,7 @@ def _serve(store: JobStore, broker: Broker, model_dir: Path, args: argparse.Name
     print(f"layerbus broker: ready: {broker.placement.text()}", file=sys.stderr, flush=True)
     if args.job:
         write_run_info(args.job, broker.run_info())
-        status = run_job(store, args.job, broker, results_dir())
+        status = run_job(store, args.job, broker, results_dir(), leases=leases)
         _report(status)
         return EXIT_OK if status.status == "completed" else EXIT_FAILED
     warned: set[str] = set()
@@ -121,7 +123,7 @@ def _serve(store: JobStore, broker: Broker, model_dir: Path, args: argparse.Name
             continue
         print(f"layerbus broker: running {job_id}", file=sys.stderr, flush=True)
         write_run_info(job_id, broker.run_info())
-        _report(run_job(store, job_id, broker, results_dir()))
+        _report(run_job(store, job_id, broker, results_dir(), leases=leases))
 
 
 def next_job_for(store: JobStore, model_dir: Path, warned: set[str]) -> str | None:

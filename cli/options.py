@@ -93,7 +93,8 @@ def add_cluster_options(parser: argparse.ArgumentParser, partition: bool = True)
                              "profiles: the fewest rows whose cost per row is within 15%% of the per-row cost, "
                              "capped by memory and by the job's items; 32 without profiles)")
     parser.add_argument("--micro-batches", metavar="N", type=non_negative_int, default=0,
-                        help="micro-batches in flight (default: 0 = stages + 1, so every stage always has one)")
+                        help="micro-batches in flight (default: 0 = planned from the profiles: one per stage or "
+                             "one more, 1 for a single stage; stages + 1 without profiles)")
     parser.add_argument("--max-step-tokens", metavar="N", type=non_negative_int, default=0,
                         help="tokens per micro-batch step; long prompts are prefilled in chunks under it (default: "
                              "0 = chosen from the stages' profiles; 256 without profiles)")
@@ -106,6 +107,10 @@ def add_cluster_options(parser: argparse.ArgumentParser, partition: bool = True)
     parser.add_argument("--liveness-window", metavar="S", type=positive_float, default=5.0,
                         help="a stage silent this many seconds is lost: the broker re-plans without it and the "
                              "job goes on (default: 5; stages heartbeat every 0.5 s, even mid-step)")
+    parser.add_argument("--lease", metavar="S", type=positive_float, default=60.0,
+                        help="a claimed item stays this broker's S seconds without renewal (it renews every few "
+                             "seconds): how long a killed broker's items wait before another broker working the "
+                             "job takes them over (default: 60)")
     parser.add_argument("--slowdown-threshold", metavar="F", type=non_negative_float, default=3.0,
                         help="with --partition planned, a stage running F times slower than its measured normal "
                              "(relative to the others, 3 windows of 5 s in a row) has layers moved off it; "
@@ -213,6 +218,16 @@ def pipeline_from_args(args: argparse.Namespace):
                          "normal; use e.g. 2, or 0 to never move layers off a slowed stage")
     drift = DriftConfig(threshold=threshold) if threshold else DriftConfig(enabled=False)
     return PipelineConfig(liveness_window_s=args.liveness_window, drift=drift)
+
+
+def leases_from_args(args: argparse.Namespace):
+    """The LeaseConfig that --lease describes."""
+    from layerbus.jobs.leases import LeaseConfig
+
+    try:
+        return LeaseConfig(lease_s=args.lease)
+    except ValueError as error:
+        raise UsageError(f"--lease {args.lease}: {error}; use a few seconds or more, e.g. the default 60") from None
 
 
 def open_store(url: str | None) -> JobStore:

@@ -68,7 +68,7 @@ def main(args: argparse.Namespace) -> int:
                           allow_drop=not args.keep_all)
     from dataclasses import replace
 
-    from layerbus.broker.batch_sizing import choose_batching
+    from layerbus.broker.batch_sizing import choose_by_plan
 
     batching = replace(batching, max_context=min(batching.max_context, info.max_positions))
     if args.cluster:
@@ -82,9 +82,10 @@ def main(args: argparse.Namespace) -> int:
         count = args.stages
         profiles = _local_profiles(model_dir, memory, batching, args)
     # Sizes left at 0 are chosen from the profiles, as the broker chooses them (no job: no item cap).
-    sizing = choose_batching(batching, count, profiles, memory, reserve_fraction=options.reserve_fraction)
-    shapes = Shapes.from_batching(sizing.batching, count)
-    plan = plan_placement(profiles, memory, shapes, options)
+    sizing, plan = choose_by_plan(
+        batching, count, profiles, memory,
+        lambda chosen: plan_placement(profiles, memory, Shapes.from_batching(chosen, count), options),
+        reserve_fraction=options.reserve_fraction)
     if args.json:
         print(json.dumps(dict(plan.to_json(), batching_reasons=list(sizing.reasons)), indent=2))
     else:

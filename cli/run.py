@@ -20,10 +20,10 @@ from layerbus.cli.options import (
     wire_from_args,
     non_negative_int,
     open_store,
+    leases_from_args,
     pipeline_from_args,
     positive_int,
     report_trace,
-    resolve_model,
     results_dir,
 )
 from layerbus.cli.signals import Interrupted, stop_on_signals
@@ -64,11 +64,11 @@ def main(args: argparse.Namespace) -> int:
             model_dir = Path(store.job_settings(job_id).model)  # StoreError when there is no such job
             model_for_stages(model_dir, args.stages)
         else:
-            model_dir = resolve_model(args.model)
-            model_for_stages(model_dir, args.stages)  # before queueing: a job that cannot run is not queued
             from layerbus.cli.submit import submit_job
 
-            job_id = submit_job(store, argparse.Namespace(**{**vars(args), "model": str(model_dir)}))
+            # The stages are checked against the model before queueing: a job that cannot run is not queued.
+            job_id = submit_job(store, args, check_model=lambda model: model_for_stages(model, args.stages))
+            model_dir = Path(store.job_settings(job_id).model)
         status = store.job_status(job_id)
         if status.status not in FINAL_JOB_STATES:  # a finished job needs no cluster
             status = run_locally(store, job_id, model_dir, args)
@@ -108,7 +108,7 @@ def run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.Na
     print(f"layerbus: running {job_id} on {args.stages} local stage(s); stage logs in {log_dir}", file=sys.stderr)
     try:
         with stop_on_signals():
-            return run_job_locally(store, job_id, config, options, results_dir())
+            return run_job_locally(store, job_id, config, options, results_dir(), leases=leases_from_args(args))
     except ClusterError as error:
         raise RunFailed(f"{error}\nstage logs: {log_dir}; the job keeps its finished items: "
                         f"`layerbus run --job {job_id}` resumes it") from None

@@ -199,12 +199,21 @@ def _chain_line(job_id: str) -> str | None:
 def jobs_table(jobs: list[JobStatus]) -> str:
     if not jobs:
         return "no jobs yet: queue one with `layerbus submit INPUT --task ...` or `layerbus run INPUT --task ...`"
-    header = ("JOB", "STATUS", "TASK", "DONE/TOTAL", "FAILED", "TOK/S", "CREATED (UTC)", "NAME")
-    rows = [(s.job_id, s.status, s.task, f"{s.completed + s.failed + s.cancelled}/{s.total}", str(s.failed),
+    # Completed, failed and cancelled apart: a cancelled or all-failed job must not read as done.
+    header = ("JOB", "STATUS", "TASK", "COMPLETED/TOTAL", "FAILED", "CANCELLED", "TOK/S", "CREATED (UTC)", "NAME")
+    rows = [(s.job_id, _status_text(s), s.task, f"{s.completed}/{s.total}", str(s.failed), str(s.cancelled),
              f"{s.tokens_per_s:.1f}" if s.tokens_per_s is not None else "-",
              _clock(s.timestamps.get("created_at")), s.name) for s in jobs]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows])
+
+
+def _status_text(status: JobStatus) -> str:
+    """The job's state, saying so when a finished job produced nothing (OpenAI's Batch API calls a
+    batch whose every request failed "completed"; the table must not let that pass unnoticed)."""
+    if status.status == "completed" and status.total and not status.completed:
+        return "completed (none succeeded)"
+    return status.status
 
 
 def _iso(value: datetime | None) -> str | None:

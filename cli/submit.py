@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from layerbus.cli.errors import EXIT_OK, UsageError
 from layerbus.cli.options import add_job_options, add_verbose, open_store, resolve_model
@@ -34,24 +34,35 @@ def main(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def submit_job(store: JobStore, args: argparse.Namespace) -> str:
-    """Queue the job that args describe and return its id; nothing is queued when anything is wrong."""
+def submit_job(store: JobStore, args: argparse.Namespace, check_model: Callable[[Path], object] | None = None) -> str:
+    """Queue the job that args describe and return its id; nothing is queued when anything is wrong.
+    `check_model(model_dir)`: raises when the job's model cannot run where it is meant to (`run`'s stages)."""
     from layerbus.jobs.inputs import load_inputs
 
     if args.task is None:
         raise UsageError("--task is required with an INPUT: choose --task summarize, translate or generate")
     spec = _task_spec(args)
     read = load_inputs(Path(args.input), spec.task, args.skip_invalid)  # InputError lists every problem
-    model_dir = resolve_model(args.model)
-    from layerbus.models.model_info import load_tokenizer, read_model_info
+    model_dir = _job_model(args.model, read.records)
+    if check_model is not None:
+        check_model(model_dir)
+    from layerbus.models.chat_template import read_chat_template
+    from layerbus.models.model_files import check_model_dir
+    from layerbus.models.model_info import load_tokenizer
     from layerbus.storage import JobSettings
 
-    read_model_info(model_dir)  # ModelDirError names what is wrong with the directory
-    try:
-        tokenizer = load_tokenizer(model_dir)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
-    items, invalid, problems = _render_items(read.records, spec, tokenizer)
+    check_model_dir(model_dir)  # ModelDirError names what is wrong with the directory
+    records, invalid, problems = _same_model(read.records, model_dir, args.model)
+    # The chat template alone renders the prompts; transformers' tokenizer (and with it torch, seconds
+    # to import) only where the template needs it.
+    tokenizer = read_chat_template(model_dir)
+    if tokenizer is None:
+        try:
+            tokenizer = load_tokenizer(model_dir)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+    items, render_invalid, render_problems = _render_items(records, spec, tokenizer)
+    invalid, problems = invalid + render_invalid, problems + render_problems
     if problems and not args.skip_invalid:
         raise UsageError("\n".join(problems + [
             f"Fix the {len(problems)} problem(s) above, or pass --skip-invalid to record those items as failed."]))
@@ -64,6 +75,45 @@ def submit_job(store: JobStore, args: argparse.Namespace) -> str:
     print(f"layerbus: queued {job_id}: {len(items)} item(s){refused}, model {model_dir}, store {store.url}",
           file=sys.stderr)
     return job_id
+
+
+def _job_model(given: str | None, records: list[InputRecord]) -> Path:
+    """--model as given; without it, the model every line names when they all name the same one and
+    it is found (a model directory's path, or a prepared or imported model's name); else the default."""
+    from layerbus.models.model_names import find_named_model
+
+    named = {record.model for record in records if record.model is not None}
+    if given or len(named) != 1:
+        return resolve_model(given)  # lines naming other models are refused below, each by its line
+    name = named.pop()
+    found = find_named_model(name, progress=lambda message: print(message, file=sys.stderr))
+    if found is None:
+        raise UsageError(f"every line names the model {name!r}, which is neither a model directory nor a prepared "
+                         "model (`layerbus model`): pass --model DIR for the model to run them on, and name that "
+                         "model in the lines' body.model (its path, directory name or prepared name)")
+    print(f"layerbus: using the model the lines name, {name!r} ({found})", file=sys.stderr)
+    return found
+
+
+def _same_model(records: list[InputRecord], model_dir: Path, given: str | None) -> tuple[
+        list[InputRecord], list[InvalidItem], list[str]]:
+    """The records for the job's model; those whose line names another model as failed items and
+    problem lines (answering them with this model would give them another model's output)."""
+    from layerbus.models.model_names import names_of
+    from layerbus.storage import InvalidItem
+
+    names = names_of(model_dir, given)
+    kept, invalid, problems = [], [], []
+    for record in records:
+        if record.model is None or record.model in names:
+            kept.append(record)
+            continue
+        error = (f"body.model {record.model!r} is not this job's model ({model_dir.name}, {model_dir}); a job runs one "
+                 f"model: give this line the job's model name, or submit the lines for {record.model!r} as their "
+                 "own job with --model")
+        problems.append(f"{record.source}:{record.line}: {error}")
+        invalid.append(InvalidItem(record.custom_id, _input_text(record), error, record.line))
+    return kept, invalid, problems
 
 
 def _task_spec(args: argparse.Namespace) -> TaskSpec:

@@ -5,8 +5,9 @@ Accepted inputs, chosen by extension (or by being a directory):
 - ``.jsonl`` / ``.json``: JSON Lines, one object per line, in either form:
     * OpenAI batch lines ``{"custom_id", "method": "POST", "url", "body"}`` with url ``/v1/chat/completions``
       (body.messages) or ``/v1/completions`` (body.prompt). Body keys honoured: max_tokens (or
-      max_completion_tokens), temperature, top_p, top_k, seed, stop; body.model is accepted and ignored (the
-      job chooses the model); any other key is refused rather than silently not done.
+      max_completion_tokens), temperature, top_p, top_k, seed, stop; body.model, where given, must name the
+      job's model (a job runs one model; submit refuses a line naming another, with its line number);
+      any other key is refused rather than silently not done.
     * the simple form ``{"id": "doc-1", "text": "..."}`` (``custom_id`` may stand for ``id``), with
       ``prompt`` or ``messages`` instead of text for generate, and the same parameters as top-level keys.
 - ``.csv`` (header line required) and ``.parquet``: columns id (or custom_id), text and/or prompt, and

@@ -6,6 +6,7 @@ A line with any of "method", "url" or "body" is an OpenAI batch line; any other 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from layerbus.jobs.records import InputRecord
 
@@ -26,7 +27,7 @@ from layerbus.jobs.item_checks import (
 SIMPLE_KEYS = ("id", "custom_id", "text", "prompt", "messages", *PARAM_NAMES)
 # Top-level keys of an OpenAI batch line; all four are required, as in OpenAI's own files.
 OPENAI_KEYS = ("custom_id", "method", "url", "body")
-# Body keys we honour. "model" is accepted and ignored: the job, not the line, chooses the model.
+# Body keys we honour. "model" must name the job's model (checked at submit: a job runs one model).
 # Anything else (n, logprobs, tools, ...) is refused rather than silently not done.
 BODY_KEYS = ("model", "messages", "prompt", "max_tokens", "max_completion_tokens", *PARAM_NAMES[1:])
 # Each supported endpoint, and the body key holding its content.
@@ -107,7 +108,12 @@ def _openai_item(item: dict, task: str, source: str, line: int) -> Checked:
     reasons += content_reasons + param_reasons
     if content_reasons:
         return custom_id, None, reasons
+    model = body.get("model")
+    if model is not None and not (isinstance(model, str) and model.strip()):
+        reasons.append(f"body.model must be the model's name as a non-empty string, got {show(model)}")
     record, record_reasons = make_record(task, custom_id, content, params, source, line)
+    if record is not None and isinstance(model, str) and model.strip():
+        record = replace(record, model=model.strip())
     return custom_id, record, reasons + record_reasons
 
 

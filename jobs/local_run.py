@@ -14,6 +14,7 @@ from pathlib import Path
 
 from layerbus.broker.broker import BrokerConfig
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
+from layerbus.jobs.leases import LeaseConfig
 from layerbus.jobs.runner import run_job
 from layerbus.models.home import layerbus_home
 from layerbus.storage import JobStatus, JobStore
@@ -26,7 +27,7 @@ def stage_log_dir(job_id: str) -> Path:
 
 
 def run_job_locally(store: JobStore, job_id: str, config: BrokerConfig, options: LocalStageOptions,
-                    results_dir: Path, progress: bool = True) -> JobStatus:
+                    results_dir: Path, progress: bool = True, leases: LeaseConfig = LeaseConfig()) -> JobStatus:
     """Start the broker and config.num_stages stage processes, run the job on them, stop them; its status.
 
     `progress` shows a tqdm bar on stderr (only on a terminal: tqdm's disable=None). The run info
@@ -35,7 +36,9 @@ def run_job_locally(store: JobStore, job_id: str, config: BrokerConfig, options:
     from tqdm import tqdm
 
     with LocalCluster(config, options) as cluster:
+        for kind, message in cluster.broker.start_events:  # a stage process that ended while the model was placed
+            store.add_job_event(job_id, kind, message)
         write_run_info(job_id, cluster.broker.run_info())
         with tqdm(desc=job_id, unit="item", file=sys.stderr, disable=None if progress else True,
                   dynamic_ncols=True) as bar:
-            return run_job(store, job_id, cluster.broker, results_dir, progress=bar)
+            return run_job(store, job_id, cluster.broker, results_dir, progress=bar, leases=leases)

@@ -30,6 +30,9 @@ class InputRecord:
     # 1-based line (JSONL, CSV) or row (Parquet) number; for a directory of .txt files, the file's
     # 1-based index among the directory's .txt files in sorted order.
     line: int = 0
+    # The model an OpenAI batch line names (body.model); None where the input does not say. A job runs
+    # one model: submit refuses a line naming another (models.model_names).
+    model: str | None = None
 
 
 @dataclass(frozen=True)

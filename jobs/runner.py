@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import socket
 import time
 from collections.abc import Callable, MutableMapping
@@ -17,6 +16,7 @@ from typing import Any, Protocol
 from layerbus.broker.control import ClusterError
 from layerbus.broker.requests import GenerationRequest, GenerationResult, ScoreRequest
 from layerbus.jobs.item_params import ADD_SPECIAL_TOKENS_KEY, PROMPT_IDS_KEY
+from layerbus.jobs.leases import LeaseConfig, LeaseKeeper, gone_holders, pid_alive, this_worker
 from layerbus.jobs.score_items import is_scoring, score_output, score_request
 from layerbus.storage import ClaimedItem, ItemResult, JobSettings, JobStatus, JobStore, StoreError
 from layerbus.storage.result_row import result_row
@@ -51,15 +51,17 @@ def item_seed(job_seed: int, seq: int) -> int:
 
 
 def default_worker_name() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}"
+    """This process's name in the store's claims ("host:pid:token", see jobs.leases.WorkerId)."""
+    return str(this_worker())
 
 
 class StoreSource:
     """A RequestSource over a job's queued items: each fetch claims just what the broker asks for."""
 
-    def __init__(self, store: JobStore, job_id: str, tokenizer: Any, settings: JobSettings, worker_name: str):
+    def __init__(self, store: JobStore, job_id: str, tokenizer: Any, settings: JobSettings, worker_name: str,
+                 lease_s: float = LeaseConfig().lease_s):
         self.store, self.job_id, self.tokenizer, self.settings = store, job_id, tokenizer, settings
-        self.worker_name = worker_name
+        self.worker_name, self.lease_s = worker_name, lease_s
         # Claimed items whose results are not yet in the store: item_id -> item. StoreSink removes an
         # item once its result is committed; whatever is left when a run ends goes back to the store.
         self.outstanding: dict[int, ClaimedItem] = {}
@@ -72,7 +74,7 @@ class StoreSource:
     def fetch(self, limit: int) -> list[GenerationRequest]:
         if self._exhausted or limit < 1:
             return []
-        claimed = self.store.claim_items(self.job_id, self.worker_name, limit)
+        claimed = self.store.claim_items(self.job_id, self.worker_name, limit, lease_s=self.lease_s)
         if not claimed:  # nothing queued, or the job stopped handing out work (cancelled, ...)
             self._exhausted = True
         for item in claimed:
@@ -125,9 +127,11 @@ class StoreSink:
 
     def __init__(self, store: JobStore, writer: ResultWriter, claimed: MutableMapping[int, ClaimedItem],
                  flush_every: int = 64, flush_interval_s: float = 2.0, progress: ProgressBar | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, holder: str | None = None):
         self.store, self.writer = store, writer
         self.claimed = claimed  # StoreSource.outstanding: the items whose results may arrive
+        # The worker the items were claimed as: the store records only what it still holds (None: no check).
+        self.holder = holder
         self.flush_every, self.flush_interval_s = flush_every, flush_interval_s
         self.progress, self.clock = progress, clock
         self.pending: list[tuple[ItemResult, dict[str, Any]]] = []
@@ -158,10 +162,11 @@ class StoreSink:
             return
         batch, self.pending = self.pending, []
         self.writer.write_part([row for _, row in batch])
-        written = set(self.store.complete_items([result for result, _ in batch]))
+        written = set(self.store.complete_items([result for result, _ in batch], holder=self.holder))
         skipped = [result.item_id for result, _ in batch if result.item_id not in written]
         if skipped:
-            # Requeued or finished elsewhere meanwhile: the store keeps its row, which finalize prefers.
+            # Our lease ran out and another worker took them, or they were cancelled: the store keeps its
+            # row, which finalize prefers over any part file's.
             log.warning("%d result(s) not recorded: those items are no longer held by this run (ids %s)",
                         len(skipped), skipped[:10])
         for result, _ in batch:
@@ -204,10 +209,13 @@ class CancelWatch:
 
 
 def run_job(store: JobStore, job_id: str, broker: Runner, results_dir: Path, progress: ProgressBar | None = None,
-            poll_cancel_s: float = 1.0, worker_name: str | None = None) -> JobStatus:
+            poll_cancel_s: float = 1.0, worker_name: str | None = None,
+            leases: LeaseConfig = LeaseConfig()) -> JobStatus:
     """Run a job on a started broker until it is completed, cancelled or failed; returns its status.
 
-    Items a killed earlier run left in_progress are requeued first, so this also resumes a job. An
+    Items an earlier run left in_progress go back to the queue first when nobody holds them any more
+    (their lease ran out, or their broker was a process of this machine that has exited), so this also
+    resumes a job; items other brokers hold are theirs until their leases run out (jobs/leases.py). An
     exception fails the job with its text (finished outputs stay in the store and the part files);
     KeyboardInterrupt requeues the items in flight, leaves the job in_progress for a later run, and
     propagates.
@@ -216,11 +224,8 @@ def run_job(store: JobStore, job_id: str, broker: Runner, results_dir: Path, pro
     if status.status in FINAL_JOB_STATES:
         log.info("job %s is already %s: nothing to run", job_id, status.status)
         return status
-    requeued = store.requeue_in_flight(job_id)
-    if requeued:
-        log.info("job %s: requeued %d item(s) left in progress by an earlier run", job_id, requeued)
-        store.add_job_event(job_id, "resumed", f"{requeued} item(s) left in progress by an earlier run (a killed "
-                                               "broker) went back to the queue; committed items are kept")
+    worker_name = worker_name or default_worker_name()
+    _take_back_abandoned(store, job_id, worker_name)
     if status.status == "queued":
         _try_set_status(store, job_id, "in_progress")
     settings = store.job_settings(job_id)
@@ -228,10 +233,10 @@ def run_job(store: JobStore, job_id: str, broker: Runner, results_dir: Path, pro
     describe = getattr(broker, "placement_summary", None)
     if callable(describe) and status.status != "finalizing":
         store.add_job_event(job_id, "placed", describe())
-    worker_name = worker_name or default_worker_name()
     try:
         if status.status != "finalizing":  # stopped while writing its results: only that is left to do
-            _run_rounds(store, job_id, broker, writer, settings, progress, poll_cancel_s, worker_name)
+            with LeaseKeeper(store, job_id, worker_name, leases):
+                _run_rounds(store, job_id, broker, writer, settings, progress, poll_cancel_s, worker_name, leases)
         return _finish(store, job_id, writer, settings)
     except Exception as error:
         # A broken cluster is explained by its message (and the stage logs); anything else may be a bug.
@@ -240,42 +245,93 @@ def run_job(store: JobStore, job_id: str, broker: Runner, results_dir: Path, pro
         return store.job_status(job_id)
 
 
+def _take_back_abandoned(store: JobStore, job_id: str, worker_name: str) -> None:
+    """Requeue the items whose holder is gone (its lease ran out, or its process on this host exited, or it
+    is this process's own earlier run); record how many and why as a `resumed` event."""
+    leases = store.job_leases(job_id)
+    gone = gone_holders(leases, worker_name, socket.gethostname(), pid_alive)
+    taken = store.requeue_expired(job_id, holders=gone)
+    for holder, count in taken.items():
+        why = "its process has exited" if holder in gone else "its lease ran out"
+        if holder == worker_name:
+            why = "an earlier run in this process ended without handing them back"
+        message = (f"{count} item(s) left in progress by {holder or 'an unnamed worker'} went back to the queue "
+                   f"({why}); committed items are kept")
+        log.info("job %s: %s", job_id, message)
+        store.add_job_event(job_id, "resumed", message)
+    for lease in leases:
+        if lease.holder not in taken and lease.holder not in gone:
+            log.info("job %s: %d item(s) held by %s, leased until %s: theirs unless the lease runs out",
+                     job_id, lease.items, lease.holder, lease.expires_at)
+
+
 def _run_rounds(store: JobStore, job_id: str, broker: Runner, writer: ResultWriter, settings: JobSettings,
-                progress: ProgressBar | None, poll_cancel_s: float, worker_name: str) -> None:
-    """Run the pipeline until the job has nothing queued (items requeued meanwhile get another round)."""
+                progress: ProgressBar | None, poll_cancel_s: float, worker_name: str, leases: LeaseConfig) -> None:
+    """Run the pipeline until the job has nothing queued (items requeued meanwhile get another round), then
+    wait while other workers hold items: they finish them, or their leases run out and they come back here."""
     tokenizer = broker.tokenizer()
     while True:
         status = store.job_status(job_id)
+        if status.queued == 0 and status.in_progress > 0:
+            _wait_for_other_holders(store, job_id, broker, status.in_progress, leases)
+            status = store.job_status(job_id)
+            if status.status not in RUNNABLE_JOB_STATES or status.queued == 0:
+                return
         if progress is not None:
             progress.reset(total=status.total)
             progress.update(status.completed + status.failed + status.cancelled)
-        source = StoreSource(store, job_id, tokenizer, settings, worker_name)
-        sink = StoreSink(store, writer, source.outstanding, progress=progress)
+        source = StoreSource(store, job_id, tokenizer, settings, worker_name, leases.lease_s)
+        sink = StoreSink(store, writer, source.outstanding, progress=progress, holder=worker_name)
         watch = CancelWatch(store, job_id, poll_cancel_s)
 
         def should_stop() -> bool:
             sink.flush_if_due()  # the pipeline calls this every loop: the sink's clock tick
             return watch()
 
-        def record(kind: str, message: str, duration_s: float | None = None, **_fields: Any) -> None:
-            try:  # the record of a recovery must never be what stops the job
-                store.add_job_event(job_id, kind, message, duration_s)
-            except Exception:  # noqa: BLE001
-                log.exception("job %s: could not record event %s", job_id, kind)
-
         try:
-            broker.run(source, sink, should_stop=should_stop, events=record)
+            broker.run(source, sink, should_stop=should_stop, events=_event_recorder(store, job_id))
         finally:
             _hand_back(store, sink, source)
         status = store.job_status(job_id)
-        if watch.stopping or status.status not in RUNNABLE_JOB_STATES or status.queued == 0:
+        if watch.stopping or status.status not in RUNNABLE_JOB_STATES:
             return
+        if status.queued == 0 and status.in_progress == 0:
+            return
+
+
+def _wait_for_other_holders(store: JobStore, job_id: str, broker: Runner, in_flight: int,
+                            leases: LeaseConfig) -> None:
+    """While other workers hold the job's last items and nothing is queued: keep the stages alive (the
+    broker's keep_alive, where it has one) until those items finish, come back (the LeaseKeeper requeues
+    them once their leases run out), or the job stops being runnable."""
+    log.info("job %s: nothing queued, %d item(s) in flight with other workers: waiting for them to finish "
+             "or for their leases to run out", job_id, in_flight)
+    keep_alive = getattr(broker, "keep_alive", None)
+    while True:
+        status = store.job_status(job_id)
+        if status.status not in RUNNABLE_JOB_STATES or status.queued > 0 or status.in_progress == 0:
+            return
+        if callable(keep_alive):
+            keep_alive(leases.renew_every_s, report=_event_recorder(store, job_id))
+        else:
+            time.sleep(leases.renew_every_s)
+
+
+def _event_recorder(store: JobStore, job_id: str) -> Callable[..., None]:
+    def record(kind: str, message: str, duration_s: float | None = None, **_fields: Any) -> None:
+        try:  # the record of a recovery must never be what stops the job
+            store.add_job_event(job_id, kind, message, duration_s)
+        except Exception:  # noqa: BLE001
+            log.exception("job %s: could not record event %s", job_id, kind)
+
+    return record
 
 
 def _hand_back(store: JobStore, sink: StoreSink, source: StoreSource) -> None:
     """Commit what finished; claimed items without a result go back to the store.
 
-    requeue_items returns them to the queue, or cancels them when the job is cancelling.
+    requeue_items returns them to the queue (only those this worker still holds), or cancels them when
+    the job is cancelling.
     """
     try:
         sink.flush()
@@ -283,7 +339,7 @@ def _hand_back(store: JobStore, sink: StoreSink, source: StoreSource) -> None:
         leftovers = list(source.outstanding)
         source.outstanding.clear()
         if leftovers:
-            store.requeue_items(leftovers)
+            store.requeue_items(leftovers, holder=source.worker_name)
             log.info("job %s: %d unfinished item(s) handed back", source.job_id, len(leftovers))
 
 

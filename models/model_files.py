@@ -9,9 +9,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from safetensors import safe_open
-from transformers import AutoConfig, PretrainedConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # Decoder-only families whose checkpoints use the Llama layout (model.embed_tokens, model.layers.N,
 # model.norm, lm_head) and whose decoder layers take (hidden, mask, position_embeddings, cache).
@@ -37,7 +40,7 @@ class ModelFiles:
     """A validated model directory: its config and where each checkpoint tensor lives."""
 
     path: Path  # the model directory
-    config: PretrainedConfig  # transformers' config for the architecture
+    config: "PretrainedConfig"  # transformers' config for the architecture
     tensor_files: dict[str, Path]  # checkpoint tensor name -> the safetensors file holding it
 
     @property
@@ -61,11 +64,37 @@ def open_model_dir(path: str | Path) -> ModelFiles:
     config = _read_config(path)
     tensor_files = _index_tensors(path)
     files = ModelFiles(path=path, config=config, tensor_files=tensor_files)
-    _check_layer_tensors(files)
+    _check_layer_tensors(path, files.num_layers, tensor_files)
     return files
 
 
-def _read_config(path: Path) -> PretrainedConfig:
+def check_model_dir(path: str | Path) -> None:
+    """The checks of `open_model_dir` on the files alone (config.json read as JSON, the safetensors
+    headers), without transformers: for commands that compute nothing (`submit`), which must not
+    import torch. ModelDirError names what is wrong."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise ModelDirError(f"model directory {path} does not exist; pass a Hugging Face model directory "
+                            "(config.json + *.safetensors) or run `layerbus model default`")
+    raw = _read_raw_config(path)
+    layers = raw.get("num_hidden_layers")
+    if not isinstance(layers, int) or layers < 1:
+        raise ModelDirError(f"{path / 'config.json'}: num_hidden_layers must be a positive integer, got {layers!r}")
+    _check_layer_tensors(path, layers, _index_tensors(path))
+
+
+def _read_config(path: Path) -> "PretrainedConfig":
+    from transformers import AutoConfig  # imports torch: only where the config is used to compute
+
+    _read_raw_config(path)
+    config_file = path / "config.json"
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as error:  # transformers raises many types for a bad config; all mean the same here
+        raise ModelDirError(f"{config_file} could not be read by transformers: {error}") from None
+
+
+def _read_raw_config(path: Path) -> dict:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelDirError(f"{path} has no config.json; is it a Hugging Face model directory?")
@@ -85,10 +114,7 @@ def _read_config(path: Path) -> PretrainedConfig:
         raise ModelDirError(f"{config_file} declares quantization {raw['quantization_config'].get('quant_method')!r}; "
                             "layerbus loads plain safetensors weights (for a GGUF file use "
                             "`layerbus model import-gguf FILE --out DIR`)")
-    try:
-        return AutoConfig.from_pretrained(path)
-    except Exception as error:  # transformers raises many types for a bad config; all mean the same here
-        raise ModelDirError(f"{config_file} could not be read by transformers: {error}") from None
+    return raw
 
 
 def _index_tensors(path: Path) -> dict[str, Path]:
@@ -111,7 +137,7 @@ def _index_tensors(path: Path) -> dict[str, Path]:
     tensor_files = {}
     for file in files:
         try:
-            with safe_open(file, framework="pt") as handle:
+            with safe_open(file, framework="numpy") as handle:  # names only; "pt" would import torch
                 for name in handle.keys():
                     tensor_files[name] = file
         except Exception as error:  # safetensors raises SafetensorError/OSError for damaged files
@@ -119,12 +145,12 @@ def _index_tensors(path: Path) -> dict[str, Path]:
     return tensor_files
 
 
-def _check_layer_tensors(files: ModelFiles) -> None:
+def _check_layer_tensors(path: Path, num_layers: int, tensor_files: dict[str, Path]) -> None:
     # A cheap completeness check: every layer must have at least one tensor under model.layers.N.
-    present = {int(name.split(".")[2]) for name in files.tensor_files if name.startswith("model.layers.")}
-    missing = [i for i in range(files.num_layers) if i not in present]
+    present = {int(name.split(".")[2]) for name in tensor_files if name.startswith("model.layers.")}
+    missing = [i for i in range(num_layers) if i not in present]
     if missing:
-        raise ModelDirError(f"{files.path}: no weights for layer(s) {missing[:10]} of {files.num_layers}; "
+        raise ModelDirError(f"{path}: no weights for layer(s) {missing[:10]} of {num_layers}; "
                             "the checkpoint is incomplete or uses a layout other than model.layers.N")
-    if "model.embed_tokens.weight" not in files.tensor_files:
-        raise ModelDirError(f"{files.path}: no model.embed_tokens.weight; the checkpoint uses another layout")
+    if "model.embed_tokens.weight" not in tensor_files:
+        raise ModelDirError(f"{path}: no model.embed_tokens.weight; the checkpoint uses another layout")

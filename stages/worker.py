@@ -27,6 +27,7 @@ from layerbus.stages.heartbeat import HeartbeatThread, busy_for
 from layerbus.stages.kv_cache import KVArena
 from layerbus.stages.sampling import choose_token, target_log_probs
 from layerbus.stages.shard import ShardSpec, StageShard, load_shard
+from layerbus.stages.step_validation import StepExpectations, validate_step
 from layerbus.stages.tracing import StageTracer, untraced_flush
 from layerbus.wire import codecs, protocol
 from layerbus.wire.frames import DEFAULT_MAX_MESSAGE_BYTES, Message, WireError, decode, encode
@@ -270,6 +271,7 @@ class StageWorker:
             spec = ShardSpec(LayerRange.from_json(header["layers"]), header["is_first"], header["is_last"],
                              self.config.device, weights.dtype, weights.quantize_to, native=weights.name == "native")
             self.shard, self.arena, self.epoch = None, None, -1  # drop the old span before loading the new one
+            _hold_while(os.environ.get("LAYERBUS_HOLD_LOAD_WHILE", ""))
             shard = load_shard(open_model_dir(header["model_dir"]), spec)
             shape = attention_shape(shard.config)
             arena = KVArena(list(spec.layers), header["num_slots"], shape.kv_heads, shape.head_dim,
@@ -379,35 +381,13 @@ class StageWorker:
             tracer.record(marks, header, ended)
 
     def _validate(self, frames) -> Message:
-        message = decode(frames, self.config.max_message_bytes)
-        if message.kind != protocol.STEP:
-            raise WireError(f"data message of kind {message.kind!r}; stages accept only {protocol.STEP!r}")
-        protocol.require_fields(message.header, "step", {"mb": int, "step": int, "attempt": int, "epoch": int,
-                                                         "rows": list, "release": list})
         if self.shard is None:
+            decode(frames, self.config.max_message_bytes)  # a malformed message is named as such first
             raise WireError("step arrived before this stage was assigned layers")
-        if message.header["epoch"] != self.epoch:
-            raise WireError(f"step of epoch {message.header['epoch']} but this stage serves epoch {self.epoch}")
-        name = "tokens" if self.shard.spec.is_first else "hidden"
-        if name == "hidden":
-            started = time.monotonic()
-            hidden = codecs.unpack(name, message.header, message.tensors)  # whatever codec the sender announced
-            self.stats.codec_s += time.monotonic() - started
-            message.tensors.clear()
-            message.tensors[name] = hidden
-        tensor = message.tensors.get(name)
-        if tensor is None or len(message.tensors) != 1:
-            raise WireError(f"step for this stage must carry exactly one tensor {name!r}, got {list(message.tensors)}")
-        if name == "tokens" and (tensor.dtype != torch.int64 or tensor.dim() != 1):
-            raise WireError(f"'tokens' must be int64 [N], got {tensor.dtype} {list(tensor.shape)}")
-        if name == "hidden" and (tensor.dim() != 2 or tensor.shape[1] != self.shard.config.hidden_size):
-            raise WireError(f"'hidden' must be [N, {self.shard.config.hidden_size}], got {list(tensor.shape)}")
-        # The parsed rows travel beside the header; the header keeps the rows as they arrived, so a
-        # middle stage forwards them without encoding them again.
-        message.header["parsed_rows"] = protocol.rows_from_json(message.header["rows"])
-        covered = sum(row.length for row in message.header["parsed_rows"])
-        if covered != tensor.shape[0]:
-            raise WireError(f"rows cover {covered} positions, tensor has {tensor.shape[0]}")
+        message, codec_s = validate_step(frames, StepExpectations(
+            is_first=self.shard.spec.is_first, hidden_size=self.shard.config.hidden_size, epoch=self.epoch,
+            max_message_bytes=self.config.max_message_bytes))
+        self.stats.codec_s += codec_s
         return message
 
     def _run(self, message: Message) -> list:
@@ -463,6 +443,14 @@ class StageWorker:
                                               row.start + row.length, row_log_probs)
                 tokens.append([row.slot, token, logprob])
         return {"tokens": tokens, "scores": scores}
+
+
+def _hold_while(path: str, limit_s: float = 120.0) -> None:
+    """For tests only (LAYERBUS_HOLD_LOAD_WHILE=PATH): wait while PATH exists before loading a span, so a
+    test can kill a stage that is certainly mid-load. Heartbeats go on meanwhile, as in a long load."""
+    deadline = time.monotonic() + limit_s
+    while path and os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _peer_address(frame) -> str:

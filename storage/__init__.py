@@ -21,6 +21,7 @@ _EXPORTS = {
     "JobEvent": "layerbus.storage.records",
     "JobSettings": "layerbus.storage.records",
     "JobStatus": "layerbus.storage.records",
+    "Lease": "layerbus.storage.records",
     "NewItem": "layerbus.storage.records",
     "StoreError": "layerbus.storage.errors",
     "JobStore": "layerbus.storage.store",
@@ -33,7 +34,8 @@ if TYPE_CHECKING:
     from layerbus.storage.errors import StoreError
     from layerbus.storage.eval_records import EvalMetric, EvalRun, canonical_fingerprint
     from layerbus.storage.locations import default_db_url, default_results_dir
-    from layerbus.storage.records import ClaimedItem, InvalidItem, ItemResult, JobEvent, JobSettings, JobStatus, NewItem
+    from layerbus.storage.records import (ClaimedItem, InvalidItem, ItemResult, JobEvent, JobSettings, JobStatus, Lease,
+                                          NewItem)
     from layerbus.storage.store import JobStore
 
 

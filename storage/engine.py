@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
+from sqlalchemy import Column, Connection, Engine, Table, create_engine, event, inspect, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 
@@ -56,20 +56,54 @@ def open_engine(url: str) -> Engine:
 def create_tables(engine: Engine, url: str) -> None:
     """Create the store's tables that are missing; connection failures become StoreError naming `url`.
 
-    A store made by an older layerbus gains the tables added since (create_all skips existing ones).
+    A store made by an older layerbus gains the tables added since (create_all skips existing ones) and
+    the columns added since to existing tables (nullable ones only, see missing_columns).
     """
     try:
         # Most opens find the tables there: checking first spares SQLite a write lock per open.
         with engine.execution_options(**{READ_ONLY_OPTION: True}).connect() as conn:
-            if set(Base.metadata.tables) <= set(inspect(conn).get_table_names()):
+            if _schema_is_current(conn):
                 return
         with engine.begin() as conn:
             if engine.dialect.name == "postgresql":
                 # Several workers may open a fresh database at once; CREATE TABLE is not idempotent under races.
                 conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _CREATE_TABLES_LOCK})
             Base.metadata.create_all(conn)
+            # Checked again inside the lock (BEGIN IMMEDIATE on SQLite): another opener may have added them.
+            for table, column in missing_columns(conn):
+                column_type = column.type.compile(dialect=conn.dialect)
+                conn.execute(text(f"ALTER TABLE {table.name} ADD COLUMN {column.name} {column_type}"))
     except DBAPIError as exc:
         raise _connect_error(engine, url, exc) from exc
+
+
+def missing_columns(conn: Connection) -> list[tuple[Table, Column]]:
+    """(table, column) of every column the schema has and an existing table lacks, in schema order.
+
+    Only nullable columns without defaults may be added this way (ALTER TABLE ADD COLUMN fills old rows
+    with NULL); a schema change that needs more must bring its own migration, and this says so.
+    """
+    inspector = inspect(conn)
+    existing_tables = set(inspector.get_table_names())
+    missing = []
+    for table in Base.metadata.sorted_tables:
+        if table.name not in existing_tables:
+            continue
+        present = {c["name"] for c in inspector.get_columns(table.name)}
+        for column in table.columns:
+            if column.name in present:
+                continue
+            if not column.nullable or column.server_default is not None or column.primary_key:
+                raise StoreError(f"table {table.name} lacks column {column.name}, which cannot be added to "
+                                 "existing rows as NULL; this layerbus needs a migration for it (a bug: report it)")
+            missing.append((table, column))
+    return missing
+
+
+def _schema_is_current(conn: Connection) -> bool:
+    if not set(Base.metadata.tables) <= set(inspect(conn).get_table_names()):
+        return False
+    return not missing_columns(conn)
 
 
 def _parse(url: str) -> URL:

@@ -103,6 +103,22 @@ class ClaimedItem:
 
 
 @dataclass(frozen=True)
+class Lease:
+    """What one worker holds of a job: its items in flight and when the first of their leases runs out."""
+
+    # items.claimed_by: the worker holding them ("host:pid:token" for layerbus brokers).
+    holder: str
+    # Its in_progress items in the job.
+    items: int
+    # The earliest end of their leases, UTC; None when one of them has none (claimed by a layerbus older
+    # than leases), which counts as expired.
+    expires_at: datetime | None
+
+    def expired(self, now: datetime) -> bool:
+        return self.expires_at is None or self.expires_at < now
+
+
+@dataclass(frozen=True)
 class ItemResult:
     """What a worker reports for one claimed item."""
 

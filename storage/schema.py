@@ -115,8 +115,11 @@ class Item(Base):
     params_json: Mapped[str]  # per-item overrides as JSON text ("{}" when none)
     status: Mapped[str] = mapped_column(String(16))  # one of ITEM_STATES
     attempts: Mapped[int] = mapped_column(Integer, default=0)  # claims so far
-    claimed_by: Mapped[str | None]  # worker holding the item while in_progress
+    claimed_by: Mapped[str | None]  # worker holding the item while in_progress ("host:pid:token"); kept once done
     claimed_at: Mapped[datetime | None]
+    # While in_progress: until when the holder's lease runs. The holder renews it; once past, any worker may
+    # requeue the item. NULL (a claim by a layerbus older than leases) counts as expired.
+    lease_expires_at: Mapped[datetime | None]
     output: Mapped[str | None]  # generated text
     finish_reason: Mapped[str | None]  # stop, length, error, cancelled
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)

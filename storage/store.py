@@ -2,7 +2,10 @@
 
 Every method is one transaction. Claims are exclusive: BEGIN IMMEDIATE on SQLite, row locks with
 SKIP LOCKED on PostgreSQL, so any number of broker processes can claim from one job. Locks are always
-taken items first, then the job row, so concurrent claims, completions and cancels cannot deadlock.
+taken items first (in id order), then the job row, so concurrent claims, completions, renewals and
+cancels cannot deadlock. A claim is a lease (storage/leases.py): its holder renews it while it works,
+and only a holder may record or hand back what it holds, so an item taken over after its lease ran
+out is never recorded twice.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from layerbus.storage.errors import StoreError, mask_url
 from layerbus.storage.eval_records import DEFAULT_EVAL_LIMIT, EvalMetric, EvalRun
 from layerbus.storage.eval_store import EvalTables
 from layerbus.storage.events import DEFAULT_EVENT_LIMIT, event_row, events_oldest_first
-from layerbus.storage.records import ClaimedItem, InvalidItem, ItemResult, JobEvent, JobSettings, JobStatus, NewItem
+from layerbus.storage.leases import DEFAULT_LEASE_S, held_by, job_leases, lease_end, reclaimable
+from layerbus.storage.records import (ClaimedItem, InvalidItem, ItemResult, JobEvent, JobSettings, JobStatus, Lease,
+                                      NewItem)
 from layerbus.storage.result_row import RESULT_COLUMNS
 from layerbus.storage.rows import claimed_item, duplicate_message, invalid_item_row, new_item_row, result_params
 from layerbus.storage.schema import items as items_table
@@ -130,8 +135,10 @@ class JobStore:
 
     # --- running ----------------------------------------------------------------------------------
 
-    def claim_items(self, job_id: str, worker: str, limit: int, now: datetime | None = None) -> list[ClaimedItem]:
-        """Move up to `limit` queued items (in seq order) to in_progress for `worker`; [] when none are left.
+    def claim_items(self, job_id: str, worker: str, limit: int, now: datetime | None = None,
+                    lease_s: float = DEFAULT_LEASE_S) -> list[ClaimedItem]:
+        """Move up to `limit` queued items (in seq order) to in_progress for `worker`, leased until
+        `now + lease_s` (renew_leases pushes that on); [] when none are left.
 
         The first claim moves the job from queued to in_progress, even when it hands out nothing: a job
         whose items were all refused at submit still goes in_progress -> finalizing like any other.
@@ -140,6 +147,7 @@ class JobStore:
         if limit < 1:
             raise ValueError(f"claim_items needs limit >= 1, got {limit=}")
         now = _utc(now)
+        expires = lease_end(now, lease_s)
         with self._write() as conn:
             job_status = self._job_field(conn, job_id, JOB.status)
             if job_status not in RUNNABLE_JOB_STATES:
@@ -155,7 +163,8 @@ class JobStore:
                 conn.execute(
                     update(items_table)
                     .where(ITEM.id.in_([r.id for r in rows]))
-                    .values(status="in_progress", attempts=ITEM.attempts + 1, claimed_by=worker, claimed_at=now)
+                    .values(status="in_progress", attempts=ITEM.attempts + 1, claimed_by=worker, claimed_at=now,
+                            lease_expires_at=expires)
                 )
             if job_status == "queued":
                 conn.execute(
@@ -165,11 +174,13 @@ class JobStore:
                 )
         return [claimed_item(job_id, row) for row in rows]
 
-    def complete_items(self, results: Sequence[ItemResult], now: datetime | None = None) -> list[int]:
+    def complete_items(self, results: Sequence[ItemResult], now: datetime | None = None,
+                       holder: str | None = None) -> list[int]:
         """Record results of in_progress items (failed when error is set); returns the ids written.
 
         Items no longer in_progress (already finished, cancelled, requeued) are skipped, so a late
-        duplicate result never overwrites a final one. Within `results`, the first result for an id wins.
+        duplicate result never overwrites a final one; with `holder`, so are items it no longer holds
+        (its lease ran out and another worker claimed them). Within `results`, the first result for an id wins.
         """
         now = _utc(now)
         first: dict[int, ItemResult] = {}
@@ -179,7 +190,7 @@ class JobStore:
         written: set[int] = set()
         with self._write() as conn:
             for chunk in _chunks(list(first)):
-                live = self._lock_in_progress(conn, ITEM.id.in_(chunk))
+                live = self._lock_in_progress(conn, _holding(ITEM.id.in_(chunk), holder))
                 if not live:
                     continue
                 conn.execute(
@@ -189,7 +200,7 @@ class JobStore:
                         status=bindparam("b_status"), output=bindparam("b_output"),
                         finish_reason=bindparam("b_finish_reason"), prompt_tokens=bindparam("b_prompt_tokens"),
                         completion_tokens=bindparam("b_completion_tokens"), latency_s=bindparam("b_latency_s"),
-                        error=bindparam("b_error"), finished_at=now,
+                        error=bindparam("b_error"), finished_at=now, lease_expires_at=None,
                     ),  # fmt: skip
                     [result_params(first[item_id]) for item_id, _ in live],
                 )
@@ -197,26 +208,77 @@ class JobStore:
                 self._settle_cancelling(conn, {job_id for _, job_id in live}, now)
         return [item_id for item_id in first if item_id in written]
 
-    def requeue_items(self, item_ids: Iterable[int], now: datetime | None = None) -> list[int]:
+    def requeue_items(self, item_ids: Iterable[int], now: datetime | None = None,
+                      holder: str | None = None) -> list[int]:
         """Move in_progress items back to queued (for a retry); returns the ids requeued.
 
         Items of a cancelling job are cancelled instead, and the job becomes cancelled once nothing
-        of it is in flight. Items not in_progress are left alone.
+        of it is in flight. Items not in_progress, and with `holder` items it does not hold, are left alone.
         """
         now = _utc(now)
         requeued: list[int] = []
         with self._write() as conn:
             for chunk in _chunks(list(dict.fromkeys(item_ids))):
-                requeued += self._requeue(conn, self._lock_in_progress(conn, ITEM.id.in_(chunk)), now)
+                live = self._lock_in_progress(conn, _holding(ITEM.id.in_(chunk), holder))
+                requeued += self._requeue(conn, live, now)
         return requeued
 
     def requeue_in_flight(self, job_id: str, now: datetime | None = None) -> int:
-        """Requeue every in_progress item of a job (a broker restarting); returns how many were requeued."""
+        """Requeue every in_progress item of a job whoever holds it; returns how many were requeued.
+
+        Only for when every worker of the job is known to be gone: a live holder's results would then be
+        refused. Brokers requeue with requeue_expired, which takes only what nobody holds any more.
+        """
         now = _utc(now)
         with self._write() as conn:
             self._job_field(conn, job_id, JOB.status)
             live = self._lock_in_progress(conn, ITEM.job_id == job_id)
             return len(self._requeue(conn, live, now))
+
+    # --- leases -----------------------------------------------------------------------------------
+
+    def renew_leases(self, job_id: str, holder: str, lease_s: float = DEFAULT_LEASE_S,
+                     now: datetime | None = None) -> int:
+        """Push the lease of every item `holder` has in flight in the job to `now + lease_s`; how many.
+
+        An item whose lease ran out but which nobody requeued yet is still the holder's, and is renewed.
+        """
+        now = _utc(now)
+        expires = lease_end(now, lease_s)
+        with self._write() as conn:
+            self._job_field(conn, job_id, JOB.id)
+            held = [item_id for item_id, _ in self._lock_in_progress(conn, (ITEM.job_id == job_id) & held_by(holder))]
+            for chunk in _chunks(held):
+                conn.execute(update(items_table).where(ITEM.id.in_(chunk)).values(lease_expires_at=expires))
+        return len(held)
+
+    def job_leases(self, job_id: str) -> list[Lease]:
+        """Who holds the job's in-flight items, how many each, and when the first of their leases runs out."""
+        with self._read() as conn:
+            self._job_field(conn, job_id, JOB.id)
+            return job_leases(conn, job_id)
+
+    def requeue_expired(self, job_id: str, now: datetime | None = None, holders: Sequence[str] = (),
+                        keep: str | None = None) -> dict[str, int]:
+        """Requeue the job's in-flight items whose lease ran out by `now` (or that have none), and those of
+        `holders` (workers known to be gone), except those `keep` holds; how many per holder.
+
+        Items of a cancelling job are cancelled instead (not counted), as requeue_items does.
+        """
+        now = _utc(now)
+        with self._write() as conn:
+            self._job_field(conn, job_id, JOB.id)
+            condition = (ITEM.job_id == job_id) & reclaimable(now, holders)
+            if keep is not None:
+                condition &= ITEM.claimed_by.is_distinct_from(keep)
+            query = select(ITEM.id, ITEM.claimed_by).where(condition, ITEM.status == "in_progress").order_by(ITEM.id)
+            found = conn.execute(self._locking(query)).all()
+            requeued = set(self._requeue(conn, [(row.id, job_id) for row in found], now))
+        counts: dict[str, int] = {}
+        for row in found:
+            if row.id in requeued:
+                counts[row.claimed_by or ""] = counts.get(row.claimed_by or "", 0) + 1
+        return counts
 
     # --- job lifecycle ----------------------------------------------------------------------------
 
@@ -488,7 +550,7 @@ class JobStore:
             conn.execute(
                 update(items_table)
                 .where(ITEM.id.in_(to_queue))
-                .values(status="queued", claimed_by=None, claimed_at=None)
+                .values(status="queued", claimed_by=None, claimed_at=None, lease_expires_at=None)
             )
         if to_cancel:
             conn.execute(
@@ -543,6 +605,11 @@ class JobStore:
             if len(page) < _PAGE:
                 return
             last_seq = page[-1]["seq"]
+
+
+def _holding(condition: Any, holder: str | None) -> Any:
+    """`condition`, narrowed to the items `holder` holds unless holder is None."""
+    return condition if holder is None else condition & (ITEM.claimed_by == holder)
 
 
 def _chunks(values: list[int]) -> Iterator[list[int]]:

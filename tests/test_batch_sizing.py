@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from layerbus.broker.batch_sizing import choose_batching, max_slots, rows_to_amortize
+from layerbus.broker.batch_sizing import choose_batching, choose_by_plan, max_slots, micro_batch_counts, rows_to_amortize
 from layerbus.broker.placement import ModelMemory, StageProfile
 from layerbus.broker.scheduler import BatchingConfig
 from layerbus.broker.step_cost import LinearCost
@@ -93,3 +95,29 @@ def test_the_prefill_budget_amortizes_the_fixed_part_per_token() -> None:
     assert sizing.batching.max_step_tokens == 8 + 704
     given = choose_batching(BatchingConfig(micro_batch_size=8, max_step_tokens=100), 2, [fitted("a", 1.0, 1.0)], MEMORY)
     assert given.batching.max_step_tokens == 100
+
+
+@pytest.mark.parametrize("requested_count, stages, want", [
+    (0, 1, (1,)),  # a single stage: one micro-batch
+    (0, 2, (2, 3)),  # a chain: one per stage, or one more to hide the broker's turnaround
+    (0, 3, (3, 4)),
+    (5, 3, (5,)),  # the user's
+])
+def test_micro_batch_counts(requested_count, stages, want) -> None:
+    assert micro_batch_counts(requested_count, stages) == want
+
+
+@pytest.mark.parametrize("fastest", [2, 3])
+def test_the_count_whose_plan_predicts_more_wins(fastest) -> None:
+    planned = []
+
+    def plan_for(batching):
+        planned.append((batching.num_micro_batches, batching.micro_batch_size))
+        speed = 100.0 if batching.num_micro_batches == fastest else 80.0
+        return SimpleNamespace(chosen=SimpleNamespace(tokens_per_s=speed))
+
+    profiles = [fitted("a", 1.0, 1.0), fitted("b", 2.0, 1.0)]
+    sizing, plan = choose_by_plan(AUTO, 2, profiles, MEMORY, plan_for, items=60)
+    assert planned == [(2, 30), (3, 20)], "each count is sized for the job (60 items) and planned"
+    assert sizing.batching.num_micro_batches == fastest and plan.chosen.tokens_per_s == 100.0
+    assert sizing.reasons[0].startswith(f"micro-batches {fastest} of ") and "the fastest predicted" in sizing.reasons[0]

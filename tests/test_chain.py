@@ -67,6 +67,8 @@ def stage(state: StageState = StageState.READY, last_seen: float = 10.0, busy_s:
     (stage(), 15.5, "silent for 5.5 s (liveness window 5 s)"),
     (stage(busy_s=301.0), 10.0, "stuck in one step or load for 301 s (limit 300 s)"),
     (stage(StageState.GONE, last_seen=0.0), 15.5, "it left (stopped or shut down)"),  # leaving comes first
+    (stage(StageState.GONE, error="its process killed by SIGKILL; loading"), 10.0,
+     "its process killed by SIGKILL; loading"),  # its LocalCluster saw the process end
 ])
 def test_lost_reason_is_the_one_place_a_stage_is_judged_lost(info, now, want):
     assert lost_reason(info, now, window_s=5.0, stuck_s=300.0) == want

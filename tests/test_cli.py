@@ -73,6 +73,45 @@ def test_bad_input_is_refused_with_every_line_and_nothing_queued(home, tmp_path,
     assert (counts["total"], counts["queued"], counts["failed"]) == (5, 3, 2)
 
 
+def _batch_line(custom_id: str, model: str) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": model, "messages": [{"role": "user", "content": "Say hi."}]}}
+
+
+def test_a_line_naming_another_model_is_refused_with_its_line(home, tmp_path, tiny):
+    # The job's model answers to its path and its directory's name; a line naming another model is
+    # refused (answering it would give it another model's output), all lines reported at once.
+    corpus = write_jsonl(tmp_path / "batch.jsonl", [_batch_line("a", str(tiny)), _batch_line("b", "NonExistModel"),
+                                                    _batch_line("c", tiny.name)])
+
+    refused = layerbus(home, "submit", corpus, "--task", "generate", "--model", tiny)
+
+    assert refused.returncode == 2, refused.stderr
+    assert f"{corpus}:2: body.model 'NonExistModel' is not this job's model ({tiny.name}" in refused.stderr
+    assert f"{corpus}:1:" not in refused.stderr and f"{corpus}:3:" not in refused.stderr
+    assert status_json(home) == [], "nothing was queued"
+
+    skipped = layerbus(home, "submit", corpus, "--task", "generate", "--model", tiny, "--skip-invalid")
+
+    assert skipped.returncode == 0, skipped.stderr
+    counts = status_json(home, skipped.stdout.strip())["request_counts"]
+    assert (counts["total"], counts["queued"], counts["failed"]) == (3, 2, 1)
+
+
+def test_without_model_the_model_every_line_names_is_used(home, tmp_path, tiny):
+    named = write_jsonl(tmp_path / "named.jsonl", [_batch_line("a", str(tiny)), _batch_line("b", str(tiny))])
+
+    submitted = layerbus(home, "submit", named, "--task", "generate")
+
+    assert submitted.returncode == 0, submitted.stderr
+    assert status_json(home, submitted.stdout.strip())["model"] == str(tiny)
+
+    unknown = write_jsonl(tmp_path / "unknown.jsonl", [_batch_line("a", "gpt-4o-mini")])
+    refused = layerbus(home, "submit", unknown, "--task", "generate")
+    assert refused.returncode == 2 and "'gpt-4o-mini', which is neither a model directory" in refused.stderr
+    assert "--model DIR" in refused.stderr
+
+
 def test_user_errors_name_the_problem_and_exit_2(home, tmp_path, tiny):
     corpus = write_jsonl(tmp_path / "docs.jsonl", DOCS)
     cases = [
@@ -112,7 +151,16 @@ def test_status_stays_light():
 
 def test_help_lists_every_subcommand(home):
     result = layerbus(home, "--help")
-    for command in ("submit", "run", "status", "results", "cancel", "broker", "stage", "model"):
+    for command in ("submit", "run", "status", "results", "cancel", "broker", "stage", "model", "keys"):
         assert command in result.stdout
     stage_help = layerbus(home, "stage", "--help")
     assert stage_help.returncode == 0 and "--broker" in stage_help.stdout
+
+
+def test_keys_new_writes_a_pair_once(home, tmp_path):
+    made = layerbus(home, "keys", "new", tmp_path / "keys", "--name", "broker")
+    assert made.returncode == 0, made.stderr
+    assert made.stdout.strip() == str(tmp_path / "keys" / "broker.key")
+    assert (tmp_path / "keys" / "broker.key_secret").stat().st_mode & 0o077 == 0
+    again = layerbus(home, "keys", "new", tmp_path / "keys", "--name", "broker")
+    assert again.returncode == 2 and "never overwritten" in again.stderr and "Traceback" not in again.stderr

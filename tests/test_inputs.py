@@ -89,6 +89,8 @@ def test_openai_lines_for_generate(tmp_path):
     assert chat.params == {"max_tokens": 40, "temperature": 0.5, "stop": ["\n\n"]}
     assert completion.prompt == "Once upon a time" and completion.messages is None
     assert completion.params == {"max_tokens": 16, "top_p": 0.9, "top_k": 20, "seed": 3}
+    # The model a line names travels with it, for submit to check against the job's (a job runs one model).
+    assert (chat.model, completion.model) == ("any-model", None)
 
 
 def test_openai_lines_for_summarize_use_the_last_user_message_or_the_prompt(tmp_path):
@@ -133,6 +135,8 @@ BAD_LINES = [
     ({**OPENAI_CHAT, "custom_id": "t2", "url": ["/v1/completions"]}, "url ['/v1/completions'] is not supported"),
     ({**OPENAI_CHAT, "custom_id": "t3", "body": "text"}, "body must be an object, got string"),
     ({**OPENAI_CHAT, "custom_id": "u", "body": {"messages": [], "n": 2}}, "unknown body key(s) 'n'"),
+    ({**OPENAI_CHAT, "custom_id": "u2", "body": {**OPENAI_CHAT["body"], "model": 4}},
+     "body.model must be the model's name as a non-empty string, got 4"),
     ({**OPENAI_CHAT, "custom_id": "v", "body": {"prompt": "x"}}, "body.prompt does not belong on /v1/chat/completions"),
     ({**OPENAI_CHAT, "custom_id": "w", "extra": 1}, "unknown key(s) 'extra'; accepted: custom_id, method, url, body"),
     ({**OPENAI_CHAT, "custom_id": "x", "body": {"messages": [{"role": "robot", "content": "x"}]}},

@@ -211,7 +211,8 @@ def killed_after(done: int):
             sink = StoreSink(store, ResultWriter(results_dir, job_id), source.outstanding)
             cluster.broker.run(source, sink, should_stop=lambda: False, events=None)
             sink.flush()
-        assert len(store.claim_items(job_id, "killed", 1)) == 1  # in flight when the process died
+        # In flight when the process died, and its lease has run out since: the resumed run takes it back.
+        assert len(store.claim_items(job_id, "killed", 1, lease_s=0.001)) == 1
         raise Killed()
 
     return run

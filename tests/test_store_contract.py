@@ -10,10 +10,10 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, func, select
+from sqlalchemy import create_engine, func, select, text
 
 from layerbus.storage.errors import StoreError
-from layerbus.storage.records import InvalidItem, ItemResult, JobSettings, NewItem
+from layerbus.storage.records import InvalidItem, ItemResult, JobSettings, Lease, NewItem
 from layerbus.storage.schema import items as items_table
 from layerbus.storage.store import JobStore
 
@@ -352,3 +352,90 @@ def test_job_items_give_back_every_item_as_queued_in_seq_order(store: JobStore) 
     assert (got[3].custom_id, got[3].prompt, got[3].seq) == ("bad", "", 9)
     with pytest.raises(StoreError, match="job_nothere"):
         list(store.job_items("job_nothere"))
+
+
+# --- leases: a claim is held until a time its holder keeps pushing on ---------------------------------------------
+
+
+def test_a_claim_records_its_holder_and_the_end_of_its_lease(store: JobStore) -> None:
+    job_id = store.create_job(SETTINGS, new_items(5), now=T0)
+    store.claim_items(job_id, "host-a:11:aa", 3, now=T0, lease_s=60)
+    store.claim_items(job_id, "host-b:22:bb", 1, now=T0 + timedelta(seconds=5), lease_s=30)
+    assert store.job_leases(job_id) == [
+        Lease("host-a:11:aa", 3, T0 + timedelta(seconds=60)),
+        Lease("host-b:22:bb", 1, T0 + timedelta(seconds=35)),
+    ]
+    with pytest.raises(ValueError, match=r"lease of 0 s: a lease must last a positive number of seconds"):
+        store.claim_items(job_id, "w", 1, lease_s=0)
+
+
+def test_renewing_pushes_on_only_the_holders_own_leases(store: JobStore) -> None:
+    job_id = store.create_job(SETTINGS, new_items(4), now=T0)
+    mine = store.claim_items(job_id, "me", 2, now=T0, lease_s=60)
+    store.claim_items(job_id, "other", 2, now=T0, lease_s=60)
+    store.complete_items([ok(mine[0].item_id)], holder="me")
+    assert store.renew_leases(job_id, "me", lease_s=60, now=T0 + timedelta(seconds=50)) == 1  # the one still in flight
+    assert store.job_leases(job_id) == [Lease("me", 1, T0 + timedelta(seconds=110)),
+                                        Lease("other", 2, T0 + timedelta(seconds=60))]
+    assert store.requeue_expired(job_id, now=T0 + timedelta(seconds=61)) == {"other": 2}
+    assert (store.job_status(job_id).queued, store.job_status(job_id).in_progress) == (2, 1)
+
+
+def test_only_expired_items_are_requeued(store: JobStore) -> None:
+    job_id = store.create_job(SETTINGS, new_items(6), now=T0)
+    store.claim_items(job_id, "dead", 2, now=T0, lease_s=60)
+    store.claim_items(job_id, "alive", 2, now=T0 + timedelta(seconds=30), lease_s=60)
+    assert store.requeue_expired(job_id, now=T0 + timedelta(seconds=59)) == {}  # nothing has run out yet
+    assert store.requeue_expired(job_id, now=T0 + timedelta(seconds=61)) == {"dead": 2}
+    assert store.job_leases(job_id) == [Lease("alive", 2, T0 + timedelta(seconds=90))]
+    again = store.claim_items(job_id, "alive", 10, now=T0 + timedelta(seconds=62))
+    assert [(c.custom_id, c.attempts) for c in again] == [("id-0", 2), ("id-1", 2), ("id-4", 1), ("id-5", 1)]
+
+
+def test_known_gone_holders_are_requeued_before_their_leases_run_out_and_keep_is_spared(store: JobStore) -> None:
+    job_id = store.create_job(SETTINGS, new_items(6), now=T0)
+    for worker in ("gone", "me", "alive"):
+        store.claim_items(job_id, worker, 2, now=T0, lease_s=60)
+    soon = T0 + timedelta(seconds=1)
+    assert store.requeue_expired(job_id, now=soon, holders=["gone"]) == {"gone": 2}
+    late = T0 + timedelta(seconds=61)  # every lease has run out, but this process is "me" and alive
+    assert store.requeue_expired(job_id, now=late, keep="me") == {"alive": 2}
+    assert [lease.holder for lease in store.job_leases(job_id)] == ["me"]
+
+
+def test_a_holder_whose_lease_was_lost_and_reclaimed_records_nothing(store: JobStore) -> None:
+    job_id = store.create_job(SETTINGS, new_items(2), now=T0)
+    slow_done, slow_failed = store.claim_items(job_id, "slow", 2, now=T0, lease_s=10)
+    assert store.requeue_expired(job_id, now=T0 + timedelta(seconds=11)) == {"slow": 2}
+    taken = store.claim_items(job_id, "fast", 2, now=T0 + timedelta(seconds=12), lease_s=10)
+    assert [c.item_id for c in taken] == [slow_done.item_id, slow_failed.item_id]
+    late_failure = ItemResult(slow_failed.item_id, None, "error", 3, 0, 0.1, error="stale stage")
+    assert store.complete_items([ok(slow_done.item_id, tokens=99), late_failure], holder="slow") == []
+    assert store.requeue_items([slow_done.item_id], holder="slow") == []  # its hand-back takes nothing either
+    assert store.renew_leases(job_id, "slow", now=T0 + timedelta(seconds=13)) == 0
+    assert store.complete_items([ok(c.item_id) for c in taken], holder="fast") == [c.item_id for c in taken]
+    rows = list(store.item_results(job_id))
+    assert [(r["status"], r["completion_tokens"]) for r in rows] == [("completed", 5), ("completed", 5)]
+
+
+def test_an_expired_lease_nobody_took_over_is_still_the_holders(store: JobStore) -> None:
+    job_id = store.create_job(SETTINGS, new_items(1), now=T0)
+    (item,) = store.claim_items(job_id, "paused", 1, now=T0, lease_s=10)
+    assert store.renew_leases(job_id, "paused", lease_s=10, now=T0 + timedelta(seconds=30)) == 1
+    assert store.requeue_expired(job_id, now=T0 + timedelta(seconds=35)) == {}
+    assert store.complete_items([ok(item.item_id)], holder="paused") == [item.item_id]
+
+
+def test_a_store_from_before_leases_gains_the_column_and_its_claims_count_as_expired(store_url: str) -> None:
+    with JobStore.open(store_url) as store:
+        job_id = store.create_job(SETTINGS, new_items(3), now=T0)
+        store.claim_items(job_id, "old-broker", 2, now=T0)
+    engine = create_engine(store_url)
+    with engine.begin() as conn:  # the items table as a layerbus before leases made it
+        conn.execute(text("ALTER TABLE items DROP COLUMN lease_expires_at"))
+    engine.dispose()
+    with JobStore.open(store_url) as store:
+        assert store.job_leases(job_id) == [Lease("old-broker", 2, None)]
+        assert store.requeue_expired(job_id, now=T0) == {"old-broker": 2}
+        status = store.job_status(job_id)
+        assert (status.total, status.queued) == (3, 3)

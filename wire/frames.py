@@ -145,7 +145,7 @@ def _check_spec(spec: Any) -> tuple[str, torch.dtype, list[int]]:
     name, dtype_name, shape = spec.get("name"), spec.get("dtype"), spec.get("shape")
     if not isinstance(name, str):
         raise WireError(f"tensor spec without a string name: {spec!r:.80}")
-    if dtype_name not in WIRE_DTYPES:
+    if not isinstance(dtype_name, str) or dtype_name not in WIRE_DTYPES:  # a list is unhashable: check first
         raise WireError(f"tensor {name!r}: unknown dtype {dtype_name!r}; supported: {', '.join(WIRE_DTYPES)}")
     if (not isinstance(shape, list) or len(shape) > 8
             or not all(type(size) is int and 0 <= size <= MAX_DIMENSION for size in shape)):

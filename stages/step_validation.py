@@ -1,0 +1,63 @@
+"""Checking a step message before a stage touches it: pure, so the fuzz tests drive exactly what a
+stage runs (tests/test_wire_fuzz.py).
+
+Everything a stage accepts from its data port passes here: the frames' structure (wire.frames),
+the step's header fields, the tensor this stage takes (token ids on the first stage, hidden states
+decoded by the codec the sender announced elsewhere) and the rows, which must cover the tensor
+exactly. Anything else is a WireError naming what is wrong; nothing is computed before it passes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from layerbus.wire import codecs, protocol
+from layerbus.wire.frames import Message, WireError, decode
+
+STEP_FIELDS = {"mb": int, "step": int, "attempt": int, "epoch": int, "rows": list, "release": list}
+
+
+@dataclass(frozen=True)
+class StepExpectations:
+    """What this stage accepts: its position, width and epoch, and the message size limit."""
+
+    is_first: bool  # takes token ids ("tokens", int64 [N]); others take "hidden" [N, hidden_size]
+    hidden_size: int
+    epoch: int
+    max_message_bytes: int
+
+
+def validate_step(frames, expect: StepExpectations) -> tuple[Message, float]:
+    """The step in `frames`, its tensor decoded and its rows parsed (header["parsed_rows"]), and the
+    seconds spent decoding the codec; WireError when anything does not hold."""
+    message = decode(frames, expect.max_message_bytes)
+    if message.kind != protocol.STEP:
+        raise WireError(f"data message of kind {message.kind!r}; stages accept only {protocol.STEP!r}")
+    protocol.require_fields(message.header, "step", STEP_FIELDS)
+    if message.header["epoch"] != expect.epoch:
+        raise WireError(f"step of epoch {message.header['epoch']} but this stage serves epoch {expect.epoch}")
+    name = "tokens" if expect.is_first else "hidden"
+    codec_s = 0.0
+    if name == "hidden":
+        started = time.monotonic()
+        hidden = codecs.unpack(name, message.header, message.tensors)  # whatever codec the sender announced
+        codec_s = time.monotonic() - started
+        message.tensors.clear()
+        message.tensors[name] = hidden
+    tensor = message.tensors.get(name)
+    if tensor is None or len(message.tensors) != 1:
+        raise WireError(f"step for this stage must carry exactly one tensor {name!r}, got {list(message.tensors)}")
+    if name == "tokens" and (tensor.dtype != torch.int64 or tensor.dim() != 1):
+        raise WireError(f"'tokens' must be int64 [N], got {tensor.dtype} {list(tensor.shape)}")
+    if name == "hidden" and (tensor.dim() != 2 or tensor.shape[1] != expect.hidden_size):
+        raise WireError(f"'hidden' must be [N, {expect.hidden_size}], got {list(tensor.shape)}")
+    # The parsed rows travel beside the header; the header keeps the rows as they arrived, so a
+    # middle stage forwards them without encoding them again.
+    message.header["parsed_rows"] = protocol.rows_from_json(message.header["rows"])
+    covered = sum(row.length for row in message.header["parsed_rows"])
+    if covered != tensor.shape[0]:
+        raise WireError(f"rows cover {covered} positions, tensor has {tensor.shape[0]}")
+    return message, codec_s

@@ -1,0 +1,33 @@
+"""The jobs table of `layerbus status`: completed, failed and cancelled apart, so a cancelled or
+all-failed job never reads as done (pure formatting, table-tested)."""
+
+from __future__ import annotations
+
+import pytest
+
+from layerbus.cli.status import jobs_table
+from layerbus.storage.records import JobStatus
+
+
+def job(status: str, completed: int = 0, failed: int = 0, cancelled: int = 0, queued: int = 0) -> JobStatus:
+    total = completed + failed + cancelled + queued
+    counts = {"queued": queued, "in_progress": 0, "completed": completed, "failed": failed, "cancelled": cancelled}
+    return JobStatus(job_id="job_000000000001", name="", task="summarize", model="m", status=status, timestamps={},
+                     total=total, counts=counts, completed=completed, failed=failed, cancelled=cancelled,
+                     queued=queued, in_progress=0, prompt_tokens=0, completion_tokens=0, tokens_per_s=None,
+                     eta_s=None, results_path=None, error=None)
+
+
+@pytest.mark.parametrize("status, want", [
+    # A million items cancelled: nothing completed, and the table says so.
+    (job("cancelled", cancelled=1_000_000), ["cancelled", "0/1000000", "0", "1000000"]),
+    # Every item failed: OpenAI's Batch API calls it completed; the table adds that nothing succeeded.
+    (job("completed", failed=2), ["completed (none succeeded)", "0/2", "2", "0"]),
+    (job("completed", completed=3, failed=1), ["completed", "3/4", "1", "0"]),
+    (job("in_progress", completed=1, queued=4), ["in_progress", "1/5", "0", "0"]),
+])
+def test_jobs_table_keeps_outcomes_apart(status, want) -> None:
+    header, row = jobs_table([status]).splitlines()
+    assert header.split()[1:6] == ["STATUS", "TASK", "COMPLETED/TOTAL", "FAILED", "CANCELLED"]
+    cells = [cell for cell in row.split("  ") if cell.strip()]
+    assert [cells[1].strip(), cells[3].strip(), cells[4].strip(), cells[5].strip()] == want
