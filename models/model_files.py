@@ -57,10 +57,7 @@ class ModelFiles:
 
 def open_model_dir(path: str | Path) -> ModelFiles:
     """Validate a model directory (config, architecture, safetensors files) without reading weights."""
-    path = Path(path).expanduser()
-    if not path.is_dir():
-        raise ModelDirError(f"model directory {path} does not exist; pass a Hugging Face model directory "
-                            "(config.json + *.safetensors) or run `layerbus model default`")
+    path = _existing_dir(path)
     config = _read_config(path)
     tensor_files = _index_tensors(path)
     files = ModelFiles(path=path, config=config, tensor_files=tensor_files)
@@ -72,15 +69,20 @@ def check_model_dir(path: str | Path) -> None:
     """The checks of `open_model_dir` on the files alone (config.json read as JSON, the safetensors
     headers), without transformers: for commands that compute nothing (`submit`), which must not
     import torch. ModelDirError names what is wrong."""
-    path = Path(path).expanduser()
-    if not path.is_dir():
-        raise ModelDirError(f"model directory {path} does not exist; pass a Hugging Face model directory "
-                            "(config.json + *.safetensors) or run `layerbus model default`")
+    path = _existing_dir(path)
     raw = _read_raw_config(path)
     layers = raw.get("num_hidden_layers")
     if not isinstance(layers, int) or layers < 1:
         raise ModelDirError(f"{path / 'config.json'}: num_hidden_layers must be a positive integer, got {layers!r}")
     _check_layer_tensors(path, layers, _index_tensors(path))
+
+
+def _existing_dir(path: str | Path) -> Path:
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise ModelDirError(f"model directory {path} does not exist; pass a Hugging Face model directory "
+                            "(config.json + *.safetensors) or run `layerbus model default`")
+    return path
 
 
 def _read_config(path: Path) -> "PretrainedConfig":

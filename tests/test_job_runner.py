@@ -11,20 +11,9 @@ import pytest
 from layerbus.jobs.item_params import ADD_SPECIAL_TOKENS_KEY, item_params
 from layerbus.jobs.runner import StoreSink, StoreSource, item_seed, run_job
 from layerbus.broker.requests import GenerationRequest, GenerationResult
-from layerbus.models.model_info import load_tokenizer
 from layerbus.storage import InvalidItem, JobSettings, JobStore, NewItem
 from layerbus.storage.results import ResultWriter, read_results, results_metadata
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_models):
-    return load_tokenizer(tiny_models("llama"))
-
-
-@pytest.fixture
-def store(tmp_path):
-    with JobStore.open(f"sqlite:///{tmp_path / 'jobs.db'}") as opened:
-        yield opened
+from tests.fixtures_jobs import store, tokenizer  # noqa: F401 - fixtures
 
 
 def queue_job(store: JobStore, count: int, settings: JobSettings | None = None, invalid: int = 0,

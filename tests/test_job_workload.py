@@ -7,19 +7,8 @@ import pytest
 
 from layerbus.jobs.item_params import PROMPT_IDS_KEY, item_params
 from layerbus.jobs.job_workload import job_workload
-from layerbus.models.model_info import load_tokenizer
-from layerbus.storage import InvalidItem, JobSettings, JobStore, NewItem
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_models):
-    return load_tokenizer(tiny_models("llama"))
-
-
-@pytest.fixture
-def store(tmp_path):
-    with JobStore.open(f"sqlite:///{tmp_path / 'jobs.db'}") as opened:
-        yield opened
+from layerbus.storage import InvalidItem, JobSettings, NewItem
+from tests.fixtures_jobs import store, tokenizer  # noqa: F401 - fixtures
 
 
 def test_prompt_lengths_and_budgets_come_from_the_items(store, tokenizer) -> None:
