@@ -3,8 +3,9 @@ time of one decoder layer for a decode step and for a prefill chunk, the embeddi
 costs, and its memory budget.
 
 It times the very code that serves steps (`load_shard`, `run_step`, `head_logits`) on the model's
-first layers. The measured times are cached as JSON under $LAYERBUS_HOME/profiles, keyed by everything
-they depend on, so a restarted stage answers at once; the memory budget is read afresh every time.
+first layers. The measured times are cached as JSON under $LAYERBUS_HOME/profiles (or
+$LAYERBUS_PROFILE_CACHE), keyed by everything they depend on, so a restarted stage answers at once;
+the memory budget is read afresh every time.
 An emulated speed is applied to the measured times, not measured: stages that differ only in
 --emulate-speed share one measurement, and their profiles differ by exactly that factor.
 """
@@ -316,7 +317,11 @@ def _cache_key(model_path: Path, request: ProfileRequest, device: str, dtype: st
 
 
 def _default_cache_dir() -> Path:
-    return layerbus_home() / "profiles"
+    # $LAYERBUS_PROFILE_CACHE lets stages whose homes differ share measurements (machines on one file
+    # system, a test session); every entry is keyed by what it depends on, so sharing never mixes
+    # devices, models, dtypes or thread counts.
+    given = os.environ.get("LAYERBUS_PROFILE_CACHE")
+    return Path(given).expanduser() if given else layerbus_home() / "profiles"
 
 
 def _read_cache(path: Path, key: dict) -> dict[str, float] | None:

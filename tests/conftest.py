@@ -64,6 +64,18 @@ def _session_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[P
         yield cache
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_profile_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One stage-profile cache for the session (LAYERBUS_PROFILE_CACHE): stages on the same tiny model,
+    dtype and threads are measured once, not again in every test's empty home (it was 5 to 10 s of
+    every cluster test). Entries are keyed by model path and config hash, so tests never share a
+    profile of different models. A test of the cache itself unsets it and reads its own."""
+    cache = tmp_path_factory.mktemp("profiles")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LAYERBUS_PROFILE_CACHE", str(cache))
+        yield cache
+
+
 def _home_snapshot(home: Path) -> dict[str, float]:
     """Path -> mtime of everything in the top two levels of a layerbus home (where every file that
     layerbus writes lands: the store, profiles/*.json, runs/*.json, results/*, logs/<job>/, models/*)."""

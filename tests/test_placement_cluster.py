@@ -18,7 +18,8 @@ from layerbus.stages.profile import TIMING_FIELDS, ProfileRequest, emulated_timi
 
 
 @pytest.mark.cluster
-def test_slow_stage_gets_fewer_layers_end_to_end(tiny_models, tmp_path) -> None:
+def test_slow_stage_gets_fewer_layers_end_to_end(tiny_models, tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("LAYERBUS_PROFILE_CACHE")  # the session's shared cache: this test reads its own
     model_dir = tiny_models("llama", num_hidden_layers=8, hidden_size=128, intermediate_size=512)
     # Both stages must be used: with step overheads this large next to a tiny model's layers, the
     # planner may rightly drop the slow stage altogether (dropping has its own table tests).
