@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -66,6 +67,31 @@ def test_loopback_probe_reports_sane_figures_and_the_codecs_sizes(tmp_path):
         assert link["micro_batches_in_flight"] is None or link["micro_batches_in_flight"] >= 4  # 3 stages + links
     assert table.returncode == 0, table.stderr
     assert "round trip, 5 echoes" in table.stdout and "float32" in table.stdout and "--link-mbps" in table.stdout
+
+
+LIGHT = """
+import contextlib, io, json, sys, threading, zmq
+from layerbus.wire import link_probe
+context = zmq.Context(); inp = context.socket(zmq.PULL); inp.bind("tcp://127.0.0.1:*")
+threading.Thread(target=link_probe.serve, args=(inp, link_probe.EchoPeer(context)), daemon=True).start()
+from layerbus.cli.main import main
+with contextlib.redirect_stdout(io.StringIO()):
+    try:
+        main(["netprobe", "--help"])
+    except SystemExit:
+        pass
+    code = main(["netprobe", inp.last_endpoint.decode(), "--model", sys.argv[1], "--echoes", "3", "--seconds", "0.02"])
+print(json.dumps([code, [m for m in ("torch", "transformers") if m in sys.modules]]))
+"""
+
+
+def test_netprobe_never_imports_torch(tmp_path):
+    """--help and a whole probe (here against a peer in a thread of the same process) stay light."""
+    model = config_only_model(tmp_path / "model", 64)
+    result = subprocess.run([sys.executable, "-c", LIGHT, str(model)], capture_output=True, text=True, cwd=REPO,
+                            env=cli_env(tmp_path / "home"), timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1]) == [0, []]
 
 
 def test_usage_errors_name_the_way_out(tmp_path):
