@@ -147,14 +147,17 @@ def probe(target: str, hidden: int, model_name: str, args: argparse.Namespace) -
             raise RunFailed(f"no answer from {target} within {args.wait:g} s: is `layerbus netprobe serve --bind "
                             f"tcp://0.0.0.0:PORT` running there, and can it reach this machine at {reply} (answers "
                             "come back on a connection it opens; --reply-address sets the address)?") from None
-        rtt = round_trips(link_probe.measure_round_trips(out, inp, reply, args.echoes))
-        links, burst = [], 0
-        for codec, codec_parts in parts.items():
-            sample = link_probe.measure_bandwidth(out, inp, reply, codec_parts, args.micro_batch, rtt.median_s,
-                                                  target_s=args.seconds, first_burst=burst)
-            burst += sample.bursts
-            cost = link_cost(sample.burst.step_bytes, args.micro_batch, sample.bytes_per_s, rtt.one_way_s)
-            links.append(_link_json(codec, codec_parts, sample, cost, args))
+        try:
+            rtt = round_trips(link_probe.measure_round_trips(out, inp, reply, args.echoes, first_seq=1))
+            links, burst = [], 0
+            for codec, codec_parts in parts.items():
+                sample = link_probe.measure_bandwidth(out, inp, reply, codec_parts, args.micro_batch, rtt.median_s,
+                                                      target_s=args.seconds, first_burst=burst)
+                burst += sample.bursts
+                cost = link_cost(sample.burst.step_bytes, args.micro_batch, sample.bytes_per_s, rtt.one_way_s)
+                links.append(_link_json(codec, codec_parts, sample, cost, args))
+        except link_probe.ProbeError as error:  # it answered at first: it stopped, or the link broke
+            raise RunFailed(f"probing {target} stopped: {error}") from None
         link_probe.say_goodbye(out, reply)
     finally:
         out.close()

@@ -108,10 +108,11 @@ def _await(inp: zmq.Socket, kind: str, accept: Callable[[dict], bool], deadline:
 
 
 def measure_round_trips(out: zmq.Socket, inp: zmq.Socket, reply: str, count: int,
-                        clock: Clock = time.perf_counter, timeout_s: float = 5.0) -> list[float]:
-    """Seconds of `count` echo round trips of a header-only message, one after another."""
+                        clock: Clock = time.perf_counter, timeout_s: float = 5.0, first_seq: int = 0) -> list[float]:
+    """Seconds of `count` echo round trips of a header-only message, one after another. `first_seq`
+    numbers the echoes, so a late answer to an earlier call is never taken for one of these."""
     samples = []
-    for seq in range(count):
+    for seq in range(first_seq, first_seq + count):
         started = clock()
         _send(out, [header_frame(ECHO, seq=seq, reply=reply)], timeout_s)
         _await(inp, ECHO, lambda header, seq=seq: header.get("seq") == seq, started + timeout_s, clock)
