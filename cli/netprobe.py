@@ -14,6 +14,8 @@ import argparse
 import json
 import socket
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -116,8 +118,6 @@ def model_hidden_size(model: str | None) -> tuple[int, str]:
 
 def probe(target: str, hidden: int, model_name: str, args: argparse.Namespace) -> dict[str, Any]:
     """Measure the link to `target` for every codec asked; the report as JSON-ready values."""
-    import zmq
-
     from layerbus.wire import link_probe
 
     parts = {codec: link_probe.step_parts(codec_part_bytes(codec, args.micro_batch, hidden, FLOAT_BYTES[args.dtype]))
@@ -126,21 +126,7 @@ def probe(target: str, hidden: int, model_name: str, args: argparse.Namespace) -
     if largest > MAX_STEP_BYTES:
         raise UsageError(f"one step of --micro-batch {args.micro_batch} x hidden {hidden} is {largest:,} bytes, over "
                          f"{MAX_STEP_BYTES:,}: give a smaller --micro-batch")
-    host, family = _local_address(target, args.reply_address)
-    context = zmq.Context()
-    out, inp = context.socket(zmq.PUSH), context.socket(zmq.PULL)
-    try:
-        for sock in (out, inp):
-            sock.ipv6 = family == socket.AF_INET6
-            sock.linger = 0
-        out.sndhwm = max(4, min(1000, QUEUED_BYTES // max(largest, 1)))
-        try:
-            out.connect(target)
-            inp.bind(f"tcp://{host}:*")
-        except zmq.ZMQError as error:
-            raise UsageError(f"cannot probe {target} answering on {host}: {error} (--reply-address sets this machine's "
-                             "address)") from None
-        reply = inp.last_endpoint.decode()
+    with _prober_sockets(target, args.reply_address, largest) as (out, inp, reply):
         try:
             link_probe.measure_round_trips(out, inp, reply, 1, timeout_s=args.wait)  # connects both ways; not counted
         except link_probe.ProbeError:
@@ -159,15 +145,38 @@ def probe(target: str, hidden: int, model_name: str, args: argparse.Namespace) -
         except link_probe.ProbeError as error:  # it answered at first: it stopped, or the link broke
             raise RunFailed(f"probing {target} stopped: {error}") from None
         link_probe.say_goodbye(out, reply)
-    finally:
-        out.close()
-        inp.close()
-        context.term()
     return {"target": target, "reply": reply, "model": model_name, "hidden_size": hidden,
             "micro_batch": args.micro_batch, "dtype": args.dtype, "stages": args.stages, "step_ms": args.step_ms,
             "rtt": {"count": rtt.count, "min_ms": rtt.min_s * 1e3, "median_ms": rtt.median_s * 1e3,
                     "p99_ms": rtt.p99_s * 1e3},
             "links": links}
+
+
+@contextmanager
+def _prober_sockets(target: str, reply_address: str | None, largest: int) -> Iterator[tuple[Any, Any, str]]:
+    """(PUSH connected to `target`, bound PULL for the answers, that PULL's address), closed on exit.
+    The PUSH queues at most QUEUED_BYTES of `largest`-byte messages."""
+    import zmq
+
+    host, family = _local_address(target, reply_address)
+    context = zmq.Context()
+    out, inp = context.socket(zmq.PUSH), context.socket(zmq.PULL)
+    try:
+        for sock in (out, inp):
+            sock.ipv6 = family == socket.AF_INET6
+            sock.linger = 0
+        out.sndhwm = max(4, min(1000, QUEUED_BYTES // max(largest, 1)))
+        try:
+            out.connect(target)
+            inp.bind(f"tcp://{host}:*")
+        except zmq.ZMQError as error:
+            raise UsageError(f"cannot probe {target} answering on {host}: {error} (--reply-address sets this machine's "
+                             "address)") from None
+        yield out, inp, inp.last_endpoint.decode()
+    finally:
+        out.close()
+        inp.close()
+        context.term()
 
 
 def _link_json(codec: str, parts: dict[str, int], sample, cost: LinkCost, args: argparse.Namespace) -> dict:
