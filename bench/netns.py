@@ -61,9 +61,12 @@ class LinkShape:
 class StageNamespaces:
     """Namespaces for a chain of stages; see the module docstring for the addresses."""
 
-    def __init__(self, names: list[str], rate_mbit: float | None = None):
+    def __init__(self, names: list[str], rate_mbit: float | None = None, host_links: bool = True):
         self.names = list(names)
         self.shape = LinkShape(rate_mbit) if rate_mbit is not None else None
+        # False: only the links between stage namespaces, nothing in the caller's namespace, so runs
+        # with other namespace names never share an interface or an address with this one.
+        self.host_links = host_links
         self.created: list[str] = []
 
     def host_address(self, i: int) -> str:
@@ -98,6 +101,8 @@ class StageNamespaces:
             _ip("ip", "netns", "add", name)
             self.created.append(name)
             _ip("ip", "link", "set", "lo", "up", namespace=name)
+            if not self.host_links:
+                continue
             host_end, stage_end = f"lb5h{i}", f"lb5s{i}"
             subprocess.run(["ip", "link", "del", host_end], capture_output=True)
             _ip("ip", "link", "add", host_end, "type", "veth", "peer", "name", stage_end)
