@@ -5,27 +5,34 @@ Stages are profiled one after another, not at once: stages sharing a machine wou
 each other down and each would measure a device busier than it will be. A stage's link is timed
 between the broker and the stage (a probe of one step's activations against an empty one); that
 stands in for its link to the next stage, which is exact on one machine or one switch and an
-approximation across a routed network.
+approximation across a routed network. CPU stages sharing a machine are then probed for what sharing
+costs them (`measure_sharing`); those factors are cached beside the stages' profiles.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
 from layerbus.broker.control import ClusterError, ControlPlane, StageInfo
 from layerbus.broker.placement import ModelMemory, StageProfile
 from layerbus.broker.step_cost import ProfilePoint, decode_step, fit_costs, prefill_step
+from layerbus.models.home import profile_cache_dir
 from layerbus.wire import protocol
 
 log = logging.getLogger("layerbus.broker")
 
 MAX_PROBE_BYTES = 512 << 10  # control messages are capped at 1 MiB
+SHARING_CACHE_VERSION = 1  # bump when what the co-run probe measures changes: older cache files are ignored
 PROFILE_SHAPES = ("decode", "few_rows", "long_kv", "prefill", "late_prefill")  # as stages/profile.py SHAPES
 
 
@@ -69,11 +76,12 @@ def collect_profiles(control: ControlPlane, stages: list[StageInfo], model_dir: 
 
 
 def measure_sharing(control: ControlPlane, stages: list[StageInfo], profiles: list[StageProfile], request: dict,
-                    probe_s: float, timeout_s: float) -> list[StageProfile]:
+                    probe_s: float, timeout_s: float, cache_dir: Path | None = None) -> list[StageProfile]:
     """Each profile with its `corun_factor`: for the CPU stages of each machine that runs more than
     one, the decode step served for `probe_s` by each alone, then by all at once; the ratio is what
-    sharing the machine costs it (cores, memory bandwidth, whatever else runs there). Profiles are
-    timed one stage at a time and cached; this is measured afresh for every plan."""
+    sharing the machine costs it (cores, memory bandwidth, whatever else runs there). Like the
+    profiles, the factors are cached (`sharing_cache_key`): a restart on the same machine with the same
+    stages does not probe again (it cost 5 to 8 s before every run of two or three local stages)."""
     by_name = {p.name: p for p in profiles}
     hosts: dict[str, list[StageInfo]] = {}
     for stage in stages:
@@ -84,19 +92,71 @@ def measure_sharing(control: ControlPlane, stages: list[StageInfo], profiles: li
     for host, group in hosts.items():
         if len(group) < 2:
             continue
-        alone = {}
-        for stage in group:
-            control.send(stage, protocol.PROFILE, **probe)
-            alone[stage.name] = _probe_result(control, stage, timeout_s)
-        for stage in group:
-            control.send(stage, protocol.PROFILE, **probe)
-        together = _probe_results(control, group, timeout_s)
-        for stage in group:
-            if alone[stage.name] and together.get(stage.name):
-                factors[stage.name] = max(1.0, together[stage.name] / alone[stage.name])
-        log.info("stages sharing %s: step time together / alone %s", host,
-                 ", ".join(f"{name} {factors[name]:.2f}x" for name in sorted(factors) if name in alone) or "not measured")
+        group = sorted(group, key=lambda stage: _stage_setup(stage, by_name[stage.name]))
+        key = sharing_cache_key(host, [_stage_setup(stage, by_name[stage.name]) for stage in group], probe)
+        path = (cache_dir or profile_cache_dir()) / f"corun-{_digest(key)}.json"
+        cached = _read_factors(path, key, len(group))
+        if cached is not None:
+            factors.update({stage.name: factor for stage, factor in zip(group, cached)})
+        else:
+            alone = {}
+            for stage in group:
+                control.send(stage, protocol.PROFILE, **probe)
+                alone[stage.name] = _probe_result(control, stage, timeout_s)
+            for stage in group:
+                control.send(stage, protocol.PROFILE, **probe)
+            together = _probe_results(control, group, timeout_s)
+            for stage in group:
+                if alone[stage.name] and together.get(stage.name):
+                    factors[stage.name] = max(1.0, together[stage.name] / alone[stage.name])
+            if all(stage.name in factors for stage in group):  # a stage that could not probe: ask again next time
+                _write_factors(path, key, [factors[stage.name] for stage in group])
+        names = {stage.name for stage in group}
+        log.info("stages sharing %s (%s): step time together / alone %s", host,
+                 "cached" if cached is not None else "measured",
+                 ", ".join(f"{name} {factors[name]:.2f}x" for name in sorted(factors) if name in names) or "not measured")
     return [replace(p, corun_factor=factors[p.name]) if p.name in factors else p for p in profiles]
+
+
+def _stage_setup(stage: StageInfo, profile: StageProfile) -> list:
+    """What a stage's share of a co-run probe depends on, besides the host and the probe itself."""
+    return [stage.device, stage.dtype, stage.threads, round(profile.compute_share, 6)]
+
+
+def sharing_cache_key(host: str, setups: list[list], probe: dict) -> dict:
+    """The co-run cache key: the host, every co-located stage's setup in a fixed order, the probe's
+    shapes and duration (the model included), and the torch version that ran it."""
+    return {"version": SHARING_CACHE_VERSION, "host": host, "stages": setups, "probe": probe,
+            "torch": torch.__version__}
+
+
+def _digest(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _read_factors(path: Path, key: dict, count: int) -> list[float] | None:
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # none yet, or unreadable: probe again
+    if not isinstance(stored, dict):
+        return None
+    factors = stored.get("factors")
+    if stored.get("key") != key or not isinstance(factors, list) or len(factors) != count:
+        return None
+    if not all(isinstance(f, (int, float)) and not isinstance(f, bool) and 1.0 <= f < 1e6 for f in factors):
+        return None
+    return [float(f) for f in factors]
+
+
+def _write_factors(path: Path, key: dict, factors: list[float]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps({"key": key, "factors": factors, "measured_at": time.time()}, indent=1))
+        os.replace(temporary, path)  # concurrent writers each rename a whole file
+    except OSError as error:
+        log.warning("could not cache the co-run factors in %s (%s); the next plan probes again", path, error)
 
 
 def _probe_result(control: ControlPlane, stage: StageInfo, timeout_s: float) -> float | None:

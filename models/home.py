@@ -21,3 +21,12 @@ def layerbus_home() -> Path:
     home = home_path()
     home.mkdir(parents=True, exist_ok=True)
     return home
+
+
+def profile_cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    """Where measurements of stages are cached (a stage's profile, the broker's co-run factors):
+    $LAYERBUS_PROFILE_CACHE, else $LAYERBUS_HOME/profiles; not created. The variable lets stages whose
+    homes differ share measurements (machines on one file system, a test session); every entry is
+    keyed by what it depends on, so sharing never mixes devices, models, dtypes or thread counts."""
+    given = environ.get("LAYERBUS_PROFILE_CACHE")
+    return Path(given).expanduser() if given else home_path(environ) / "profiles"

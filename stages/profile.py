@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from layerbus.models.attention_shape import attention_shape
-from layerbus.models.home import layerbus_home
+from layerbus.models.home import profile_cache_dir
 from layerbus.models.model_files import open_model_dir
 from layerbus.stages.forward import head_logits, run_step
 from layerbus.stages.kv_cache import KVArena
@@ -83,7 +83,7 @@ def profile_stage(request: ProfileRequest, device: str, dtype: str, threads: int
     if request.probe_s > 0:
         return corun_probe(files, request, device, dtype, emulate_speed)
     key = _cache_key(files.path, request, device, dtype, threads)
-    path = (cache_dir or _default_cache_dir()) / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}.json"
+    path = (cache_dir or profile_cache_dir()) / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}.json"
     measured, cached = _read_cache(path, key), True
     if measured is None:
         cached = False
@@ -316,20 +316,14 @@ def _cache_key(model_path: Path, request: ProfileRequest, device: str, dtype: st
             "shapes": asdict(request) | {"model_dir": None}}
 
 
-def _default_cache_dir() -> Path:
-    # $LAYERBUS_PROFILE_CACHE lets stages whose homes differ share measurements (machines on one file
-    # system, a test session); every entry is keyed by what it depends on, so sharing never mixes
-    # devices, models, dtypes or thread counts.
-    given = os.environ.get("LAYERBUS_PROFILE_CACHE")
-    return Path(given).expanduser() if given else layerbus_home() / "profiles"
-
-
 def _read_cache(path: Path, key: dict) -> dict[str, float] | None:
     try:
         stored = json.loads(path.read_text())
     except (OSError, ValueError):
         return None  # none yet, or unreadable: measure again
-    timings = stored.get("timings") if isinstance(stored, dict) else None
+    if not isinstance(stored, dict):
+        return None  # not a profile this version wrote
+    timings = stored.get("timings")
     if stored.get("key") != key or not isinstance(timings, dict) or set(timings) != set(TIMING_FIELDS):
         return None
     if not all(isinstance(v, (int, float)) and v >= 0 for v in timings.values()):

@@ -1,0 +1,103 @@
+"""The co-run factors of stages sharing a machine are measured once and cached beside the profiles:
+the same stages on the same host read them back without probing; anything the factor depends on
+(threads, emulated speed, the probe's shapes) probes again.
+
+The control plane here is a recorder that answers PROFILE messages as stages do (alone, then all at
+once); the end-to-end path, with real stages, runs in every cluster test that plans local stages."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from layerbus.broker.control import ControlEvent, StageInfo
+from layerbus.broker.plan_values import StageProfile
+from layerbus.broker.profiling import measure_sharing
+from layerbus.wire import protocol
+
+ALONE_S, TOGETHER_S = 0.010, 0.015
+REQUEST = {"model_dir": "/models/tiny", "micro_batch_size": 8, "kv_length": 64, "prefill_tokens": 32}
+
+
+class AnsweringControl:
+    """Records every PROFILE sent; answers each with the step time a stage would measure: ALONE_S
+    when it was the only one asked since the last answer, TOGETHER_S when several were."""
+
+    def __init__(self):
+        self.sent: list[str] = []
+        self.pending: list[str] = []
+
+    def send(self, stage: StageInfo, kind: str, **fields) -> None:
+        assert kind == protocol.PROFILE and fields["probe_s"] > 0
+        self.sent.append(stage.name)
+        self.pending.append(stage.name)
+
+    def poll(self, timeout_ms: int) -> list[ControlEvent]:
+        step = ALONE_S if len(self.pending) == 1 else TOGETHER_S
+        events = [ControlEvent(protocol.PROFILE_RESULT, name, {"probe_step_s": step}) for name in self.pending]
+        self.pending = []
+        return events
+
+    def heartbeat(self, interval_s: float) -> None:
+        pass
+
+
+def stage(name: str, threads: int = 1) -> StageInfo:
+    return StageInfo(name.encode(), name, "cpu", "float32", threads, None, "tcp://127.0.0.1:1", "box", 1, 0.0)
+
+
+def profile(name: str, compute_share: float = 1.0) -> StageProfile:
+    return StageProfile(name, 1e-3, 1e-2, 1e-4, 1e-3, 1 << 30, host="box", host_cores=2, compute_share=compute_share)
+
+
+def factors(profiles: list[StageProfile]) -> dict[str, float]:
+    return {p.name: p.corun_factor for p in profiles}
+
+
+def test_the_second_plan_reads_the_factors_without_probing(tmp_path):
+    stages, profiles = [stage("a"), stage("b")], [profile("a"), profile("b")]
+    first = AnsweringControl()
+    measured = measure_sharing(first, stages, profiles, REQUEST, 1.5, 10.0, cache_dir=tmp_path)
+    assert first.sent == ["a", "b", "a", "b"], "each alone, then both at once"
+    assert factors(measured) == {"a": pytest.approx(1.5), "b": pytest.approx(1.5)}
+    [cached] = tmp_path.glob("corun-*.json")
+    assert json.loads(cached.read_text())["factors"] == [pytest.approx(1.5)] * 2
+
+    again = AnsweringControl()
+    # Other names, other registration order: the same setups on the same host.
+    renamed = measure_sharing(again, [stage("y"), stage("x")], [profile("x"), profile("y")], REQUEST, 1.5, 10.0,
+                              cache_dir=tmp_path)
+    assert again.sent == [] and factors(renamed) == {"x": pytest.approx(1.5), "y": pytest.approx(1.5)}
+
+
+@pytest.mark.parametrize("change", ["threads", "emulated speed", "probe shapes", "host"])
+def test_a_changed_setup_probes_again(tmp_path, change):
+    measure_sharing(AnsweringControl(), [stage("a"), stage("b")], [profile("a"), profile("b")], REQUEST, 1.5, 10.0,
+                    cache_dir=tmp_path)
+    stages, profiles, request = [stage("a"), stage("b")], [profile("a"), profile("b")], REQUEST
+    if change == "threads":
+        stages[1] = stage("b", threads=2)
+    elif change == "emulated speed":
+        profiles[1] = profile("b", compute_share=0.2)
+    elif change == "probe shapes":
+        request = {**REQUEST, "micro_batch_size": 16}
+    else:
+        stages = [replace(s, host="other") for s in stages]
+        profiles = [replace(p, host="other") for p in profiles]
+    control = AnsweringControl()
+    measure_sharing(control, stages, profiles, request, 1.5, 10.0, cache_dir=tmp_path)
+    assert sorted(control.sent) == ["a", "a", "b", "b"], f"a changed {change} must be probed, not read from the cache"
+
+
+@pytest.mark.parametrize("content", ["not json", '{"key": {}, "factors": [1.5, 1.5]}', "[]"])
+def test_an_unreadable_or_foreign_cache_file_is_probed_again(tmp_path, content):
+    measure_sharing(AnsweringControl(), [stage("a"), stage("b")], [profile("a"), profile("b")], REQUEST, 1.5, 10.0,
+                    cache_dir=tmp_path)
+    [cached] = tmp_path.glob("corun-*.json")
+    cached.write_text(content)
+    control = AnsweringControl()
+    measure_sharing(control, [stage("a"), stage("b")], [profile("a"), profile("b")], REQUEST, 1.5, 10.0,
+                    cache_dir=tmp_path)
+    assert control.sent == ["a", "b", "a", "b"], "probed again"
