@@ -66,13 +66,16 @@ def _session_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[P
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_profile_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """One stage-profile cache for the session (LAYERBUS_PROFILE_CACHE): stages on the same tiny model,
-    dtype and threads are measured once, not again in every test's empty home (it was 5 to 10 s of
-    every cluster test). Entries are keyed by model path and config hash, so tests never share a
-    profile of different models. A test of the cache itself unsets it and reads its own."""
+    """One cache of stage measurements for the session (LAYERBUS_PROFILE_CACHE): stages on the same
+    tiny model, dtype and threads are profiled once, and stages sharing the machine probed once, not
+    again in every test's empty home (together 5 to 15 s of every cluster test that plans). Entries are
+    keyed by model path and config hash, so tests never share a profile of different models. A test
+    of the cache itself unsets it and reads its own."""
     cache = tmp_path_factory.mktemp("profiles")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("LAYERBUS_PROFILE_CACHE", str(cache))
+        # The compiled block kernel likewise: built once per session, not by every quantized stage's home.
+        patch.setenv("LAYERBUS_KERNEL_CACHE", str(tmp_path_factory.mktemp("kernels")))
         yield cache
 
 
