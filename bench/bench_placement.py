@@ -109,7 +109,7 @@ def main() -> None:
         batching = BatchingConfig(micro_batch_size=args.micro_batch_size, num_micro_batches=4,
                                   max_context=args.max_context)
         speeds = ("--emulate-speed", "0.33")
-        stage_args = [speeds, (*speeds, "--memory-budget", args.small_budget), speeds]
+        stage_args = [speeds, (*speeds, "--emulate-memory", args.small_budget), speeds]
         planned = run(model_dir, prompts, args.max_new_tokens, batching, "planned", stage_args, options)
         from layerbus.broker.model_memory import model_memory
         from layerbus.broker.placement import Shapes

@@ -196,7 +196,7 @@ def main() -> None:
             batching = BatchingConfig(micro_batch_size=16, num_micro_batches=4, max_context=768)
             speed = ("--emulate-speed", "0.33")
             if case == "B-planned":
-                stage_args = [speed, (*speed, "--memory-budget", "300MB"), speed]
+                stage_args = [speed, (*speed, "--emulate-memory", "300MB"), speed]
             else:  # the best equal split that fits: the two large stages, 15 + 15
                 stage_args = [speed, speed]
             rows.append(run_cluster(case, model_dir, prompts, 24, batching, case.split("-")[1], stage_args, 1))

@@ -45,6 +45,10 @@ class StageProfile:
     # Measured: its step's time with the other stages of its host serving at once / alone (0 = not
     # measured: the stretch is then reckoned from threads and cores)
     corun_factor: float = 0.0
+    # What came out of a --memory-budget before memory_budget (stages/profile.py memory_figures): the
+    # stage's runtime and its loader's temporary; shown by `plan --explain`, not planned with.
+    runtime_bytes: int = 0
+    loader_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("layer_decode_s", "layer_prefill_s", "embed_s", "head_s", "link_latency_s", "step_overhead_s"):

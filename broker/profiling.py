@@ -65,14 +65,33 @@ def collect_profiles(control: ControlPlane, stages: list[StageInfo], model_dir: 
         profile = profile_from_result(result, stage.name, stage.device, stage.host, stage.threads, kv_length,
                                       bandwidth, latency)
         log.info("stage %s profile (%s, %.1f s): layer %.2f ms/decode step, %.2f ms/prefill chunk, head %.2f ms, "
-                 "budget %.0f MiB, link %.0f MB/s + %.0f us", stage.name,
+                 "budget %s, link %.0f MB/s + %.0f us", stage.name,
                  "cached" if result.get("cached") else "measured", time.monotonic() - started,
                  1000 * profile.layer_decode_s, 1000 * profile.layer_prefill_s, 1000 * profile.head_s,
-                 profile.memory_budget / 2**20, bandwidth / 1e6, 1e6 * latency)
+                 budget_breakdown(result), bandwidth / 1e6, 1e6 * latency)
         profiles.append(profile)
     if config.probe_s > 0:
         profiles = measure_sharing(control, stages, profiles, request, config.probe_s, config.timeout_s)
     return profiles
+
+
+def _bytes(value) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def budget_breakdown(result: dict) -> str:
+    """The stage's budget as the planner gets it, with what came out of it first (stages/profile.py
+    memory_figures): "1.52 GiB (of --memory-budget 2.00 GiB: runtime 0.41 GiB, loader 0.07 GiB)"."""
+    usable = f"{int(result['memory_budget']) / 2**30:.2f} GiB"
+    given, runtime, loader = (result.get(k) for k in ("memory_budget_given", "runtime_bytes", "loader_peak_bytes"))
+    if result.get("emulated_memory"):
+        return f"{usable} (emulated)"
+    if not isinstance(loader, int):
+        return usable  # a stage of an older version
+    parts = f"runtime {int(runtime or 0) / 2**30:.2f} GiB, " if given is not None and runtime else ""
+    parts += f"loader {loader / 2**30:.2f} GiB"
+    source = f"--memory-budget {int(given) / 2**30:.2f} GiB" if given is not None else "free memory"
+    return f"{usable} (of {source}: {parts})"
 
 
 def measure_sharing(control: ControlPlane, stages: list[StageInfo], profiles: list[StageProfile], request: dict,
@@ -212,6 +231,7 @@ def profile_from_result(result: dict, name: str, device: str, host: str, threads
         name=name, layer_decode_s=float(result["layer_decode_s"]), layer_prefill_s=float(result["layer_prefill_s"]),
         embed_s=float(result["embed_s"]), head_s=float(result["head_s"]),
         step_overhead_s=float(result.get("step_overhead_s", 0.0)), memory_budget=int(result["memory_budget"]),
+        runtime_bytes=_bytes(result.get("runtime_bytes")), loader_bytes=_bytes(result.get("loader_peak_bytes")),
         link_bandwidth=bandwidth, link_latency_s=latency, micro_batch_size=rows, prefill_tokens=chunk, device=device,
         layer_cost=layer, overhead_cost=overhead, head_step_s=head_step, host=host,
         host_cores=int(result.get("host_cores", 0)), threads=threads, compute_share=min(1.0, max(speed, 1e-6)))

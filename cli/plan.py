@@ -36,7 +36,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--emulate-speed", metavar="F", nargs="+", default=[],
                         help="local stages: emulated speed of stage 0, 1, ... (0 < F <= 1; missing = 1)")
     parser.add_argument("--memory-budget", metavar="SIZE", nargs="+", default=[],
-                        help="local stages: memory budget of stage 0, 1, ... (300MB, 1.5GiB; '-' = free memory)")
+                        help="local stages: memory budget of stage 0, 1, ..., each its whole memory, runtime included "
+                             "(300MB, 1.5GiB; '-' = free memory)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="the stages' dtype (default: float32)")
     parser.add_argument("--prompt-ratio", metavar="R", type=non_negative_float, default=1.0,

@@ -66,8 +66,13 @@ def add_stage_arguments(parser: argparse.ArgumentParser) -> None:
                              "(quantized on load, groups of 32) (default: as the broker says)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     parser.add_argument("--memory-budget", type=byte_size, default=None, metavar="SIZE",
-                        help="memory this stage may fill (weights, KV cache, workspace), in bytes or with a unit: "
-                             "300MB, 1.5GiB (default: the device's free memory); also emulates a smaller device")
+                        help="the stage's whole memory, in bytes or with a unit: 300MB, 1.5GiB; on a CPU its peak "
+                             "resident memory: the runtime it measures at start (interpreter, torch: about 0.4 GiB) "
+                             "and the loader's one temporary tensor come out of it before weights, KV cache and "
+                             "workspace (default: the device's free memory)")
+    parser.add_argument("--emulate-memory", type=byte_size, default=None, metavar="SIZE",
+                        help="emulation: report SIZE as the memory for weights, KV cache and workspace, as a "
+                             "smaller device would (the process itself is not capped)")
     parser.add_argument("--emulate-speed", type=speed_fraction, default=1.0, metavar="F",
                         help="emulation: run at F (0 < F <= 1) of the real speed by sleeping after each step; "
                              "the stage's profile sees the same slowdown (default: 1)")
@@ -83,7 +88,8 @@ def add_stage_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> StageConfig:
     return StageConfig(broker=args.broker, name=args.name, bind=args.bind, advertise=args.advertise,
                        device=args.device, dtype=args.dtype, weights=args.weights, threads=args.threads,
-                       memory_budget=args.memory_budget, broker_timeout_s=args.broker_timeout,
+                       memory_budget=args.memory_budget, emulate_memory=args.emulate_memory,
+                       broker_timeout_s=args.broker_timeout,
                        emulate_speed=args.emulate_speed, emulate_slowdown=args.emulate_slowdown,
                        max_message_bytes=args.max_message_bytes)
 

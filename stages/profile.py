@@ -16,6 +16,7 @@ import gc
 import hashlib
 import json
 import logging
+import math
 import os
 import statistics
 import time
@@ -28,6 +29,7 @@ import torch
 from layerbus.models.attention_shape import attention_shape
 from layerbus.models.home import profile_cache_dir
 from layerbus.models.model_files import open_model_dir
+from layerbus.models.tensor_reader import SAFETENSORS_DTYPES, TensorReader
 from layerbus.stages.forward import head_logits, run_step
 from layerbus.stages.kv_cache import KVArena
 from layerbus.stages.shard import ShardSpec, StageShard, load_shard
@@ -76,9 +78,11 @@ class ProfileRequest:
 
 
 def profile_stage(request: ProfileRequest, device: str, dtype: str, threads: int, emulate_speed: float = 1.0,
-                  memory_budget: int | None = None, cache_dir: Path | None = None) -> dict:
+                  memory_budget: int | None = None, cache_dir: Path | None = None, runtime_bytes: int = 0,
+                  emulate_memory: int | None = None) -> dict:
     """The PROFILE_RESULT fields: timings (measured, or from the cache when this setup was measured
-    before, then slowed by the emulated speed), the memory budget and the shapes they were measured at."""
+    before, then slowed by the emulated speed), the memory budget (`memory_figures`) and the shapes they
+    were measured at. `runtime_bytes`: the stage's resident memory before it loaded anything."""
     files = open_model_dir(request.model_dir)
     if request.probe_s > 0:
         return corun_probe(files, request, device, dtype, emulate_speed)
@@ -93,7 +97,7 @@ def profile_stage(request: ProfileRequest, device: str, dtype: str, threads: int
         log.info("profiled %s on %s/%s in %.1f s: %s", files.path.name, device, dtype, time.monotonic() - started,
                  ", ".join(f"{k} {1000 * v:.2f} ms" for k, v in measured.items()))
     return dict(emulated_timings(measured, emulate_speed), **asdict(profile_shapes(request)),
-                memory_budget=memory_budget if memory_budget is not None else free_memory_bytes(device),
+                **memory_figures(files, device, memory_budget, runtime_bytes, emulate_memory),
                 micro_batch_size=request.micro_batch_size, prefill_tokens=request.prefill_tokens, cached=cached,
                 host_cores=host_cores(), emulate_speed=emulate_speed)
 
@@ -274,6 +278,39 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
     if device.type == "mps":
         return torch.mps.synchronize
     return lambda: None
+
+
+def memory_figures(files, device: str, given_budget: int | None, runtime_bytes: int,
+                   emulate_memory: int | None = None) -> dict:
+    """`memory_budget`: what the planner may fill with weights, KV cache and workspace, with what came
+    out of it first. A --memory-budget is the stage's whole resident memory (what VmHWM reads), so
+    on a CPU its runtime (interpreter, torch and the libraries, measured before anything was loaded:
+    about 0.4 GiB) and the loader's transient (one tensor in its stored dtype, read before conversion)
+    come out of it; without one the budget is the memory free now, which the runtime already occupies,
+    so only the loader's transient does. On a GPU the budget is device memory: host memory is not
+    part of it. An emulated memory (--emulate-memory) is the planner's budget as given."""
+    loader = largest_tensor_bytes(files)
+    on_cpu = torch.device(device).type == "cpu"
+    if emulate_memory is not None:
+        return {"memory_budget": emulate_memory, "memory_budget_given": None, "runtime_bytes": 0,
+                "loader_peak_bytes": 0, "emulated_memory": True}
+    if given_budget is None:
+        usable = free_memory_bytes(device) - loader
+    else:
+        usable = given_budget - loader - (runtime_bytes if on_cpu else 0)
+    return {"memory_budget": max(0, usable), "memory_budget_given": given_budget,
+            "runtime_bytes": runtime_bytes if on_cpu else 0, "loader_peak_bytes": loader}
+
+
+def largest_tensor_bytes(files) -> int:
+    """The largest tensor of the checkpoint as stored: the loader's one temporary when it converts a
+    dtype (models/tensor_reader.py reads everything else straight into its parameter)."""
+    reader = TensorReader(files.tensor_files, files.path)
+    largest = 0
+    for name in files.tensor_files:
+        stored = SAFETENSORS_DTYPES.get(reader.dtype_name(name))
+        largest = max(largest, math.prod(reader.shape(name)) * (stored.itemsize if stored is not None else 4))
+    return largest
 
 
 def free_memory_bytes(device: str) -> int:

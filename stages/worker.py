@@ -51,7 +51,8 @@ class StageConfig:
     dtype: str = "float32"  # float32, bfloat16 or float16
     weights: str | None = None  # --weights (wire.weight_formats); None = what the broker's assignment says
     threads: int = 0  # torch intra-op threads (0 = torch's default)
-    memory_budget: int | None = None  # bytes this stage may use for weights + KV (None = not set)
+    memory_budget: int | None = None  # the stage's whole memory in bytes, runtime included (None = not set)
+    emulate_memory: int | None = None  # emulation: bytes for weights, KV cache and workspace, as a smaller device
     heartbeat_interval_s: float = 0.5  # control-plane heartbeat period
     broker_timeout_s: float = 15.0  # exit when the broker has been silent this long
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger data messages are rejected
@@ -157,6 +158,7 @@ class StageWorker:
         self.fail_on_token = int(fail_on) if fail_on.strip().lstrip("-").isdigit() else None
         self.wire_codec = codecs.DEFAULT_CODEC  # how outgoing hidden states travel (the broker's ASSIGN says)
         self.tracer: StageTracer | None = None  # step records, only while the broker asks (ASSIGN's trace)
+        self.runtime_bytes = 0  # resident memory before any load, measured when run() starts
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -166,6 +168,9 @@ class StageWorker:
         data_address = self.config.advertise or self.data_in.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.control.connect(self.config.broker)
         self.data_address = data_address
+        # What this process holds before any weight: interpreter, torch, libraries, sockets. A
+        # --memory-budget counts it (stages/profile.py memory_figures), as the process's VmHWM does.
+        self.runtime_bytes = current_rss_bytes()
         self._register()
         self.heartbeats = HeartbeatThread(self.context, self.config.broker, self.name.encode(),
                                           self.config.heartbeat_interval_s, self._heartbeat_fields)
@@ -312,7 +317,8 @@ class StageWorker:
 
         try:
             return profile_stage(ProfileRequest.from_header(header), self.config.device, self.config.dtype,
-                                 torch.get_num_threads(), self.config.emulate_speed, self.config.memory_budget)
+                                 torch.get_num_threads(), self.config.emulate_speed, self.config.memory_budget,
+                                 runtime_bytes=self.runtime_bytes, emulate_memory=self.config.emulate_memory)
         except Exception as error:  # reported to the broker, which cannot plan without it; the stage stays up
             log.exception("stage %s: profiling failed", self.name)
             return {"error": f"{type(error).__name__}: {error}"}

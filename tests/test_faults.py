@@ -212,7 +212,7 @@ def test_survivors_too_small_for_the_model_wait_for_a_stage_to_join(model_dir, r
 
     budget = next(b for b in range(1 << 16, 1 << 32, 1 << 14) if fits(b, 3))
     assert not fits(budget, 2), "the budget must be too small for two stages"
-    budget_args = ("--memory-budget", str(budget))
+    budget_args = ("--emulate-memory", str(budget))
     events, joined = [], []
 
     def kill_then_replace(cluster, count):

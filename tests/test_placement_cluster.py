@@ -81,7 +81,7 @@ def test_memory_budget_caps_a_stage_end_to_end(tiny_models, tmp_path) -> None:
     # Room for two middle layers with their KV cache (and the 5% reserve), not three.
     budget = int((2 * (memory.layer_weight_bytes[0] + kv_per_layer) + workspace) / 0.95) + 1000
     config = BrokerConfig(str(model_dir), 3, batching=batching)
-    options = LocalStageOptions(threads_per_stage=1, stage_args=((), ("--memory-budget", str(budget)), ()),
+    options = LocalStageOptions(threads_per_stage=1, stage_args=((), ("--emulate-memory", str(budget)), ()),
                                 env={"LAYERBUS_HOME": str(tmp_path)})
     with LocalCluster(config, options) as cluster:
         plan = cluster.broker.plan
@@ -104,7 +104,9 @@ def test_profile_cache_is_reused_and_emulated_speed_divides_the_measurement(tiny
     for path in tmp_path.glob("*.json"):
         path.write_text("{broken")
     assert not profile_stage(request, "cpu", "float32", 1, cache_dir=tmp_path)["cached"]  # a bad file is re-measured
-    assert profile_stage(request, "cpu", "float32", 1, memory_budget=12345, cache_dir=tmp_path)["memory_budget"] == 12345
+    assert profile_stage(request, "cpu", "float32", 1, emulate_memory=12345, cache_dir=tmp_path)["memory_budget"] == 12345
+    given = profile_stage(request, "cpu", "float32", 1, memory_budget=1 << 30, runtime_bytes=400 << 20, cache_dir=tmp_path)
+    assert given["memory_budget"] == (1 << 30) - (400 << 20) - given["loader_peak_bytes"]  # the whole stage's memory
 
 
 @pytest.mark.parametrize("text, expected", [("1500", 1500), ("300MB", 300_000_000), ("1.5GiB", 1.5 * 2**30),
