@@ -264,7 +264,8 @@ def plan_placement(stages: Sequence[StageProfile], model: ModelMemory, batching,
         raise PlacementError(_too_small_message(costs))
     if len(costs.windows) > 1 or costs.shared:
         chain, spans = _by_job_time(costs, options, chain, spans)
-    chain = _given_order_if_close(costs, options, stages, chain, spans)
+    if network is None:  # with a network the order carries the topology: no tie goes to the given order
+        chain = _given_order_if_close(costs, options, stages, chain, spans)
     chosen = costs.estimate(chain, spans)
     used = {s.name for s in chain}
     equal = None
