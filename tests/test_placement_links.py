@@ -13,6 +13,7 @@ from layerbus.broker import placement
 from layerbus.broker.link_search import pair_dp
 from layerbus.broker.network import BROKER, HostLinks, Link
 from layerbus.broker.placement import PlanOptions, estimate_split, plan_placement
+from layerbus.broker.planning import PlanInputs, plan_chain, planned, replan_slowed
 from layerbus.wire.spans import LayerRange
 from tests.test_placement import SHAPES, compositions, profile, small_model
 
@@ -174,3 +175,15 @@ def test_the_cheapest_link_loses_to_a_dearer_one_with_a_faster_rest_of_the_chain
     send[0][1] = 20.0  # now the slow stage last is the lesser evil
     assert pair_dp(compute, send, allow_drop=False, keep_order=False, drop_tolerance=0.0) == [
         (0, 0, 1), (2, 1, 2), (1, 2, 3)]
+
+
+def test_the_broker_plans_and_replans_on_the_same_matrix() -> None:
+    stages, matrix = two_boxes_slow_between()
+    inputs = PlanInputs("tiny", small_model(12), SHAPES, STEADY, network=matrix)
+    names = [s.name for s in stages]
+    plan = plan_chain(names, stages, inputs)
+    assert crossings(plan, matrix) == 1
+    # a1 slowed 3x: the re-plan still crosses the slow link once, and prices the chain in use on it
+    replan = replan_slowed({"a1": 3.0}, planned(plan), names, stages, inputs, min_gain=0.0)
+    assert replan.best is not None and crossings(replan.best, matrix) == 1
+    assert replan.current_step_s >= replan.best.step_s
