@@ -7,7 +7,9 @@ first stage, the LM head on the last, plus sending its activations on. Each stag
 weights, the KV cache of its layers for every slot at the full context length, an activation
 workspace and a reserve within its memory budget. It is solved exactly by dynamic programming
 over (stages used, layers placed), which also picks the order of the stages (where the head and
-the embedding go matters) and leaves out a stage that would only slow the chain.
+the embedding go matters) and leaves out a stage that would only slow the chain. Given a link
+matrix (broker.network: hosts, and the link between each pair of stages), each stage's send is priced
+by the link to the stage after it, and the search is the one in broker.link_search.
 
 A pipeline step here is what yields one new token per slot of a micro-batch: `micro_batch_size`
 decode rows plus the prompt tokens the workload brings along per generated token
