@@ -151,6 +151,12 @@ def network_from_description(data: dict, profiles: list[StageProfile], source: s
     return HostLinks(hosts, between, default, within).matrix([p.name for p in profiles])
 
 
+def link_entry(bandwidth_bytes_per_s: float, latency_s: float, hosts: tuple[str, str] = ("HOST_A", "HOST_B")) -> str:
+    """A measured link as the `[[links]]` entry of a cluster file (what `layerbus netprobe` suggests)."""
+    return (f'[[links]]\nbetween = ["{hosts[0]}", "{hosts[1]}"]\nbandwidth = "{bandwidth_bytes_per_s / 1e6:.4g}MB"\n'
+            f"latency_ms = {latency_s * 1e3:.3g}")
+
+
 def _host(value, what: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ClusterFileError(f"{what} must be a non-empty string (the machine's name), got {value!r:.40}")

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from layerbus.broker.cluster_file import ClusterFileError, cluster_from_description
+from layerbus.broker.cluster_file import ClusterFileError, cluster_from_description, link_entry
 from layerbus.broker.network import BROKER, Link
 from layerbus.broker.partition import ModelCost
 from layerbus.broker.placement import Shapes
@@ -86,3 +86,12 @@ def test_bad_network_descriptions_get_one_clear_message(data: dict, message: str
     with pytest.raises(ClusterFileError) as raised:
         read(data)
     assert message in str(raised.value) and "cluster.toml" in str(raised.value)
+
+
+def test_the_link_netprobe_suggests_reads_back_as_measured() -> None:
+    import tomllib
+
+    entry = tomllib.loads(link_entry(117_312_345.0, 0.000_081, ("boxA", "boxB")))
+    cluster = read({"stages": [stage("a", "boxA"), stage("b", "boxB")], **entry})
+    link = cluster.network.link("a", "b")
+    assert link.bandwidth == pytest.approx(117_312_345.0, rel=1e-3) and link.latency_s == pytest.approx(81e-6)
