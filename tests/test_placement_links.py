@@ -187,3 +187,15 @@ def test_the_broker_plans_and_replans_on_the_same_matrix() -> None:
     replan = replan_slowed({"a1": 3.0}, planned(plan), names, stages, inputs, min_gain=0.0)
     assert replan.best is not None and crossings(replan.best, matrix) == 1
     assert replan.current_step_s >= replan.best.step_s
+
+
+def test_explain_for_local_stages_shows_one_machine_and_each_stages_own_link() -> None:
+    from dataclasses import replace
+
+    from layerbus.broker.plan_report import format_explain
+
+    stages = [replace(profile(name, 1.0, bandwidth=125e6), host="node7") for name in ("s0", "s1")]
+    text = format_explain(plan_placement(stages, small_model(4), SHAPES, STEADY))
+    assert "(each stage's own link; order searched: exact)" in text
+    assert "  s0 [node7] -> s1 [node7]: within node7, 125.0 MB/s (1000 Mbit/s)" in text
+    assert "every stage runs on node7" in text and "ignoring the network" not in text
