@@ -118,7 +118,8 @@ def network_from_description(data: dict, profiles: list[StageProfile], source: s
         raise ClusterFileError(f"{source}: 'network' must be a table ([network] in TOML), got {table!r:.40}")
     unknown = set(table) - NETWORK_FIELDS
     if unknown:
-        raise ClusterFileError(f"{source}: network: unknown field(s) {sorted(unknown)}; known: {sorted(NETWORK_FIELDS)}")
+        raise ClusterFileError(f"{source}: network: unknown field(s) {sorted(unknown)}; "
+                               f"known: {sorted(NETWORK_FIELDS)}")
     hosts = {p.name: p.host for p in profiles}
     if "broker_host" in table:
         hosts[BROKER] = _host(table["broker_host"], f"{source}: network: broker_host")

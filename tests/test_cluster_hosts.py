@@ -62,7 +62,8 @@ def test_hosts_without_links_cost_nothing_to_cross() -> None:
 BAD = {
     "unknown link field": (two_boxes(links=[{"between": ["boxA", "boxB"], "speed": 1}]),
                            "cluster.toml: links 1: unknown field(s) ['speed']"),
-    "unknown network field": (two_boxes(network={"bandwith": "1GB"}), "cluster.toml: network: unknown field(s) ['bandwith']"),
+    "unknown network field": (two_boxes(network={"bandwith": "1GB"}),
+                              "cluster.toml: network: unknown field(s) ['bandwith']"),
     "unknown host": (two_boxes(links=[{"between": ["boxA", "boxZ"], "bandwidth": 10}]),
                      "links 1: between: unknown host(s) ['boxZ']"),
     "one host twice": (two_boxes(links=[{"between": ["boxA", "boxA"]}]), "two different hosts"),
