@@ -120,6 +120,9 @@ def network_from_description(data: dict, profiles: list[StageProfile], source: s
     if unknown:
         raise ClusterFileError(f"{source}: network: unknown field(s) {sorted(unknown)}; "
                                f"known: {sorted(NETWORK_FIELDS)}")
+    if BROKER in {p.name for p in profiles}:
+        raise ClusterFileError(f"{source}: stage {BROKER!r}: with hosts, '{BROKER}' names the broker's end of the "
+                               "links: rename the stage")
     hosts = {p.name: p.host for p in profiles}
     if "broker_host" in table:
         hosts[BROKER] = _host(table["broker_host"], f"{source}: network: broker_host")

@@ -78,6 +78,7 @@ BAD = {
     "own link beside hosts": ({"stages": [stage("a", "boxA", link_bandwidth="1GB")]},
                               "describe links by host pair in [[links]]"),
     "empty host": ({"stages": [stage("a", "")]}, "host must be a non-empty string"),
+    "a stage named broker": ({"stages": [stage("broker", "boxA")]}, "rename the stage"),
     "links not a list": (two_boxes(links={"between": ["boxA", "boxB"]}), "'links' must be a list"),
 }
 
