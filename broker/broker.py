@@ -143,14 +143,14 @@ class Broker:
         return self.placement.summary() if self.placement else "(not placed yet)"
 
     def run_info(self) -> dict:
-        """For storage.run_info: the chain, its spans, each stage's weight format and weight bytes (as
-        it reported them when it loaded), and the codec of each link."""
+        """For storage.run_info: the chain, its spans, each stage's host (as it registered), weight
+        format and weight bytes (as it reported them when it loaded), and the codec of each link."""
         if not self.placement:
             return {"stages": [], "wire": []}
         info = self.placement.run_info()
         for entry in info["stages"]:
             stage = self.control.stage(entry["name"])
-            entry.update(weights=stage.weights, weight_bytes=stage.param_bytes)
+            entry.update(host=stage.host, weights=stage.weights, weight_bytes=stage.param_bytes)
         return info
 
     @property

@@ -2,21 +2,27 @@
 for planning a cluster one does not have at hand. The format is documented in the README.
 
 Each stage gives its memory and either a relative `speed` (times then follow from the model's
-FLOPs at `speed x reference_gflops`) or measured per-layer times in milliseconds."""
+FLOPs at `speed x reference_gflops`) or measured per-layer times in milliseconds. Stages may name
+the `host` they run on; `[[links]]` between two hosts and the `[network]` defaults then give the
+link between every pair of stages (broker.network)."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
+from layerbus.broker.network import BROKER, HostLinks, Link, LinkMatrix
 from layerbus.broker.partition import ModelCost
 from layerbus.broker.placement import Shapes, StageProfile
 
-TOP_FIELDS = {"stages", "reference_gflops"}
+TOP_FIELDS = {"stages", "reference_gflops", "links", "network"}
 STAGE_FIELDS = {"name", "device", "speed", "layer_decode_ms", "layer_prefill_ms", "embed_ms", "head_ms",
-                "step_overhead_ms", "memory", "link_bandwidth", "link_latency_ms"}
+                "step_overhead_ms", "memory", "link_bandwidth", "link_latency_ms", "host"}
+LINK_FIELDS = {"between", "bandwidth", "latency_ms"}
+NETWORK_FIELDS = {"bandwidth", "latency_ms", "host_bandwidth", "host_latency_ms", "broker_host"}
 DEFAULT_REFERENCE_GFLOPS = 50.0  # one modern CPU core in float32, about what speed = 1.0 means by default
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -26,14 +32,30 @@ class ClusterFileError(ValueError):
     """A cluster file that cannot be used; the message names the file, the stage and the field."""
 
 
+@dataclass(frozen=True)
+class Cluster:
+    """A described cluster: its stages, and the links between them where hosts are given."""
+
+    profiles: list[StageProfile]
+    network: LinkMatrix | None  # None: no hosts given, each stage sends at its own link_bandwidth
+
+
 def read_cluster_file(path: str | Path, cost: ModelCost, shapes: Shapes) -> list[StageProfile]:
+    return read_cluster(path, cost, shapes).profiles
+
+
+def read_cluster(path: str | Path, cost: ModelCost, shapes: Shapes) -> Cluster:
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as error:
         raise ClusterFileError(f"cannot read cluster file {path}: {error.strerror or error}") from None
-    data = _parse(path, text)
-    return profiles_from_description(data, cost, shapes, str(path))
+    return cluster_from_description(_parse(path, text), cost, shapes, str(path))
+
+
+def cluster_from_description(data: dict, cost: ModelCost, shapes: Shapes, source: str = "cluster") -> Cluster:
+    profiles = profiles_from_description(data, cost, shapes, source)
+    return Cluster(profiles, network_from_description(data, profiles, source))
 
 
 def _parse(path: Path, text: str) -> dict:
@@ -78,6 +100,78 @@ def profiles_from_description(data: dict, cost: ModelCost, shapes: Shapes, sourc
     return profiles
 
 
+def network_from_description(data: dict, profiles: list[StageProfile], source: str = "cluster") -> LinkMatrix | None:
+    """The link matrix the stages' hosts, `[[links]]` and `[network]` describe; None without hosts."""
+    hosted = [p.name for p in profiles if p.host]
+    if not hosted:
+        for field in ("links", "network"):
+            if field in data:
+                raise ClusterFileError(f"{source}: '{field}' describes links between hosts, but no stage names its "
+                                       "host: give each stage host = \"...\"")
+        return None
+    if len(hosted) != len(profiles):
+        missing = [p.name for p in profiles if not p.host]
+        raise ClusterFileError(f"{source}: stage(s) {missing} have no 'host' while others do: give every stage "
+                               "its host, or none")
+    table = data.get("network", {})
+    if not isinstance(table, dict):
+        raise ClusterFileError(f"{source}: 'network' must be a table ([network] in TOML), got {table!r:.40}")
+    unknown = set(table) - NETWORK_FIELDS
+    if unknown:
+        raise ClusterFileError(f"{source}: network: unknown field(s) {sorted(unknown)}; "
+                               f"known: {sorted(NETWORK_FIELDS)}")
+    if BROKER in {p.name for p in profiles}:
+        raise ClusterFileError(f"{source}: stage {BROKER!r}: with hosts, '{BROKER}' names the broker's end of the "
+                               "links: rename the stage")
+    hosts = {p.name: p.host for p in profiles}
+    if "broker_host" in table:
+        hosts[BROKER] = _host(table["broker_host"], f"{source}: network: broker_host")
+    default = _link(table, "bandwidth", "latency_ms", f"{source}: network", Link())
+    within = _link(table, "host_bandwidth", "host_latency_ms", f"{source}: network", Link())
+    known = set(hosts.values())
+    links = data.get("links", [])
+    if not isinstance(links, list):
+        raise ClusterFileError(f"{source}: 'links' must be a list ([[links]] tables in TOML), got {links!r:.40}")
+    between: dict[frozenset, Link] = {}
+    for index, entry in enumerate(links):
+        where = f"{source}: links {index + 1}"
+        if not isinstance(entry, dict):
+            raise ClusterFileError(f"{where} must be an object/table, got {entry!r:.40}")
+        unknown = set(entry) - LINK_FIELDS
+        if unknown:
+            raise ClusterFileError(f"{where}: unknown field(s) {sorted(unknown)}; known: {sorted(LINK_FIELDS)}")
+        pair = entry.get("between")
+        if (not isinstance(pair, list) or len(pair) != 2 or not all(isinstance(h, str) for h in pair)
+                or pair[0] == pair[1]):
+            raise ClusterFileError(f"{where}: 'between' must name two different hosts, like [\"boxA\", \"boxB\"], "
+                                   f"got {pair!r:.60}; within one host see [network] host_bandwidth")
+        strange = [h for h in pair if h not in known]
+        if strange:
+            raise ClusterFileError(f"{where}: between: unknown host(s) {strange}; the stages' hosts: {sorted(known)}")
+        key = frozenset(pair)
+        if key in between:
+            raise ClusterFileError(f"{where}: a second link between {pair[0]} and {pair[1]}: give each pair once")
+        between[key] = _link(entry, "bandwidth", "latency_ms", where, default)
+    return HostLinks(hosts, between, default, within).matrix([p.name for p in profiles])
+
+
+def link_entry(bandwidth_bytes_per_s: float, latency_s: float, hosts: tuple[str, str] = ("HOST_A", "HOST_B")) -> str:
+    """A measured link as the `[[links]]` entry of a cluster file (what `layerbus netprobe` suggests)."""
+    return (f'[[links]]\nbetween = ["{hosts[0]}", "{hosts[1]}"]\nbandwidth = "{bandwidth_bytes_per_s / 1e6:.4g}MB"\n'
+            f"latency_ms = {latency_s * 1e3:.3g}")
+
+
+def _host(value, what: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ClusterFileError(f"{what} must be a non-empty string (the machine's name), got {value!r:.40}")
+    return value
+
+
+def _link(table: dict, bandwidth: str, latency: str, where: str, default: Link) -> Link:
+    return Link(_size(table[bandwidth], f"{where}: {bandwidth}") if bandwidth in table else default.bandwidth,
+                _ms(table, latency, where, default.latency_s))
+
+
 def _profile(name: str, stage: dict, where: str, cost: ModelCost, shapes: Shapes, reference: float) -> StageProfile:
     if "memory" not in stage:
         raise ClusterFileError(f"{where}: 'memory' is required (bytes or a size like \"24GiB\")")
@@ -100,6 +194,10 @@ def _profile(name: str, stage: dict, where: str, cost: ModelCost, shapes: Shapes
         prefill = _ms(stage, "layer_prefill_ms", where, decode * chunk / rows)
         head = _ms(stage, "head_ms", where, decode * cost.head / layer_flops if layer_flops else 0.0)
         embed = _ms(stage, "embed_ms", where, 0.0)
+    host = _host(stage["host"], f"{where}: host") if "host" in stage else ""
+    if host and ("link_bandwidth" in stage or "link_latency_ms" in stage):
+        raise ClusterFileError(f"{where}: 'link_bandwidth'/'link_latency_ms' describe one outgoing link; with "
+                               "hosts, describe links by host pair in [[links]] and [network]")
     try:
         return StageProfile(
             name=name, layer_decode_s=decode, layer_prefill_s=prefill, embed_s=embed, head_s=head,
@@ -108,7 +206,7 @@ def _profile(name: str, stage: dict, where: str, cost: ModelCost, shapes: Shapes
             else math.inf,
             link_latency_s=_ms(stage, "link_latency_ms", where, 0.0),
             step_overhead_s=_ms(stage, "step_overhead_ms", where, 0.0),
-            micro_batch_size=rows, prefill_tokens=chunk, device=str(stage.get("device", "?")))
+            micro_batch_size=rows, prefill_tokens=chunk, device=str(stage.get("device", "?")), host=host)
     except ValueError as error:
         raise ClusterFileError(f"{where}: {error}") from None
 

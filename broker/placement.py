@@ -7,7 +7,9 @@ first stage, the LM head on the last, plus sending its activations on. Each stag
 weights, the KV cache of its layers for every slot at the full context length, an activation
 workspace and a reserve within its memory budget. It is solved exactly by dynamic programming
 over (stages used, layers placed), which also picks the order of the stages (where the head and
-the embedding go matters) and leaves out a stage that would only slow the chain.
+the embedding go matters) and leaves out a stage that would only slow the chain. Given a link
+matrix (broker.network: hosts, and the link between each pair of stages), each stage's send is priced
+by the link to the stage after it, and the search is the one in broker.link_search.
 
 A pipeline step here is what yields one new token per slot of a micro-batch: `micro_batch_size`
 decode rows plus the prompt tokens the workload brings along per generated token
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 from typing import Sequence
 
 from layerbus.broker.partition import equal_partition
@@ -31,6 +34,9 @@ from layerbus.broker.plan_values import (  # noqa: F401  (the planner's vocabula
     StagePlacement,
     StageProfile,
 )
+from layerbus.broker.link_search import host_grouped_orders, pair_dp
+from layerbus.broker.link_search import prefer_more_stages as _prefer_more_stages
+from layerbus.broker.network import BROKER, Link, LinkMatrix
 from layerbus.broker.step_cost import StepWork
 from layerbus.broker.workload import JobShape, Window, steady_shape
 from layerbus.wire.spans import LayerRange
@@ -49,8 +55,9 @@ class _CostModel:
     has, and at least as long as its busiest micro-batch's steps take through the whole chain."""
 
     def __init__(self, stages: Sequence[StageProfile], model: ModelMemory, shapes: Shapes, options: PlanOptions,
-                 job: JobShape | None = None):
+                 job: JobShape | None = None, network: LinkMatrix | None = None):
         self.stages, self.model, self.shapes, self.options = list(stages), model, shapes, options
+        self.network = network
         n = model.num_layers
         self.weight_prefix = [0]
         for size in model.layer_weight_bytes:
@@ -65,26 +72,52 @@ class _CostModel:
         self.num_layers = n
         self.shared = any(s.shares_cores for s in self.stages)
 
-    # -- time --
-    def busy_s(self, s: StageProfile, start: int, end: int, work: StepWork) -> float:
-        """Seconds stage `s` is busy for `work` holding [start, end): compute plus sending on."""
-        return s.busy_s(work, end - start, start == 0, end == self.num_layers) + self.send_s(s, end, work)
+    # -- links --
+    def link(self, s: StageProfile, receiver: str) -> Link:
+        """The link `s` sends to `receiver` (a stage's name or BROKER) over: the matrix's, else the
+        stage's own (a profile or a cluster file without hosts knows only that one)."""
+        known = self.network.link(s.name, receiver) if self.network is not None else None
+        return known if known is not None else Link(s.link_bandwidth, s.link_latency_s)
 
-    def send_s(self, s: StageProfile, end: int, work: StepWork) -> float:
+    def latency_s(self, chain: Sequence[StageProfile]) -> float:
+        """One-way latencies of one step's way round: broker -> each stage in turn -> broker."""
+        if self.network is None:
+            return sum(s.link_latency_s for s in chain)
+        first = self.network.link(BROKER, chain[0].name) if chain else None
+        return (first.latency_s if first else 0.0) + sum(self.link(s, _name_after(chain, k)).latency_s
+                                                         for k, s in enumerate(chain))
+
+    # -- time --
+    def busy_s(self, s: StageProfile, start: int, end: int, work: StepWork, receiver: str = BROKER) -> float:
+        """Seconds stage `s` is busy for `work` holding [start, end): compute plus sending on to `receiver`."""
+        return s.busy_s(work, end - start, start == 0, end == self.num_layers) + self.send_s(s, end, work, receiver)
+
+    def mean_send_s(self, s: StageProfile, end: int, receiver: str) -> float:
+        """Mean seconds per step `s` spends sending to `receiver` over the job, holding [.., end)."""
+        return self.send_s(s, end, self.total, receiver) / self.steps
+
+    def compute_s(self, s: StageProfile, start: int, end: int) -> float:
+        """Mean seconds per step `s` computes holding [start, end) over the job, sending aside."""
+        return s.busy_s(self.total, end - start, start == 0, end == self.num_layers) / self.steps
+
+    def send_s(self, s: StageProfile, end: int, work: StepWork, receiver: str = BROKER) -> float:
         if end == self.num_layers:
             return 0.0  # the last stage returns a few token ids
-        return work.positions * self.model.activation_bytes_per_token / s.link_bandwidth
+        bandwidth = s.link_bandwidth if self.network is None else self.link(s, receiver).bandwidth
+        return work.positions * self.model.activation_bytes_per_token / bandwidth
 
-    def step_s(self, s: StageProfile, start: int, end: int) -> float:
+    def step_s(self, s: StageProfile, start: int, end: int, receiver: str = BROKER) -> float:
         """Mean busy seconds per step over the job, unstretched: what the search balances."""
-        return self.busy_s(s, start, end, self.total) / self.steps
+        return self.busy_s(s, start, end, self.total, receiver) / self.steps
 
     def job_s(self, chain: Sequence[StageProfile], spans: Sequence[LayerRange]) -> tuple[float, list[float]]:
         """(seconds the job takes, each stage's busy seconds over it) for this chain and split."""
         total, busy = 0.0, [0.0] * len(chain)
+        latency = self.latency_s(chain)
         for window in self.windows:
-            alone = [self.busy_s(s, sp.start, sp.end, window.work) for s, sp in zip(chain, spans)]
-            time, stretched = window_s(alone, chain, window, self.shapes.num_micro_batches)
+            alone = [self.busy_s(s, sp.start, sp.end, window.work, _name_after(chain, k))
+                     for k, (s, sp) in enumerate(zip(chain, spans))]
+            time, stretched = window_s(alone, chain, window, self.shapes.num_micro_batches, latency)
             total += time
             busy = [b + x for b, x in zip(busy, stretched)]
         return total, busy
@@ -114,22 +147,33 @@ class _CostModel:
     def estimate(self, chain: Sequence[StageProfile], spans: Sequence[LayerRange]) -> SplitEstimate:
         job_s, busy = self.job_s(chain, spans)
         placements = []
-        for s, span, stage_busy in zip(chain, spans, busy):
-            start, end = span.start, span.end
-            send = self.send_s(s, end, self.total) / self.steps
+        for k, (s, span, stage_busy) in enumerate(zip(chain, spans, busy)):
+            start, end, receiver = span.start, span.end, _name_after(chain, k)
+            send = self.send_s(s, end, self.total, receiver) / self.steps
+            link = self.link(s, receiver)
             placements.append(StagePlacement(
                 name=s.name, layers=LayerRange(start, end), is_first=start == 0, is_last=end == self.num_layers,
                 memory_budget=s.memory_budget, weight_bytes=self.weight_bytes(start, end),
                 kv_bytes=(end - start) * self.kv_per_layer, workspace_bytes=self.workspace_bytes(end),
                 reserve_bytes=self.reserve_bytes(s), compute_s=max(0.0, stage_busy / self.steps - send),
-                send_s=send, latency_s=s.link_latency_s, layer_s=s.layer.of(self.total) / self.steps,
+                send_s=send, latency_s=link.latency_s, layer_s=s.layer.of(self.total) / self.steps,
                 layer_bytes=(self.model.layer_weight_bytes[min(end, self.num_layers - 1)] + self.kv_per_layer),
-                alone_s=self.step_s(s, start, end)))
-        return summarize(tuple(placements), self.shapes, job_s, self.job.new_tokens, self.steps)
+                alone_s=self.step_s(s, start, end, receiver), host=self.host_of(s), link_bandwidth=link.bandwidth))
+        first = self.network.link(BROKER, chain[0].name) if self.network is not None and chain else None
+        return summarize(tuple(placements), self.shapes, job_s, self.job.new_tokens, self.steps,
+                         first.latency_s if first else 0.0)
+
+    def host_of(self, s: StageProfile) -> str:
+        return (self.network.host(s.name) if self.network is not None else "") or s.host
+
+
+def _name_after(chain: Sequence[StageProfile], k: int) -> str:
+    """Who stage k of the chain sends to: the next stage, or the broker after the last."""
+    return chain[k + 1].name if k + 1 < len(chain) else BROKER
 
 
 def window_s(alone: list[float], chain: Sequence[StageProfile], window: Window,
-             num_micro_batches: int) -> tuple[float, list[float]]:
+             num_micro_batches: int, latency: float | None = None) -> tuple[float, list[float]]:
     """(how long the window lasts, each stage's busy seconds in it) from each stage's busy seconds
     measured alone. CPU stages on one host share its cores and memory bandwidth. Where the broker
     measured it (`corun_factor`: the step with the host's other stages serving at once, over alone),
@@ -138,7 +182,8 @@ def window_s(alone: list[float], chain: Sequence[StageProfile], window: Window,
     what it wants, and the host cannot do more thread-seconds than it has cores; a stage emulating a
     slower device computes only `compute_share` of its busy time (it sleeps the rest, taking no core)."""
     steps = max(window.work.steps, 1e-12)
-    latency = sum(s.link_latency_s for s in chain)
+    if latency is None:  # one step's one-way latencies round the chain, each stage's own link
+        latency = sum(s.link_latency_s for s in chain)
     busy = list(alone)
     time = 0.0
     for _ in range(8):  # a fixed point: the stretch depends on how busy the others are, and back
@@ -177,12 +222,13 @@ def _on(stage: StageProfile, host: str) -> bool:
 
 
 def summarize(placements: tuple[StagePlacement, ...], shapes: Shapes, job_s: float | None = None,
-              new_tokens: float | None = None, steps: float | None = None) -> SplitEstimate:
+              new_tokens: float | None = None, steps: float | None = None,
+              broker_latency_s: float = 0.0) -> SplitEstimate:
     """Pace, round trip, tokens/s and bubble of a chain. Without a job's figures: one step per
     micro-batch in flight, where the chain runs at its slowest stage's pace unless one step's round
-    trip exceeds m of those."""
+    trip exceeds m of those. `broker_latency_s`: the broker's link to the first stage, one way."""
     step = max(p.step_s for p in placements)
-    round_trip = sum(p.step_s + p.latency_s for p in placements)
+    round_trip = sum(p.step_s + p.latency_s for p in placements) + broker_latency_s
     if job_s is None:
         cycle = max(step, round_trip / max(1, shapes.num_micro_batches))
         steps = float(max(1, shapes.num_micro_batches))
@@ -195,32 +241,44 @@ def summarize(placements: tuple[StagePlacement, ...], shapes: Shapes, job_s: flo
 # -- the planner ------------------------------------------------------------------------------------
 
 def plan_placement(stages: Sequence[StageProfile], model: ModelMemory, batching,
-                   options: PlanOptions = PlanOptions(), job: JobShape | None = None) -> Plan:
+                   options: PlanOptions = PlanOptions(), job: JobShape | None = None,
+                   network: LinkMatrix | None = None) -> Plan:
     """The placement that finishes the job soonest within every stage's memory.
 
     `stages` is any set of profiles (their order is the chain order when `allow_reorder` is off,
     and the equal split's order); `batching` is a BatchingConfig (resolved for len(stages) if it is
     not); `job` is the job's windows (broker.workload.job_shape; None: a steady mix of decode and
-    `options.prompt_tokens_per_new_token`). Raises PlacementError when no placement fits."""
+    `options.prompt_tokens_per_new_token`); `network` the links between the stages (None: each
+    stage sends at its own `link_bandwidth`, whoever follows it). Raises PlacementError when no
+    placement fits."""
     if not stages:
         raise PlacementError("no stages to place the model on: start at least one stage")
     names = [s.name for s in stages]
     if len(set(names)) != len(names):
         raise PlacementError(f"stage names must be unique, got {names}")
     shapes = batching if isinstance(batching, Shapes) else Shapes.from_batching(batching, len(stages))
-    costs = _CostModel(stages, model, shapes, options, job)
-    chain, spans = _search(costs, options)
+    costs = _CostModel(stages, model, shapes, options, job, network)
+    if network is None:
+        chain, spans, search = _search(costs, options)
+    else:
+        chain, spans, search = _search_over_links(costs, options)
     if not chain:
         raise PlacementError(_too_small_message(costs))
     if len(costs.windows) > 1 or costs.shared:
         chain, spans = _by_job_time(costs, options, chain, spans)
-    chain = _given_order_if_close(costs, options, stages, chain, spans)
+    if network is None:  # with a network the order carries the topology: no tie goes to the given order
+        chain = _given_order_if_close(costs, options, stages, chain, spans)
     chosen = costs.estimate(chain, spans)
     used = {s.name for s in chain}
     equal = None
     if len(stages) <= model.num_layers:
         equal = costs.estimate(stages, equal_partition(model.num_layers, len(stages)))
-    return Plan(chosen, tuple(n for n in names if n not in used), equal, shapes, options, job)
+    blind = None
+    if network is not None:  # what ignoring the network would have cost on it
+        ignoring = plan_placement(stages, model, shapes, options, job)
+        by_name = {s.name: s for s in stages}
+        blind = costs.estimate([by_name[name] for name in ignoring.order], ignoring.spans)
+    return Plan(chosen, tuple(n for n in names if n not in used), equal, shapes, options, job, network, search, blind)
 
 
 def _given_order_if_close(costs: _CostModel, options: PlanOptions, stages: Sequence[StageProfile],
@@ -239,12 +297,13 @@ def _given_order_if_close(costs: _CostModel, options: PlanOptions, stages: Seque
 
 
 def estimate_split(stages: Sequence[StageProfile], spans: Sequence[LayerRange], model: ModelMemory, batching,
-                   options: PlanOptions = PlanOptions(), job: JobShape | None = None) -> SplitEstimate:
+                   options: PlanOptions = PlanOptions(), job: JobShape | None = None,
+                   network: LinkMatrix | None = None) -> SplitEstimate:
     """The figures of a given chain and split (an equal split, a split in use) under the same model."""
     if len(stages) != len(spans):
         raise ValueError(f"{len(stages)} stages but {len(spans)} spans")
     shapes = batching if isinstance(batching, Shapes) else Shapes.from_batching(batching, len(stages))
-    return _CostModel(stages, model, shapes, options, job).estimate(stages, spans)
+    return _CostModel(stages, model, shapes, options, job, network).estimate(stages, spans)
 
 
 ENUMERATION_LIMIT = 4000  # candidate chains x splits priced window by window; beyond, improve the DP's answer
@@ -295,7 +354,7 @@ def _by_job_time(costs: _CostModel, options: PlanOptions, chain: list[StageProfi
     return chain, spans
 
 
-def _search(costs: _CostModel, options: PlanOptions) -> tuple[list[StageProfile], list[LayerRange]]:
+def _search(costs: _CostModel, options: PlanOptions) -> tuple[list[StageProfile], list[LayerRange], str]:
     stages, n = costs.stages, costs.num_layers
     p = len(stages)
     # step[s][start][end] for stages that fit, else inf: every DP below reads only this table.
@@ -307,9 +366,9 @@ def _search(costs: _CostModel, options: PlanOptions) -> tuple[list[StageProfile]
                 if costs.fits(s, start, end):
                     step[i][start][end] = costs.step_s(s, start, end)
     if not options.allow_reorder:
-        return _ordered_dp(costs, step, list(range(p)), options)
+        return (*_ordered_dp(costs, step, list(range(p)), options), "exact")
     if (1 << p) * p * n * n // 2 <= SUBSET_DP_LIMIT:
-        return _subset_dp(costs, step, options)
+        return (*_subset_dp(costs, step, options), "exact")
     # Too many stages for every order: which stage embeds and which runs the head are what order
     # changes most, so try every (first, last) pair with the others in the given order.
     best: tuple[float, int, list, list] | None = None
@@ -325,7 +384,58 @@ def _search(costs: _CostModel, options: PlanOptions) -> tuple[list[StageProfile]
                 key = (value, -len(chain))
                 if best is None or key < best[:2]:
                     best = (value, -len(chain), chain, spans)
-    return (best[2], best[3]) if best else ([], [])
+    search = (f"heuristic: {p} stages are too many to try every order; every (first, last) pair was tried "
+              "with the others in the given order")
+    return (best[2], best[3], search) if best else ([], [], search)
+
+
+PAIR_DP_LIMIT = 2_500_000  # (subsets x first stages x spans) above which the link-aware search is a heuristic
+
+
+def _search_over_links(costs: _CostModel, options: PlanOptions) -> tuple[list[StageProfile], list[LayerRange], str]:
+    """The search with a link matrix: each stage's send priced by the link to its successor
+    (broker.link_search); exact where the subsets are few, else stages grouped by host."""
+    stages, n = costs.stages, costs.num_layers
+    p = len(stages)
+    inf = math.inf
+    compute = [[[inf] * (n + 1) for _ in range(n + 1)] for _ in range(p)]
+    for i, s in enumerate(stages):
+        for start in range(n):
+            for end in range(start + 1, n + 1):
+                if costs.fits(s, start, end):
+                    compute[i][start][end] = costs.compute_s(s, start, end)
+    send = [[costs.mean_send_s(a, 0, b.name) if n > 0 else 0.0 for b in stages] for a in stages]
+    if (1 << p) * p * n * n // 2 <= PAIR_DP_LIMIT:
+        triples = pair_dp(compute, send, options.allow_drop, not options.allow_reorder, options.drop_tolerance)
+        return [stages[i] for i, _, _ in triples], [LayerRange(a, b) for _, a, b in triples], "exact"
+    orders = ([list(range(p))] if not options.allow_reorder
+              else host_grouped_orders([costs.host_of(s) for s in stages], send))
+    candidates = []
+    for order in orders:
+        # Every stage used, each sending to the next in this order: its sends are exact. With
+        # dropping allowed, also each send priced at the slowest link to any later stage, so that
+        # leaving one out never looks cheaper than it is. Both are priced exactly afterwards.
+        runs = [(options if not options.allow_drop else replace(options, allow_drop=False), False)]
+        if options.allow_drop:
+            runs.append((options, True))
+        for run_options, pessimistic in runs:
+            step = [[[inf] * (n + 1) for _ in range(n + 1)] for _ in range(p)]
+            for k, i in enumerate(order):
+                later = order[k + 1:] if pessimistic else order[k + 1:k + 2]
+                following = max((send[i][j] for j in later), default=0.0)
+                for start in range(n):
+                    for end in range(start + 1, n + 1):
+                        if compute[i][start][end] < inf:
+                            step[i][start][end] = compute[i][start][end] + (following if end < n else 0.0)
+            chain, spans = _ordered_dp(costs, step, order, run_options)
+            if chain:
+                candidates.append((costs.estimate(chain, spans).step_s, chain, spans))
+    search = (f"heuristic: {p} stages over {n} layers are too many to try every order on the link matrix; "
+              "the stages of a host kept together, hosts chained by their fastest links, layers split exactly")
+    if not candidates:
+        return [], [], search
+    _, chain, spans = _prefer_more_stages(candidates, lambda c: c[0], lambda c: len(c[1]), options.drop_tolerance)
+    return chain, spans, search
 
 
 def _subset_dp(costs: _CostModel, step, options: PlanOptions):
@@ -407,14 +517,6 @@ def _ordered_dp(costs: _CostModel, step, order: list[int], options: PlanOptions,
             spans.append(LayerRange(start, end))
             used, end = used - 1, start
     return chain[::-1], spans[::-1]
-
-
-def _prefer_more_stages(candidates, value, size, tolerance: float):
-    """The candidate with the most stages among those within `tolerance` of the fastest; a stage
-    is left out only when that is clearly faster, since more stages also means more memory headroom."""
-    fastest = min(value(c) for c in candidates)
-    close = [c for c in candidates if value(c) <= fastest * (1 + tolerance) + 1e-15]
-    return min(close, key=lambda c: (-size(c), value(c)))
 
 
 def _too_small_message(costs: _CostModel) -> str:

@@ -3,6 +3,7 @@ memory unused (`--explain`), and predicted against measured step times once a jo
 
 from __future__ import annotations
 
+from layerbus.broker.network import BROKER
 from layerbus.broker.placement import Plan, SplitEstimate, StagePlacement
 from layerbus.wire.spans import format_chain
 
@@ -72,7 +73,55 @@ def format_explain(plan: Plan) -> str:
     lines += ["  " + explain_stage(stage, plan) for stage in plan.stages]
     for name in plan.left_out:
         lines.append(f"  {name}: left out: any layers on it would make it slower than the chosen chain's pace")
-    return "\n".join(lines)
+    return "\n".join(lines + format_links(plan))
+
+
+def format_links(plan: Plan) -> list[str]:
+    """The chain with each stage's host and the link each step crosses: bandwidth, ms per step
+    sending on it, latency; with a link matrix, what the best chain ignoring it would cost."""
+    network = plan.network
+    source = "the cluster's link matrix" if network is not None else "each stage's own link"
+    lines = [f"the chain over hosts and links ({source}; order searched: {plan.search}):"]
+    stages = plan.stages
+    broker = network.host(BROKER) if network is not None else ""
+    if network is not None:
+        first = network.link(BROKER, stages[0].name)
+        latency = f", latency {1000 * first.latency_s:.2f} ms" if first is not None else ""
+        lines.append(f"  broker{_at(broker)} -> {stages[0].name}{_at(stages[0].host)}: token ids{latency}")
+    for k, stage in enumerate(stages):
+        if k + 1 < len(stages):
+            after = stages[k + 1]
+            where = f"within {stage.host}" if stage.host and stage.host == after.host else "crosses hosts"
+            lines.append(f"  {stage.name}{_at(stage.host)} -> {after.name}{_at(after.host)}: {where}, "
+                         f"{rate(stage.link_bandwidth)}, {1000 * stage.send_s:.2f} ms/step sending, "
+                         f"latency {1000 * stage.latency_s:.2f} ms")
+        else:
+            lines.append(f"  {stage.name}{_at(stage.host)} -> broker{_at(broker)}: token ids, latency "
+                         f"{1000 * stage.latency_s:.2f} ms")
+    hosts = {stage.host for stage in stages}
+    if len(hosts) == 1 and network is None:
+        lines.append(f"  every stage runs on {stages[0].host or 'one machine'}: links cost what each stage measured")
+    blind = plan.blind
+    if blind is not None and blind.tokens_per_s > 0:
+        same = " (the same chain)" if blind.order == plan.order and blind.spans == plan.spans else ""
+        lines.append(f"ignoring the network the planner would choose {format_chain(blind.order, blind.spans)}{same}: "
+                     f"{blind.tokens_per_s:.1f} tok/s on it, pace {1000 * blind.step_s:.2f} ms/step; planned "
+                     f"{plan.tokens_per_s:.1f} tok/s ({plan.tokens_per_s / blind.tokens_per_s:.2f}x)")
+    return lines
+
+
+def rate(bytes_per_s: float) -> str:
+    """Bytes/s as people write link speeds: "125.0 MB/s (1000 Mbit/s)"; inf as unlimited."""
+    if bytes_per_s == float("inf"):
+        return "unlimited"
+    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if bytes_per_s >= scale:
+            return f"{bytes_per_s / scale:.1f} {unit} ({bytes_per_s * 8 / 1e6:g} Mbit/s)"
+    return f"{bytes_per_s:.0f} B/s"
+
+
+def _at(host: str) -> str:
+    return f" [{host}]" if host else ""
 
 
 def prediction_report(plan: Plan, before: dict[str, dict], after: dict[str, dict], new_tokens: int, wall_s: float,

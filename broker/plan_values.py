@@ -205,6 +205,8 @@ class StagePlacement:
     layer_s: float  # one more layer would add this much per step
     layer_bytes: int  # one more layer would need this many bytes (weights + KV)
     alone_s: float | None = None  # per step as if it had its host to itself (None: as step_s)
+    host: str = ""  # the machine it runs on ("" unknown)
+    link_bandwidth: float = math.inf  # bytes/s of the link it sends on (to the next stage; the last: the broker)
 
     @property
     def step_s(self) -> float:
@@ -257,7 +259,9 @@ class SplitEstimate:
                             "compute_ms": 1000 * s.compute_s, "send_ms": 1000 * s.send_s,
                             "memory_budget": s.memory_budget, "weight_bytes": s.weight_bytes,
                             "kv_bytes": s.kv_bytes, "workspace_bytes": s.workspace_bytes,
-                            "reserve_bytes": s.reserve_bytes, "free_bytes": s.free_bytes}
+                            "reserve_bytes": s.reserve_bytes, "free_bytes": s.free_bytes, "host": s.host,
+                            "link_bandwidth": s.link_bandwidth if math.isfinite(s.link_bandwidth) else None,
+                            "link_latency_ms": 1000 * s.latency_s}
                            for s in self.stages]}
 
 
@@ -271,6 +275,10 @@ class Plan:
     shapes: Shapes
     options: PlanOptions = field(default_factory=PlanOptions)
     job: object = None  # the job's windows it was planned for (broker.workload.JobShape; None: a steady mix)
+    network: object = None  # the link matrix it was planned on (broker.network.LinkMatrix; None: each stage's own link)
+    search: str = "exact"  # how the order was found: "exact", or the heuristic used, in words
+    # With a network: the chain the planner would choose ignoring it (each stage's own link), priced on it
+    blind: SplitEstimate | None = None
 
     @property
     def stages(self) -> tuple[StagePlacement, ...]:
@@ -315,4 +323,5 @@ class Plan:
     def to_json(self) -> dict:
         return {"chosen": self.chosen.to_json(), "left_out": list(self.left_out),
                 "equal": self.equal.to_json() if self.equal else None,
-                "shapes": vars(self.shapes), "prompt_tokens_per_new_token": self.options.prompt_tokens_per_new_token}
+                "shapes": vars(self.shapes), "prompt_tokens_per_new_token": self.options.prompt_tokens_per_new_token,
+                "search": self.search, "ignoring_network": self.blind.to_json() if self.blind else None}

@@ -35,6 +35,9 @@ class PlanInputs:
     batching: object  # a resolved BatchingConfig (or placement.Shapes)
     options: PlanOptions = PlanOptions()
     job: object = None  # the job's windows (broker.workload.JobShape), None: a steady mix of decode and prefill
+    # The links between stages (broker.network.LinkMatrix), for the first plan and every re-plan
+    # alike; None: each stage's own measured link
+    network: object = None
 
 
 def plan_chain(names: Sequence[str], profiles: Sequence[StageProfile], inputs: PlanInputs) -> Plan:
@@ -42,7 +45,7 @@ def plan_chain(names: Sequence[str], profiles: Sequence[StageProfile], inputs: P
     profile in `profiles`. Raises PlacementError naming the model when they cannot hold it."""
     chosen = profiles_of(names, profiles)
     try:
-        return plan_placement(chosen, inputs.memory, inputs.batching, inputs.options, inputs.job)
+        return plan_placement(chosen, inputs.memory, inputs.batching, inputs.options, inputs.job, inputs.network)
     except PlacementError as error:
         raise PlacementError(f"cannot place {inputs.model_name}: {error}") from None
 
@@ -112,7 +115,7 @@ def replan_slowed(slowed: dict[str, float], current: Placement, live: Sequence[s
     best plan over the `live` stages with those profiles, and say whether moving is worth it."""
     profiles = tuple(slowed_profile(p, slowed[p.name]) if p.name in slowed else p for p in profiles)
     in_use = estimate_split(profiles_of(current.stages, profiles), current.spans, inputs.memory,
-                            inputs.batching, inputs.options, inputs.job)
+                            inputs.batching, inputs.options, inputs.job, inputs.network)
     try:
         best = plan_chain([p.name for p in profiles if p.name in set(live)], profiles, inputs)
     except PlacementError:

@@ -253,6 +253,8 @@ def serve(bind: str) -> int:
 
 def format_report(report: dict[str, Any]) -> str:
     """The report as a table with a few lines of explanation."""
+    from layerbus.broker.cluster_file import link_entry
+
     rtt = report["rtt"]
     lines = [f"layerbus netprobe {report['target']} (answers to {report['reply']})",
              f"round trip, {rtt['count']} echoes: min {rtt['min_ms']:.3f} ms, median {rtt['median_ms']:.3f} ms, "
@@ -283,5 +285,7 @@ def format_report(report: dict[str, Any]) -> str:
               + ("'not hideable': the transfer alone outlasts the compute, so the link sets the pace."
                  if report["step_ms"] else "give --step-ms (`layerbus plan` shows ms per step) to see it."),
               f"For `--wire auto`, give --link-mbps {report['links'][0]['bandwidth_mbit_s']:.0f} "
-              "(or per link, as measured between each pair of machines)."]
+              "(or per link, as measured between each pair of machines).",
+              "For `layerbus plan --cluster FILE`, this link between two hosts (name them as the stages do):",
+              link_entry(report["links"][0]["bandwidth_bytes_per_s"], report["rtt"]["median_ms"] / 2e3)]
     return "\n".join(lines)

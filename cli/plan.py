@@ -46,7 +46,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--keep-all", action="store_true", help="give every stage layers, even a slow one")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--explain", action="store_true",
-                        help="show per stage why it does not use all its memory (weights, KV, workspace, reserve)")
+                        help="show per stage why it does not use all its memory (weights, KV, workspace, reserve), "
+                             "and the chain's hosts and the links it crosses")
     add_cluster_options(parser, partition=False)
     add_verbose(parser)
     parser.set_defaults(handler=main)
@@ -72,20 +73,23 @@ def main(args: argparse.Namespace) -> int:
     from layerbus.broker.batch_sizing import choose_by_plan
 
     batching = replace(batching, max_context=min(batching.max_context, info.max_positions))
+    network = None
     if args.cluster:
-        from layerbus.broker.cluster_file import read_cluster_file
+        from layerbus.broker.cluster_file import read_cluster
         from layerbus.broker.partition import model_cost_from_config
 
         count = _count_stages(args.cluster)
-        profiles = read_cluster_file(args.cluster, model_cost_from_config(info.files.config),
-                                     Shapes.from_batching(batching.resolved(count), count))
+        cluster = read_cluster(args.cluster, model_cost_from_config(info.files.config),
+                               Shapes.from_batching(batching.resolved(count), count))
+        profiles, network = cluster.profiles, cluster.network
     else:
         count = args.stages
         profiles = _local_profiles(model_dir, memory, batching, args)
     # Sizes left at 0 are chosen from the profiles, as the broker chooses them (no job: no item cap).
     sizing, plan = choose_by_plan(
         batching, count, profiles, memory,
-        lambda chosen: plan_placement(profiles, memory, Shapes.from_batching(chosen, count), options),
+        lambda chosen: plan_placement(profiles, memory, Shapes.from_batching(chosen, count), options,
+                                      network=network),
         reserve_fraction=options.reserve_fraction)
     if args.json:
         print(json.dumps(dict(plan.to_json(), batching_reasons=list(sizing.reasons)), indent=2))

@@ -54,6 +54,39 @@ def test_plan_json_gives_the_slow_stage_fewer_layers(tmp_path, capsys, model_dir
     assert plan["chosen"]["tokens_per_s"] >= plan["equal"]["tokens_per_s"]
 
 
+HOSTS_TOML = """
+[network]
+host_bandwidth = "5GB"
+broker_host = "boxA"
+[[links]]
+between = ["boxA", "boxB"]
+bandwidth = "80MB"
+latency_ms = 0.5
+""" + "".join(f"""
+[[stages]]
+name = "{name}"
+host = "box{name[0].upper()}"
+speed = 1.0
+memory = "64MiB"
+""" for name in ("a0", "b0", "a1", "b1"))
+
+
+def test_plan_explain_draws_the_chain_over_hosts_crossing_the_slow_link_once(tmp_path, capsys, model_dir) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text(HOSTS_TOML)
+    code, out, _ = run_plan(capsys, model_dir, "--cluster", str(path), "--explain", "--keep-all")
+    assert code == 0
+    links = [line for line in out.splitlines() if " -> " in line and "[box" in line]
+    assert sum("crosses hosts, 80.0 MB/s" in line for line in links) == 1, out
+    assert any(line.startswith("  broker [boxA] -> a") for line in links), out
+    assert "order searched: exact" in out and "ignoring the network the planner would choose a0 [0," in out
+    code, out, _ = run_plan(capsys, model_dir, "--cluster", str(path), "--json", "--keep-all")
+    plan = json.loads(out)
+    hosts = [s["host"] for s in plan["chosen"]["stages"]]
+    assert sorted(hosts) == ["boxA", "boxA", "boxB", "boxB"] and hosts[0] == hosts[1] and hosts[2] == hosts[3]
+    assert plan["ignoring_network"]["tokens_per_s"] < plan["chosen"]["tokens_per_s"]
+
+
 BAD_FILES = {
     "unknown field": ('{"stages": [{"name": "a", "speed": 1, "memory": 1000000, "sped": 2}]}', "unknown field(s) ['sped']"),
     "negative speed": ('{"stages": [{"name": "a", "speed": -1, "memory": 1000000}]}', "speed must be > 0"),

@@ -3,6 +3,8 @@ pipeline equivalence of quantized weights (N stages produce what 1 stage produce
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch
 from torch import nn
@@ -160,7 +162,7 @@ def test_a_stage_s_own_weights_flag_wins(tiny_models):
 
 @pytest.mark.cluster
 def test_run_weights_flag_and_status_json_stages(tmp_path, tiny_models):
-    """`layerbus run --weights int4`: `status --json` lists every stage's span, format and weight bytes."""
+    """`layerbus run --weights int4`: `status --json` lists every stage's span, host, format and weight bytes."""
     from tests.test_cli_helpers import JOB_ID, layerbus, status_json, write_jsonl
 
     home = tmp_path / "home"
@@ -174,6 +176,7 @@ def test_run_weights_flag_and_status_json_stages(tmp_path, tiny_models):
     assert sorted(s["name"] for s in stages) == ["stage-0", "stage-1"]
     assert [s["layers"] for s in stages] == ["[0, 2)", "[2, 4)"]
     assert all(s["weights"] == "int4 (q4_1 g32)" and s["weight_bytes"] > 0 for s in stages)
+    assert all(s["host"] == socket.gethostname() for s in stages)  # as each stage registered
 
 
 @pytest.mark.cluster
