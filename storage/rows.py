@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
+from sqlalchemy import Connection
 from sqlalchemy.exc import IntegrityError
 
 from layerbus.storage.records import ClaimedItem, InvalidItem, ItemResult, NewItem
@@ -19,6 +21,25 @@ def new_item_row(job_id: str, item: NewItem) -> dict[str, Any]:
         "prompt": item.prompt, "params_json": json.dumps(item.params, sort_keys=True), "status": "queued",
         "attempts": 0, "finish_reason": None, "error": None, "finished_at": None,
     }  # fmt: skip
+
+
+# The columns a queued item is inserted with; the others start NULL.
+_NEW_ITEM_COLUMNS = ("job_id", "custom_id", "seq", "input", "prompt", "params_json", "status", "attempts")
+
+
+def insert_new_items(conn: Connection, job_id: str, items: Sequence[NewItem]) -> None:
+    """Insert queued items with the driver's executemany on plain tuples: a submit of a million items spent
+    a third of its time in SQLAlchemy's per-row parameter handling, which these text and int values need not."""
+    mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
+    sql = f"INSERT INTO items ({', '.join(_NEW_ITEM_COLUMNS)}) VALUES ({', '.join([mark] * len(_NEW_ITEM_COLUMNS))})"
+    conn.exec_driver_sql(sql, [
+        (job_id, item.custom_id, item.seq, item.input, item.prompt, _params_json(item.params), "queued", 0)
+        for item in items
+    ])
+
+
+def _params_json(params: dict[str, Any]) -> str:
+    return json.dumps(params, sort_keys=True) if params else "{}"
 
 
 def claimed_item(job_id: str, row: Any) -> ClaimedItem:

@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Select, bindparam, insert, select, update
+from sqlalchemy import Connection, Engine, Select, bindparam, delete, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from layerbus.storage.engine import READ_ONLY_OPTION, create_tables, open_engine
@@ -32,7 +32,8 @@ from layerbus.storage.leases import DEFAULT_LEASE_S, held_by, job_leases, lease_
 from layerbus.storage.records import (ClaimedItem, InvalidItem, ItemResult, JobEvent, JobSettings, JobStatus, Lease,
                                       NewItem)
 from layerbus.storage.result_row import RESULT_COLUMNS
-from layerbus.storage.rows import claimed_item, duplicate_message, invalid_item_row, new_item_row, result_params
+from layerbus.storage.rows import (claimed_item, duplicate_message, insert_new_items, invalid_item_row, new_item_row,
+                                   result_params)
 from layerbus.storage.schema import items as items_table
 from layerbus.storage.schema import job_events as events_table
 from layerbus.storage.schema import jobs as jobs_table
@@ -138,6 +139,57 @@ class JobStore:
         except IntegrityError as exc:
             raise StoreError(duplicate_message(rows, exc)) from exc
         return job_id
+
+    def begin_job(self, settings: JobSettings, now: datetime | None = None) -> str:
+        """Store a new job as validating, with no items yet; returns its id.
+
+        For inputs too large to hold: add_items fills it a chunk at a time, set_job_status(job_id, "queued")
+        makes it runnable once the whole input passed, discard_job removes it when it did not. No broker
+        claims from a validating job, so nothing of it runs before it is queued.
+        """
+        job_id = new_job_id()
+        job_row = {
+            "id": job_id, "name": settings.name, "task": settings.task, "model": settings.model,
+            "settings_json": settings.to_json(), "input_path": settings.input_path, "results_path": None,
+            "status": "validating", "total_count": 0, "error": None, "created_at": _utc(now),
+        }  # fmt: skip
+        with self._write() as conn:
+            conn.execute(insert(jobs_table), job_row)
+            insert_counts(conn, job_id, [])
+        return job_id
+
+    def add_items(self, job_id: str, items: Sequence[NewItem], invalid_items: Sequence[InvalidItem] = (),
+                  now: datetime | None = None) -> None:
+        """Add items to a validating job (begin_job) in one transaction: valid ones queued, invalid ones failed."""
+        now = _utc(now)
+        rows = [invalid_item_row(job_id, item, now) for item in invalid_items]
+        try:
+            with self._write() as conn:
+                status = self._job_field(conn, job_id, JOB.status)
+                if status != "validating":
+                    raise StoreError(f"job {job_id!r} is {status}: items are added only while it is validating")
+                if items:
+                    insert_new_items(conn, job_id, items)
+                if rows:
+                    conn.execute(insert(items_table), rows)
+                changes = CountChanges()
+                changes.add(job_id, "queued", len(items), 0)
+                changes.add(job_id, "failed", len(invalid_items), 0)
+                changes.apply(conn)
+                added = len(items) + len(rows)
+                conn.execute(update(jobs_table).where(JOB.id == job_id).values(total_count=JOB.total_count + added))
+        except IntegrityError as exc:
+            raise StoreError(duplicate_message([new_item_row(job_id, item) for item in items] + rows, exc)) from exc
+
+    def discard_job(self, job_id: str) -> None:
+        """Delete a validating job with its items: a refused input leaves nothing behind."""
+        with self._write() as conn:
+            status = self._job_field(conn, job_id, JOB.status)
+            if status != "validating":
+                raise StoreError(f"job {job_id!r} is {status}: only a validating job can be discarded")
+            for table in (items_table, counts_table):  # its rows first: SQLite enforces the cascade only when asked
+                conn.execute(delete(table).where(table.c.job_id == job_id))
+            conn.execute(delete(jobs_table).where(JOB.id == job_id))
 
     # --- running ----------------------------------------------------------------------------------
 

@@ -557,3 +557,22 @@ def test_a_cancel_leaves_queued_rows_alone_and_they_read_back_cancelled(store: J
         (f"id-{n}", "cancelled", "cancelled") for n in range(4)]
     status = store.job_status(job_id)
     assert (status.cancelled, status.queued, status.in_progress) == (4, 0, 0)
+
+
+def test_a_job_filled_in_chunks_runs_only_once_queued_and_a_discarded_one_leaves_nothing(store, store_url) -> None:
+    job_id = store.begin_job(SETTINGS, now=T0)
+    store.add_items(job_id, new_items(3), now=T0)
+    store.add_items(job_id, new_items(2, start=3), [InvalidItem("bad", "x", "refused", 9)], now=T0)
+    assert store.next_runnable_job() is None and store.claim_items(job_id, "w", 5) == []
+    status = store.job_status(job_id)
+    assert (status.status, status.total, status.queued, status.failed) == ("validating", 6, 5, 1)
+    store.set_job_status(job_id, "queued", now=T0)
+    assert [c.custom_id for c in store.claim_items(job_id, "w", 9)] == [f"id-{n}" for n in range(5)]
+    with pytest.raises(StoreError, match="is in_progress: items are added only while it is validating"):
+        store.add_items(job_id, new_items(1, start=7))
+    refused = store.begin_job(SETTINGS, now=T0)
+    store.add_items(refused, new_items(4), now=T0)
+    store.discard_job(refused)
+    assert [s.job_id for s in store.list_jobs()] == [job_id]
+    stored, counted = _counters_and_recount(store_url)
+    assert stored == counted and {job for job, _ in stored} == {job_id}
