@@ -77,11 +77,11 @@ def submit_job(store: JobStore, args: argparse.Namespace, check_model: Callable[
     settings = JobSettings(task=spec.task, model=str(model_dir), max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, seed=args.seed, target_language=spec.target_language,
                            name=args.name, input_path=str(path.absolute()))
-    ids = FirstIds()
+    ids, prepare = FirstIds(), _preparer(renderer, model_dir, names)
     intake = JobIntake(store, settings, ids, args.skip_invalid, str(path))
     try:
         for found in stream_outcomes(path, spec.task, ids):
-            intake.add(found, lambda record: _prepare(record, renderer, model_dir, names))
+            intake.add(found, prepare)
     except BaseException:
         intake.abandon()  # interrupted or broken: nothing of the input stays behind
         raise
@@ -117,23 +117,27 @@ def _job_model(given: str | None, path: Path) -> Path:
     return found
 
 
-def _prepare(record: InputRecord, renderer: PromptRenderer, model_dir: Path, names: Container[str]) -> NewItem | str:
-    """The item to queue for a record, or why the job refuses it: a line naming another model (answering it
-    with this model would give it another model's output), or a prompt the task cannot render."""
+def _preparer(renderer: PromptRenderer, model_dir: Path, names: Container[str]) -> Callable[[InputRecord], NewItem | str]:
+    """The function that makes each record's item to queue, or says why the job refuses it: a line naming
+    another model (answering it with this model would give it another model's output), or a prompt the
+    task cannot render. Imports once, here: it runs a million times."""
     from layerbus.jobs.intake import input_text
     from layerbus.jobs.item_params import item_params
     from layerbus.storage import NewItem
 
-    if record.model is not None and record.model not in names:
-        return (f"body.model {record.model!r} is not this job's model ({model_dir.name}, {model_dir}); a job runs one "
-                f"model: give this line the job's model name, or submit the lines for {record.model!r} as their "
-                "own job with --model")
-    try:
-        prompt = renderer.render(record)
-    except ValueError as error:
-        return str(error)
-    return NewItem(record.custom_id, input_text(record), prompt.text, item_params(record.params, prompt.add_special_tokens),
-                   record.line)
+    def prepare(record: InputRecord) -> NewItem | str:
+        if record.model is not None and record.model not in names:
+            return (f"body.model {record.model!r} is not this job's model ({model_dir.name}, {model_dir}); a job runs "
+                    f"one model: give this line the job's model name, or submit the lines for {record.model!r} as "
+                    "their own job with --model")
+        try:
+            prompt = renderer.render(record)
+        except ValueError as error:
+            return str(error)
+        params = item_params(record.params, prompt.add_special_tokens)
+        return NewItem(record.custom_id, input_text(record), prompt.text, params, record.line)
+
+    return prepare
 
 
 def _task_spec(args: argparse.Namespace) -> TaskSpec:

@@ -39,7 +39,22 @@ def insert_new_items(conn: Connection, job_id: str, items: Sequence[NewItem]) ->
 
 
 def _params_json(params: dict[str, Any]) -> str:
-    return json.dumps(params, sort_keys=True) if params else "{}"
+    # Most items of a job share their params ({"add_special_tokens": false}): encode each kind once.
+    # The key holds each value's type: 1, 1.0 and True are equal in Python but not in JSON.
+    key = tuple((name, type(value), value) for name, value in sorted(params.items()))
+    try:
+        encoded = _ENCODED_PARAMS.get(key)
+    except TypeError:  # a list value (stop strings) is not hashable: encode it
+        return json.dumps(params, sort_keys=True)
+    if encoded is None:
+        encoded = json.dumps(params, sort_keys=True)
+        if len(_ENCODED_PARAMS) < 1024:
+            _ENCODED_PARAMS[key] = encoded
+    return encoded
+
+
+# params_json by the params' typed, sorted items, for the first kinds seen (bounded: per-item seeds would fill it).
+_ENCODED_PARAMS: dict[tuple[tuple[str, type, Any], ...], str] = {}
 
 
 def claimed_item(job_id: str, row: Any) -> ClaimedItem:
