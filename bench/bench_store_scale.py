@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from layerbus.storage.records import JobSettings, NewItem
 from layerbus.storage.sqlite_status import read_job_status, read_recent_jobs
 from layerbus.storage.store import JobStore
 
@@ -84,8 +85,13 @@ def run_scale_bench(url: str, count: int, folder: Path, db_path: Path | None) ->
         "submit_s": submit_s, "submit_items_per_s": count / submit_s, "submit_peak_rss_mb": submit_rss_mb,
         # CPU seconds of the submit process: on a shared machine wall time also counts others' work.
         "submit_cpu_s": submit_cpu_s, "submit_items_per_cpu_s": count / submit_cpu_s,
-        "load_average_during_submit": os.getloadavg()[0], "store_mb": _store_mb(db_path),
+        "load_average_during_submit": os.getloadavg()[0], "store_mb": _store_mb(db_path, url),
     }
+    # The same command on an empty SQLite store: what Python and the imports cost, whatever the store holds.
+    empty = f"sqlite:///{folder / 'empty.db'}"
+    layerbus("status", "--db", empty, env=env)  # creates the empty store
+    result["status_command_empty_store_ms"] = 1000 * statistics.median(
+        layerbus("status", "--db", empty, env=env)[0] for _ in range(5))
     commands = {"status": ("status", "--db", url), "status_job": ("status", job_id, "--db", url),
                 "results": ("results", job_id, "--db", url)}
     for name, args in commands.items():
@@ -96,7 +102,11 @@ def run_scale_bench(url: str, count: int, folder: Path, db_path: Path | None) ->
         if db_path is not None:  # the standard-library path `layerbus status` takes on SQLite
             result["status_sqlite_read_ms"] = median_ms(lambda: read_recent_jobs(url, 20))
             result["status_job_sqlite_read_ms"] = median_ms(lambda: read_job_status(url, job_id))
-        result["cancel_command_s"], cancelled = layerbus("cancel", job_id, "--db", url, env=env)
+        result["cancel_command_s"] = layerbus("cancel", job_id, "--db", url, env=env)[0]
+        # The same command on a one-item job in the same store: "about as fast as cancelling a small one".
+        small = store.create_job(JobSettings(task="summarize", model="bench-model", name="small"),
+                                 [NewItem("one", "a document", "a prompt", {}, 1)])
+        result["cancel_small_job_command_s"] = layerbus("cancel", small, "--db", url, env=env)[0]
         status = store.job_status(job_id)
         result["after_cancel"] = {"status": status.status, "cancelled": status.cancelled, "queued": status.queued}
         start = time.perf_counter()
@@ -105,7 +115,15 @@ def run_scale_bench(url: str, count: int, folder: Path, db_path: Path | None) ->
     return result
 
 
-def _store_mb(db_path: Path | None) -> float | None:
+def _store_mb(db_path: Path | None, url: str) -> float | None:
+    if db_path is None and url.startswith("postgresql"):
+        from sqlalchemy import create_engine, text
+
+        engine = create_engine(url)
+        with engine.connect() as conn:
+            size = conn.execute(text("SELECT pg_database_size(current_database())")).scalar_one()
+        engine.dispose()
+        return size / 2**20
     if db_path is None:
         return None
     files = [db_path, db_path.with_name(db_path.name + "-wal")]
@@ -132,9 +150,11 @@ def print_scale_table(r: dict[str, Any]) -> None:
         rows.append((f"{name}", f"{query:.1f} ms query (target < {STATUS_MS_TARGET}: "
                                 f"{verdict(query < STATUS_MS_TARGET)}), {r[f'{key}_command_ms']:.0f} ms whole command"))
     rows += [
+        ("status, empty SQLite store", f"{r['status_command_empty_store_ms']:.0f} ms whole command (Python, imports)"),
         ("results JOB (whole command)", f"{r['results_command_ms']:.0f} ms"),
         ("cancel (whole command)", f"{r['cancel_command_s']:.2f} s (target < {CANCEL_S_TARGET:g}: "
-                                   f"{verdict(r['cancel_command_s'] < CANCEL_S_TARGET)})"),
+                                   f"{verdict(r['cancel_command_s'] < CANCEL_S_TARGET)}); a one-item job: "
+                                   f"{r['cancel_small_job_command_s']:.2f} s"),
         ("after cancel", json.dumps(r["after_cancel"])),
         ("read every result row", f"{r['results_rows']:,} rows in {r['results_rows_read_s']:.1f} s"),
     ]

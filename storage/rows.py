@@ -28,14 +28,25 @@ _NEW_ITEM_COLUMNS = ("job_id", "custom_id", "seq", "input", "prompt", "params_js
 
 
 def insert_new_items(conn: Connection, job_id: str, items: Sequence[NewItem]) -> None:
-    """Insert queued items with the driver's executemany on plain tuples: a submit of a million items spent
-    a third of its time in SQLAlchemy's per-row parameter handling, which these text and int values need not."""
-    mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
-    sql = f"INSERT INTO items ({', '.join(_NEW_ITEM_COLUMNS)}) VALUES ({', '.join([mark] * len(_NEW_ITEM_COLUMNS))})"
-    conn.exec_driver_sql(sql, [
-        (job_id, item.custom_id, item.seq, item.input, item.prompt, _params_json(item.params), "queued", 0)
-        for item in items
-    ])
+    """Insert queued items the fastest way the driver has: PostgreSQL's COPY, SQLite's executemany on plain
+    tuples. A million-item submit spent a third of its time in SQLAlchemy's per-row parameter handling, which
+    these text and int values need not; on PostgreSQL, row-by-row INSERTs took the server three times as long."""
+    rows = [(job_id, item.custom_id, item.seq, item.input, item.prompt, _params_json(item.params), "queued", 0)
+            for item in items]
+    columns = ", ".join(_NEW_ITEM_COLUMNS)
+    if conn.dialect.name == "postgresql":
+        # The psycopg connection under this transaction: the COPY is part of it, and rolls back with it.
+        statement = f"COPY items ({columns}) FROM STDIN"
+        try:
+            with conn.connection.driver_connection.cursor() as cursor:  # type: ignore[union-attr]
+                with cursor.copy(statement) as copy:
+                    for row in rows:
+                        copy.write_row(row)
+        except conn.dialect.dbapi.IntegrityError as exc:  # type: ignore[union-attr]
+            raise IntegrityError(statement, None, exc) from exc  # as SQLAlchemy reports it for an INSERT
+        return
+    marks = ", ".join("?" * len(_NEW_ITEM_COLUMNS))
+    conn.exec_driver_sql(f"INSERT INTO items ({columns}) VALUES ({marks})", rows)
 
 
 def _params_json(params: dict[str, Any]) -> str:

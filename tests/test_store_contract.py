@@ -570,6 +570,12 @@ def test_a_job_filled_in_chunks_runs_only_once_queued_and_a_discarded_one_leaves
     assert [c.custom_id for c in store.claim_items(job_id, "w", 9)] == [f"id-{n}" for n in range(5)]
     with pytest.raises(StoreError, match="is in_progress: items are added only while it is validating"):
         store.add_items(job_id, new_items(1, start=7))
+    repeated = store.begin_job(SETTINGS, now=T0)
+    store.add_items(repeated, new_items(2))
+    with pytest.raises(StoreError, match="job not created, nothing was queued"):
+        store.add_items(repeated, new_items(1))  # id-0 again, in a later chunk
+    assert store.job_status(repeated).total == 2, "the failed chunk left nothing"
+    store.discard_job(repeated)
     refused = store.begin_job(SETTINGS, now=T0)
     store.add_items(refused, new_items(4), now=T0)
     store.discard_job(refused)
