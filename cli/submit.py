@@ -117,7 +117,8 @@ def _job_model(given: str | None, path: Path) -> Path:
     return found
 
 
-def _preparer(renderer: PromptRenderer, model_dir: Path, names: Container[str]) -> Callable[[InputRecord], NewItem | str]:
+def _preparer(renderer: PromptRenderer, model_dir: Path,
+              names: Container[str]) -> Callable[[InputRecord], NewItem | str]:
     """The function that makes each record's item to queue, or says why the job refuses it: a line naming
     another model (answering it with this model would give it another model's output), or a prompt the
     task cannot render. Imports once, here: it runs a million times."""

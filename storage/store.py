@@ -4,9 +4,9 @@ Every method is one transaction. Claims are exclusive: BEGIN IMMEDIATE on SQLite
 SKIP LOCKED on PostgreSQL, so any number of broker processes can claim from one job. Locks are always
 taken items first (in id order), then the job's item counters (in job and state order), then the job
 row, so concurrent claims, completions, renewals and cancels cannot deadlock. Every item state change
-updates the counters in its transaction (storage/item_counts.py), so status never counts items. A claim is a lease (storage/leases.py): its holder renews it while it works,
-and only a holder may record or hand back what it holds, so an item taken over after its lease ran
-out is never recorded twice.
+updates the counters in its transaction (storage/item_counts.py), so status never counts items. A
+claim is a lease (storage/leases.py): its holder renews it while it works, and only a holder may
+record or hand back what it holds, so an item taken over after its lease ran out is never recorded twice.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from layerbus.storage.records import (ClaimedItem, InvalidItem, ItemResult, JobE
 from layerbus.storage.result_row import RESULT_COLUMNS
 from layerbus.storage.rows import (claimed_item, duplicate_message, insert_new_items, invalid_item_row, new_item_row,
                                    result_params)
+from layerbus.storage.schema import item_counts as counts_table
 from layerbus.storage.schema import items as items_table
 from layerbus.storage.schema import job_events as events_table
 from layerbus.storage.schema import jobs as jobs_table
@@ -46,7 +47,6 @@ from layerbus.storage.states import (
     timestamp_column,
 )
 from layerbus.storage.status import StateAggregate, build_job_status
-from layerbus.storage.schema import item_counts as counts_table
 
 # Column collections, to keep query expressions short.
 ITEM = items_table.c

@@ -60,7 +60,8 @@ def test_a_refused_input_leaves_nothing_behind_and_names_every_bad_line(store, t
     with pytest.raises(InputError) as raised:
         submit(store, path)  # two chunks were stored before line 8
     lines = str(raised.value).splitlines()
-    assert lines[0].startswith(f"{path}:8: malformed JSON") and lines[1] == f"{path}:9: duplicate id 'doc-1': line 1 has it already"
+    assert lines[0].startswith(f"{path}:8: malformed JSON")
+    assert lines[1] == f"{path}:9: duplicate id 'doc-1': line 1 has it already"
     assert store.list_jobs() == [] and store.next_runnable_job() is None
 
 
