@@ -79,12 +79,7 @@ def submit_job(store: JobStore, args: argparse.Namespace, check_model: Callable[
                            name=args.name, input_path=str(path.absolute()))
     ids, prepare = FirstIds(), _preparer(renderer, model_dir, names)
     intake = JobIntake(store, settings, ids, args.skip_invalid, str(path))
-    try:
-        for found in stream_outcomes(path, spec.task, ids):
-            intake.add(found, prepare)
-    except BaseException:
-        intake.abandon()  # interrupted or broken: nothing of the input stays behind
-        raise
+    intake.add_all(stream_outcomes(path, spec.task, ids), prepare)  # interrupted or broken: nothing stays behind
     try:
         job_id = intake.finish()
     except ItemsRefused as refused:

@@ -9,7 +9,7 @@ its file:line. The first problem that refuses the input stops the storing; readi
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from layerbus.jobs.inputs import FirstIds, unused_id
@@ -98,6 +98,16 @@ class JobIntake:
             if len(self._pending) >= self._chunk_items:
                 self._flush()
 
+    def add_all(self, found: Iterable[ItemOutcome | InputProblem],
+                prepare: Callable[[InputRecord], NewItem | str]) -> None:
+        """add() every outcome; when anything goes wrong on the way (Ctrl-C, the store), abandon() the job first."""
+        try:
+            for outcome in found:
+                self.add(outcome, prepare)
+        except BaseException:
+            self.abandon()
+            raise
+
     def finish(self) -> str:
         """Queue the job and return its id; InputError or ItemsRefused (nothing left in the store) when the
         input is refused: nothing valid, or problems without --skip-invalid."""
@@ -119,8 +129,13 @@ class JobIntake:
         return self.job_id
 
     def abandon(self) -> None:
-        """Remove the job and what was stored of it (the submit was interrupted or failed)."""
-        self._store.discard_job(self.job_id)
+        """Remove the job and what was stored of it (the submit was interrupted or failed).
+
+        A job cancelled while it was being filled (`layerbus cancel` on a validating job) is left as it is:
+        cancelled, so nothing of it runs, and what the user did to it stays on record.
+        """
+        if self._store.job_status(self.job_id).status == "validating":
+            self._store.discard_job(self.job_id)
 
     @property
     def invalid_count(self) -> int:

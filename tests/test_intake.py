@@ -11,6 +11,7 @@ import pytest
 from layerbus.jobs.inputs import FirstIds, stream_outcomes
 from layerbus.jobs.intake import ItemsRefused, JobIntake
 from layerbus.jobs.records import InputError
+from layerbus.storage.errors import StoreError
 from layerbus.storage.records import JobSettings, NewItem
 from layerbus.storage.store import JobStore
 
@@ -35,8 +36,7 @@ def submit(store: JobStore, path: Path, skip_invalid: bool = False, prepare=None
     ids = FirstIds()
     intake = JobIntake(store, SETTINGS, ids, skip_invalid, str(path), chunk_items=3)
     prepare = prepare or (lambda r: NewItem(r.custom_id, r.text, f"Summarize: {r.text}", {}, r.line))
-    for found in stream_outcomes(path, "summarize", ids):
-        intake.add(found, prepare)
+    intake.add_all(stream_outcomes(path, "summarize", ids), prepare)
     return intake.finish(), intake
 
 
@@ -74,6 +74,20 @@ def test_items_the_job_refuses_leave_nothing_behind(store, tmp_path):
     assert store.list_jobs() == []
 
 
+def test_a_job_cancelled_while_it_is_filled_stays_cancelled_and_the_submit_stops(store, tmp_path):
+    def cancel_at_five(record):
+        if record.line == 5:
+            store.cancel_job(store.latest_job_id())  # `layerbus cancel` from another shell
+        return NewItem(record.custom_id, record.text, "p", {}, record.line)
+
+    path = write_lines(tmp_path / "in.jsonl", 10)
+    with pytest.raises(StoreError, match="is cancelled: items are added only while it is validating"):
+        submit(store, path, prepare=cancel_at_five)  # the chunk after the cancel is refused
+    (status,) = store.list_jobs()
+    assert (status.status, status.total, status.cancelled, status.queued) == ("cancelled", 3, 3, 0)
+    assert store.next_runnable_job() is None
+
+
 def test_skip_invalid_queues_the_rest_and_records_the_bad_lines_failed(store, tmp_path):
     path = write_lines(tmp_path / "in.jsonl", 10, {4: "{oops", 9: json.dumps({"id": "line-4", "text": "mine"})})
     job_id, intake = submit(store, path, skip_invalid=True)
@@ -82,3 +96,14 @@ def test_skip_invalid_queues_the_rest_and_records_the_bad_lines_failed(store, tm
     (failed,) = [r for r in store.item_results(job_id) if r["status"] == "failed"]
     # "line-4" belongs to line 9, which comes after the bad line: the failed record's id steps aside.
     assert (failed["custom_id"], failed["seq"], failed["input"]) == ("line-4-2", 4, "{oops")
+
+
+def test_an_interrupted_submit_leaves_nothing_behind(store, tmp_path):
+    def interrupt_at_eight(record):
+        if record.line == 8:
+            raise KeyboardInterrupt
+        return NewItem(record.custom_id, record.text, "p", {}, record.line)
+
+    with pytest.raises(KeyboardInterrupt):
+        submit(store, write_lines(tmp_path / "in.jsonl", 10), prepare=interrupt_at_eight)
+    assert store.list_jobs() == []
