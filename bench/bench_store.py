@@ -2,7 +2,9 @@
 
     .venv/bin/python bench/bench_store.py [--items 10000] [--batch 64] [--db URL]
 
-Prints a table and writes bench/results/bench_store.json. The functions are meant to be reused by
+Prints a table and writes bench/results/bench_store.json. With --items 100000 or more it runs the scale
+mode instead (bench/bench_store_scale.py: the whole `layerbus submit` of that many documents, then status,
+results and cancel beside their targets; writes bench/results/bench_store_scale.json). The functions are meant to be reused by
 the end-to-end benchmark: each takes an open JobStore and returns plain numbers.
 """
 
@@ -23,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from layerbus.storage.records import ItemResult, JobSettings, NewItem  # noqa: E402
 from layerbus.storage.store import JobStore  # noqa: E402
+from bench.bench_store_scale import RESULTS_PATH as SCALE_RESULTS_PATH  # noqa: E402
+from bench.bench_store_scale import SCALE_ITEMS, print_scale_table, run_scale_bench  # noqa: E402
 
 RESULTS_PATH = Path(__file__).resolve().parent / "results" / "bench_store.json"
 # `layerbus status` polls job_status: it should answer within this on a job of 10,000 items, 3,000
@@ -152,8 +156,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--items", type=int, default=10_000)
     parser.add_argument("--batch", type=int, default=64, help="items per claim, as the broker claims")
     parser.add_argument("--db", help="database URL; default: a fresh SQLite file in a temporary folder")
-    parser.add_argument("--out", type=Path, default=RESULTS_PATH)
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.items >= SCALE_ITEMS:
+        return scale_main(args)
+    args.out = args.out or RESULTS_PATH
     with tempfile.TemporaryDirectory(prefix="layerbus-bench-") as folder:
         db_path = None if args.db else Path(folder) / "bench.db"
         url = args.db or f"sqlite:///{db_path}"
@@ -162,6 +169,18 @@ def main(argv: list[str] | None = None) -> None:
     machine = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count()}
     write_json({"store": result, "machine": machine}, args.out)
     print(f"\nwrote {args.out}")
+
+
+def scale_main(args: argparse.Namespace) -> None:
+    machine = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count()}
+    with tempfile.TemporaryDirectory(prefix="layerbus-bench-scale-") as folder:
+        db_path = None if args.db else Path(folder) / "bench.db"
+        url = args.db or f"sqlite:///{db_path}"
+        result = run_scale_bench(url, args.items, Path(folder), db_path)
+    print_scale_table(result)
+    out = args.out or SCALE_RESULTS_PATH
+    write_json({"store_scale": result, "machine": machine}, out)
+    print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -37,7 +38,17 @@ def _utf8_error(data: bytes, error: UnicodeDecodeError) -> str:
 
 def read_jsonl(path: Path, task: str) -> Found:
     """One item per non-blank line; a bad line is refused on its own and reading goes on."""
-    outcomes = []
+    found = list(jsonl_outcomes(path, task))
+    problems = [f for f in found if isinstance(f, InputProblem)]
+    return ([] if problems else found), problems  # type: ignore[return-value]
+
+
+def jsonl_outcomes(path: Path, task: str) -> Iterator[ItemOutcome | InputProblem]:
+    """read_jsonl one line at a time, for inputs too large to hold: each item's outcome as its line is read.
+
+    A whole-file problem comes as an InputProblem (possibly after items): then no item of the file counts.
+    """
+    count = 0
     try:
         with path.open("rb") as lines:
             for number, data in enumerate(lines, start=1):
@@ -49,19 +60,24 @@ def read_jsonl(path: Path, task: str) -> Found:
                     raw = data.decode("utf-8", errors="replace")
                     outcome = ItemOutcome(str(path), number, raw, f"line {number}", f"line-{number}")
                     message = f"not valid UTF-8: byte 0x{data[e.start]:02x} at column {e.start + 1}"
-                    outcomes.append(outcome.refuse([message]))
+                    count += 1
+                    yield outcome.refuse([message])
                     continue
                 if not raw.strip():
                     continue  # blank lines (a trailing newline, a spacer) hold no item
-                if not outcomes and raw.lstrip().startswith("["):
-                    return _whole_file(path, "starts with '[', so it looks like one JSON array; inputs are JSON "
-                                             "Lines, one object per line (convert with: jq -c '.[]' IN > OUT.jsonl)")
-                outcomes.append(parse_jsonl_line(raw, task, str(path), number))
+                if not count and raw.lstrip().startswith("["):
+                    yield InputProblem(str(path), 0, "starts with '[', so it looks like one JSON array; inputs are "
+                                                     "JSON Lines, one object per line (convert with: jq -c '.[]' IN "
+                                                     "> OUT.jsonl)")
+                    return
+                count += 1
+                yield parse_jsonl_line(raw, task, str(path), number)
     except OSError as e:
-        return _whole_file(path, f"cannot read: {e.strerror or e}")
-    if not outcomes:
-        return _whole_file(path, 'file is empty: write one JSON object per line, e.g. {"id": "doc-1", "text": "..."}')
-    return outcomes, []
+        yield InputProblem(str(path), 0, f"cannot read: {e.strerror or e}")
+        return
+    if not count:
+        yield InputProblem(str(path), 0, 'file is empty: write one JSON object per line, e.g. {"id": "doc-1", '
+                                         '"text": "..."}')
 
 
 def read_csv(path: Path, task: str) -> Found:

@@ -32,11 +32,13 @@ and the invalid items for the caller to record as failed.
 
 from __future__ import annotations
 
+from collections.abc import Container, Iterator
 from pathlib import Path
 from typing import Callable
 
-from layerbus.jobs.formats import Found, read_csv, read_jsonl, read_parquet, read_text_dir
+from layerbus.jobs.formats import Found, jsonl_outcomes, read_csv, read_jsonl, read_parquet, read_text_dir
 from layerbus.jobs.item_checks import ItemOutcome, show
+from layerbus.jobs.jsonl_items import body_model
 from layerbus.jobs.records import InputError, InputProblem, ReadResult
 from layerbus.storage.records import InvalidItem
 from layerbus.jobs.tasks import TASKS
@@ -93,15 +95,85 @@ def _choose_reader(path: Path) -> tuple[Callable[[Path, str], Found] | None, Inp
 
 
 def _refuse_duplicates(outcomes: list[ItemOutcome]) -> None:
-    first: dict[str, ItemOutcome] = {}
+    ids = FirstIds()
     for outcome in outcomes:
+        ids.check(outcome)
+
+
+class FirstIds:
+    """Each id's first item, for refusing later items that repeat it: an id belongs to its first item.
+
+    Keeps the id and where its item is (a line number where that says it), not the item, so a
+    million-line input costs a dict of a million short strings.
+    """
+
+    def __init__(self) -> None:
+        self.first: dict[str, int | str] = {}
+
+    def check(self, outcome: ItemOutcome) -> None:
         if outcome.custom_id is None:
-            continue
-        earlier = first.setdefault(outcome.custom_id, outcome)
-        if earlier is outcome:
-            continue
-        outcome.refuse([f"duplicate id {show(outcome.custom_id)}: {earlier.where} has it already"])
+            return
+        earlier = self.first.get(outcome.custom_id)
+        if earlier is None:
+            self.first[outcome.custom_id] = outcome.line if outcome.where == f"line {outcome.line}" else outcome.where
+            return
+        earlier_text = f"line {earlier}" if isinstance(earlier, int) else earlier
+        outcome.refuse([f"duplicate id {show(outcome.custom_id)}: {earlier_text} has it already"])
         outcome.custom_id = None  # the failed-item record must not reuse the id the first item holds
+
+
+def stream_outcomes(path: Path, task: str, ids: FirstIds) -> Iterator[ItemOutcome | InputProblem]:
+    """Every item of the input at path, checked (a repeated id refused: `ids` keeps them), as it is read,
+    and the problems of the whole file: a JSON Lines input is read one line at a time, other kinds whole."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}: choose --task {', '.join(TASKS)}")
+    path = Path(path)
+    reader, problem = _choose_reader(path)
+    if reader is None:
+        yield problem  # type: ignore[misc]
+        return
+    found = jsonl_outcomes(path, task) if reader is read_jsonl else _outcomes_then_problems(reader(path, task))
+    for outcome in found:
+        if isinstance(outcome, ItemOutcome):
+            ids.check(outcome)
+        yield outcome
+
+
+def input_problem(path: Path) -> InputProblem | None:
+    """Why the input at path cannot be read at all (missing, an unknown kind), or None."""
+    return _choose_reader(Path(path))[1]
+
+
+def named_models(path: Path) -> set[str]:
+    """The models the lines of a JSON Lines input name (body.model); empty for other inputs. A quick pass:
+    only lines mentioning "model" are parsed, and a line that does not parse is left to the real reading."""
+    if _READERS.get(Path(path).suffix.lower()) is not read_jsonl or not Path(path).is_file():
+        return set()
+    names = set()
+    with Path(path).open("rb") as lines:
+        for data in lines:
+            if b'"model"' in data:
+                name = body_model(data)
+                if name is not None:
+                    names.add(name)
+    return names
+
+
+def _outcomes_then_problems(found: Found) -> Iterator[ItemOutcome | InputProblem]:
+    outcomes, problems = found
+    yield from outcomes
+    yield from problems
+
+
+def unused_id(candidate: str, taken: Container[str], used: set[str]) -> str:
+    """candidate, or candidate-2, -3, ... when an item's own id (in `taken`) or an earlier fallback (in
+    `used`) already is that string."""
+    name, n = candidate, 1
+    while name in taken or name in used:
+        n += 1
+        name = f"{candidate}-{n}"
+    used.add(name)
+    return name
 
 
 def _collect(outcomes: list[ItemOutcome], problems: list[InputProblem]) -> ReadResult:

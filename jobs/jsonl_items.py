@@ -65,6 +65,17 @@ def parse_jsonl_line(raw: str, task: str, source: str, line: int) -> ItemOutcome
     return outcome.refuse(reasons)
 
 
+def body_model(raw: bytes) -> str | None:
+    """The model an OpenAI batch line names (body.model, stripped), or None when it names none or does not parse."""
+    try:
+        item = json.loads(raw)
+    except ValueError:
+        return None
+    body = item.get("body") if isinstance(item, dict) else None
+    model = body.get("model") if isinstance(body, dict) else None
+    return model.strip() if isinstance(model, str) and model.strip() else None
+
+
 def _unknown_keys(item: dict, accepted: tuple[str, ...], where: str) -> list[str]:
     unknown = [key for key in item if key not in accepted]
     return [unknown_names(f"{where}key(s)", unknown, accepted)] if unknown else []

@@ -11,6 +11,7 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 
 from layerbus.storage.errors import StoreError, mask_url
 from layerbus.storage.locations import default_db_url, default_results_dir, layerbus_home  # noqa: F401 (re-exported)
+from layerbus.storage.item_counts import fill_missing_counts
 from layerbus.storage.schema import Base
 
 # How long a SQLite writer waits for another process's write transaction before giving up.
@@ -56,8 +57,9 @@ def open_engine(url: str) -> Engine:
 def create_tables(engine: Engine, url: str) -> None:
     """Create the store's tables that are missing; connection failures become StoreError naming `url`.
 
-    A store made by an older layerbus gains the tables added since (create_all skips existing ones) and
-    the columns added since to existing tables (nullable ones only, see missing_columns).
+    A store made by an older layerbus gains the tables added since (create_all skips existing ones),
+    the columns added since to existing tables (nullable ones only, see missing_columns), and its jobs'
+    item counters, counted from their items once (storage/item_counts.py).
     """
     try:
         # Most opens find the tables there: checking first spares SQLite a write lock per open.
@@ -73,6 +75,7 @@ def create_tables(engine: Engine, url: str) -> None:
             for table, column in missing_columns(conn):
                 column_type = column.type.compile(dialect=conn.dialect)
                 conn.execute(text(f"ALTER TABLE {table.name} ADD COLUMN {column.name} {column_type}"))
+            fill_missing_counts(conn)
     except DBAPIError as exc:
         raise _connect_error(engine, url, exc) from exc
 

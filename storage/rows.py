@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
+from sqlalchemy import Connection
 from sqlalchemy.exc import IntegrityError
 
 from layerbus.storage.records import ClaimedItem, InvalidItem, ItemResult, NewItem
@@ -19,6 +21,51 @@ def new_item_row(job_id: str, item: NewItem) -> dict[str, Any]:
         "prompt": item.prompt, "params_json": json.dumps(item.params, sort_keys=True), "status": "queued",
         "attempts": 0, "finish_reason": None, "error": None, "finished_at": None,
     }  # fmt: skip
+
+
+# The columns a queued item is inserted with; the others start NULL.
+_NEW_ITEM_COLUMNS = ("job_id", "custom_id", "seq", "input", "prompt", "params_json", "status", "attempts")
+
+
+def insert_new_items(conn: Connection, job_id: str, items: Sequence[NewItem]) -> None:
+    """Insert queued items the fastest way the driver has: PostgreSQL's COPY, SQLite's executemany on plain
+    tuples. A million-item submit spent a third of its time in SQLAlchemy's per-row parameter handling, which
+    these text and int values need not; on PostgreSQL, row-by-row INSERTs took the server three times as long."""
+    rows = [(job_id, item.custom_id, item.seq, item.input, item.prompt, _params_json(item.params), "queued", 0)
+            for item in items]
+    columns = ", ".join(_NEW_ITEM_COLUMNS)
+    if conn.dialect.name == "postgresql":
+        # The psycopg connection under this transaction: the COPY is part of it, and rolls back with it.
+        statement = f"COPY items ({columns}) FROM STDIN"
+        try:
+            with conn.connection.driver_connection.cursor() as cursor:  # type: ignore[union-attr]
+                with cursor.copy(statement) as copy:
+                    for row in rows:
+                        copy.write_row(row)
+        except conn.dialect.dbapi.IntegrityError as exc:  # type: ignore[union-attr]
+            raise IntegrityError(statement, None, exc) from exc  # as SQLAlchemy reports it for an INSERT
+        return
+    marks = ", ".join("?" * len(_NEW_ITEM_COLUMNS))
+    conn.exec_driver_sql(f"INSERT INTO items ({columns}) VALUES ({marks})", rows)
+
+
+def _params_json(params: dict[str, Any]) -> str:
+    # Most items of a job share their params ({"add_special_tokens": false}): encode each kind once.
+    # The key holds each value's type: 1, 1.0 and True are equal in Python but not in JSON.
+    key = tuple((name, type(value), value) for name, value in sorted(params.items()))
+    try:
+        encoded = _ENCODED_PARAMS.get(key)
+    except TypeError:  # a list value (stop strings) is not hashable: encode it
+        return json.dumps(params, sort_keys=True)
+    if encoded is None:
+        encoded = json.dumps(params, sort_keys=True)
+        if len(_ENCODED_PARAMS) < 1024:
+            _ENCODED_PARAMS[key] = encoded
+    return encoded
+
+
+# params_json by the params' typed, sorted items, for the first kinds seen (bounded: per-item seeds would fill it).
+_ENCODED_PARAMS: dict[tuple[tuple[str, type, Any], ...], str] = {}
 
 
 def claimed_item(job_id: str, row: Any) -> ClaimedItem:

@@ -1,5 +1,5 @@
-"""The job store's tables, `jobs`, `items`, `job_events`, `eval_runs` and `eval_metrics`, as SQLAlchemy
-declarative models.
+"""The job store's tables, `jobs`, `items`, `item_counts`, `job_events`, `eval_runs` and `eval_metrics`, as
+SQLAlchemy declarative models.
 
 Users query these tables with plain SQL (see storage/SCHEMA.md), so they stay flat: text states,
 JSON as text, one timestamp column per job state. Timestamps are UTC: `timestamptz` on PostgreSQL,
@@ -129,6 +129,23 @@ class Item(Base):
     finished_at: Mapped[datetime | None]  # entered completed, failed or cancelled
 
 
+class ItemCountRow(Base):
+    """Totals over one job's items in one item state, kept in step with every item state change.
+
+    Five rows per job (one per item state), written in the transaction that moves its items, so
+    `layerbus status` reads these instead of counting a million items (storage/item_counts.py).
+    """
+
+    __tablename__ = "item_counts"
+
+    job_id: Mapped[str] = mapped_column(String(32), ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    status: Mapped[str] = mapped_column(String(16), primary_key=True)  # one of ITEM_STATES
+    items: Mapped[int] = mapped_column(BigInteger)  # items of the job in this state
+    ran: Mapped[int] = mapped_column(BigInteger)  # of those, items claimed at least once (attempts > 0)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger)  # sum of their prompt_tokens (NULL counts as 0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger)  # sum of their completion_tokens
+
+
 class JobEventRow(Base):
     """One thing that happened to a running job and how long it took: a stage lost, a re-plan, a recovery."""
 
@@ -188,6 +205,7 @@ class EvalMetricRow(Base):
 
 jobs = Job.__table__
 items = Item.__table__
+item_counts = ItemCountRow.__table__
 job_events = JobEventRow.__table__
 eval_runs = EvalRunRow.__table__
 eval_metrics = EvalMetricRow.__table__

@@ -2,7 +2,7 @@
 
 `layerbus status` is what people poll while a job runs. Its query takes about 2 ms; importing
 SQLAlchemy takes about 240 ms. This module reads the same two things JobStore reads (the job row
-and per-state item totals) and builds the JobStatus with the same pure function, so both paths
+and its item counters) and builds the JobStatus with the same pure function, so both paths
 agree by construction (and a contract test holds them to it). Anything unusual (not a plain SQLite
 file URL, a missing file, a schema it does not know) returns None and the caller uses JobStore;
 a store made before the job_events table existed has no events to show, which is not unusual.
@@ -21,10 +21,11 @@ from layerbus.storage.states import TIMESTAMP_COLUMNS
 from layerbus.storage.status import StateAggregate, build_job_status
 
 _JOB_COLUMNS = ("id", "name", "task", "model", "status", "total_count", "results_path", "error", *TIMESTAMP_COLUMNS)
+# The item counters (storage/item_counts.py): five rows per job, whatever its size. A store from before
+# them has no such table: sqlite3 raises, and JobStore.open fills them in.
 _AGGREGATES = """
-    SELECT job_id, status, count(*), sum(CASE WHEN attempts > 0 THEN 1 ELSE 0 END),
-           coalesce(sum(prompt_tokens), 0), coalesce(sum(completion_tokens), 0)
-    FROM items WHERE job_id IN ({marks}) GROUP BY job_id, status"""
+    SELECT job_id, status, items, ran, prompt_tokens, completion_tokens
+    FROM item_counts WHERE job_id IN ({marks})"""
 _EVENTS = "SELECT at, kind, message, duration_s FROM job_events WHERE job_id = ? ORDER BY id DESC LIMIT ?"
 _HAS_EVENTS_TABLE = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'job_events'"
 

@@ -2,10 +2,11 @@
 
 Every method is one transaction. Claims are exclusive: BEGIN IMMEDIATE on SQLite, row locks with
 SKIP LOCKED on PostgreSQL, so any number of broker processes can claim from one job. Locks are always
-taken items first (in id order), then the job row, so concurrent claims, completions, renewals and
-cancels cannot deadlock. A claim is a lease (storage/leases.py): its holder renews it while it works,
-and only a holder may record or hand back what it holds, so an item taken over after its lease ran
-out is never recorded twice.
+taken items first (in id order), then the job's item counters (in job and state order), then the job
+row, so concurrent claims, completions, renewals and cancels cannot deadlock. Every item state change
+updates the counters in its transaction (storage/item_counts.py), so status never counts items. A
+claim is a lease (storage/leases.py): its holder renews it while it works, and only a holder may
+record or hand back what it holds, so an item taken over after its lease ran out is never recorded twice.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Select, bindparam, case, func, insert, select, update
+from sqlalchemy import Connection, Engine, Select, bindparam, delete, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from layerbus.storage.engine import READ_ONLY_OPTION, create_tables, open_engine
@@ -26,11 +27,14 @@ from layerbus.storage.errors import StoreError, mask_url
 from layerbus.storage.eval_records import DEFAULT_EVAL_LIMIT, EvalMetric, EvalRun
 from layerbus.storage.eval_store import EvalTables
 from layerbus.storage.events import DEFAULT_EVENT_LIMIT, event_row, events_oldest_first
+from layerbus.storage.item_counts import CountChanges, insert_counts, lock_counts, read_counts
 from layerbus.storage.leases import DEFAULT_LEASE_S, held_by, job_leases, lease_end, reclaimable
 from layerbus.storage.records import (ClaimedItem, InvalidItem, ItemResult, JobEvent, JobSettings, JobStatus, Lease,
                                       NewItem)
 from layerbus.storage.result_row import RESULT_COLUMNS
-from layerbus.storage.rows import claimed_item, duplicate_message, invalid_item_row, new_item_row, result_params
+from layerbus.storage.rows import (claimed_item, duplicate_message, insert_new_items, invalid_item_row, new_item_row,
+                                   result_params)
+from layerbus.storage.schema import item_counts as counts_table
 from layerbus.storage.schema import items as items_table
 from layerbus.storage.schema import job_events as events_table
 from layerbus.storage.schema import jobs as jobs_table
@@ -47,6 +51,7 @@ from layerbus.storage.status import StateAggregate, build_job_status
 # Column collections, to keep query expressions short.
 ITEM = items_table.c
 JOB = jobs_table.c
+COUNT = counts_table.c
 EVENT = events_table.c
 # Rows per page when streaming results, and ids per IN (...) list (SQLite allows 32,766 parameters).
 _PAGE = 1000
@@ -129,9 +134,62 @@ class JobStore:
                 conn.execute(insert(jobs_table), job_row)
                 if rows:
                     conn.execute(insert(items_table), rows)
+                insert_counts(conn, job_id, [StateAggregate("queued", len(items), 0, 0, 0),
+                                             StateAggregate("failed", len(invalid_items), 0, 0, 0)])
         except IntegrityError as exc:
             raise StoreError(duplicate_message(rows, exc)) from exc
         return job_id
+
+    def begin_job(self, settings: JobSettings, now: datetime | None = None) -> str:
+        """Store a new job as validating, with no items yet; returns its id.
+
+        For inputs too large to hold: add_items fills it a chunk at a time, set_job_status(job_id, "queued")
+        makes it runnable once the whole input passed, discard_job removes it when it did not. No broker
+        claims from a validating job, so nothing of it runs before it is queued.
+        """
+        job_id = new_job_id()
+        job_row = {
+            "id": job_id, "name": settings.name, "task": settings.task, "model": settings.model,
+            "settings_json": settings.to_json(), "input_path": settings.input_path, "results_path": None,
+            "status": "validating", "total_count": 0, "error": None, "created_at": _utc(now),
+        }  # fmt: skip
+        with self._write() as conn:
+            conn.execute(insert(jobs_table), job_row)
+            insert_counts(conn, job_id, [])
+        return job_id
+
+    def add_items(self, job_id: str, items: Sequence[NewItem], invalid_items: Sequence[InvalidItem] = (),
+                  now: datetime | None = None) -> None:
+        """Add items to a validating job (begin_job) in one transaction: valid ones queued, invalid ones failed."""
+        now = _utc(now)
+        rows = [invalid_item_row(job_id, item, now) for item in invalid_items]
+        try:
+            with self._write() as conn:
+                status = self._job_field(conn, job_id, JOB.status)
+                if status != "validating":
+                    raise StoreError(f"job {job_id!r} is {status}: items are added only while it is validating")
+                if items:
+                    insert_new_items(conn, job_id, items)
+                if rows:
+                    conn.execute(insert(items_table), rows)
+                changes = CountChanges()
+                changes.add(job_id, "queued", len(items), 0)
+                changes.add(job_id, "failed", len(invalid_items), 0)
+                changes.apply(conn)
+                added = len(items) + len(rows)
+                conn.execute(update(jobs_table).where(JOB.id == job_id).values(total_count=JOB.total_count + added))
+        except IntegrityError as exc:
+            raise StoreError(duplicate_message([new_item_row(job_id, item) for item in items] + rows, exc)) from exc
+
+    def discard_job(self, job_id: str) -> None:
+        """Delete a validating job with its items: a refused input leaves nothing behind."""
+        with self._write() as conn:
+            status = self._job_field(conn, job_id, JOB.status)
+            if status != "validating":
+                raise StoreError(f"job {job_id!r} is {status}: only a validating job can be discarded")
+            for table in (items_table, counts_table):  # its rows first: SQLite enforces the cascade only when asked
+                conn.execute(delete(table).where(table.c.job_id == job_id))
+            conn.execute(delete(jobs_table).where(JOB.id == job_id))
 
     # --- running ----------------------------------------------------------------------------------
 
@@ -166,6 +224,10 @@ class JobStore:
                     .values(status="in_progress", attempts=ITEM.attempts + 1, claimed_by=worker, claimed_at=now,
                             lease_expires_at=expires)
                 )
+                changes = CountChanges()
+                changes.add(job_id, "queued", -len(rows), -sum(1 for r in rows if r.attempts > 0))
+                changes.add(job_id, "in_progress", len(rows), len(rows))
+                changes.apply(conn)
             if job_status == "queued":
                 conn.execute(
                     update(jobs_table)
@@ -188,6 +250,7 @@ class JobStore:
             check_finish_reason(result.item_id, result.finish_reason)
             first.setdefault(result.item_id, result)
         written: set[int] = set()
+        changes = CountChanges()
         with self._write() as conn:
             for chunk in _chunks(list(first)):
                 live = self._lock_in_progress(conn, _holding(ITEM.id.in_(chunk), holder))
@@ -205,7 +268,13 @@ class JobStore:
                     [result_params(first[item_id]) for item_id, _ in live],
                 )
                 written.update(item_id for item_id, _ in live)
-                self._settle_cancelling(conn, {job_id for _, job_id in live}, now)
+                for item_id, job_id in live:
+                    result = first[item_id]
+                    changes.add(job_id, "in_progress", -1, -1)
+                    changes.add(job_id, result.status, 1, 1, result.prompt_tokens, result.completion_tokens)
+            jobs = {job_id for job_id, _ in changes.deltas}
+            changes.apply(conn)
+            self._settle_cancelling(conn, jobs, now)
         return [item_id for item_id in first if item_id in written]
 
     def requeue_items(self, item_ids: Iterable[int], now: datetime | None = None,
@@ -216,12 +285,11 @@ class JobStore:
         of it is in flight. Items not in_progress, and with `holder` items it does not hold, are left alone.
         """
         now = _utc(now)
-        requeued: list[int] = []
         with self._write() as conn:
+            live: list[tuple[int, str]] = []
             for chunk in _chunks(list(dict.fromkeys(item_ids))):
-                live = self._lock_in_progress(conn, _holding(ITEM.id.in_(chunk), holder))
-                requeued += self._requeue(conn, live, now)
-        return requeued
+                live += self._lock_in_progress(conn, _holding(ITEM.id.in_(chunk), holder))
+            return self._requeue(conn, live, now)
 
     def requeue_in_flight(self, job_id: str, now: datetime | None = None) -> int:
         """Requeue every in_progress item of a job whoever holds it; returns how many were requeued.
@@ -301,6 +369,8 @@ class JobStore:
 
         The job becomes cancelled at once when nothing is in flight, otherwise cancelling until its
         in-flight items finish or are requeued. Finished outputs stay. Cancelling twice is harmless.
+        The queued items' rows keep status queued: the job's cancelling_at makes them cancelled for
+        claims, counts and results alike (storage/item_counts.py), so a cancel costs the same at any size.
         """
         now = _utc(now)
         with self._write() as conn:
@@ -311,13 +381,16 @@ class JobStore:
                 raise StoreError(
                     f"job {job_id!r} is {current}: only {', '.join(CANCELLABLE_JOB_STATES)} jobs can be cancelled"
                 )
-            # Locking in-flight items first waits out concurrent completions/requeues, so the count below is final.
-            in_flight = len(self._lock_in_progress(conn, ITEM.job_id == job_id))
-            conn.execute(
-                update(items_table)
-                .where(ITEM.job_id == job_id, ITEM.status == "queued")
-                .values(status="cancelled", finish_reason="cancelled", finished_at=now)
-            )
+            # The queued items' rows stay as they are: cancelling_at marks them cancelled (item_counts.
+            # effective_status), which takes one statement whatever the job's size. Locking the counters
+            # waits out concurrent completions and requeues, so the in-flight count is final.
+            counts = lock_counts(conn, job_id, self._row_locks)
+            in_flight = counts["in_progress"].count
+            queued = counts["queued"]
+            changes = CountChanges()
+            changes.add(job_id, "queued", -queued.count, -queued.ran, -queued.prompt_tokens, -queued.completion_tokens)
+            changes.add(job_id, "cancelled", queued.count, queued.ran, queued.prompt_tokens, queued.completion_tokens)
+            changes.apply(conn)
             target = "cancelling" if in_flight else "cancelled"
             moved = conn.execute(
                 update(jobs_table)
@@ -348,12 +421,12 @@ class JobStore:
     # --- reading ----------------------------------------------------------------------------------
 
     def job_status(self, job_id: str, now: datetime | None = None) -> JobStatus:
-        """State, counts, throughput and ETA of one job (two queries)."""
+        """State, counts, throughput and ETA of one job (two queries, neither reading items)."""
         with self._read() as conn:
             job = conn.execute(select(jobs_table).where(JOB.id == job_id)).mappings().one_or_none()
             if job is None:
                 raise self._no_job(job_id)
-            aggregates = self._aggregates(conn, [job_id])
+            aggregates = read_counts(conn, [job_id])
         return build_job_status(job, aggregates.get(job_id, []), _utc(now))
 
     def list_jobs(self, limit: int = 20, now: datetime | None = None) -> list[JobStatus]:
@@ -362,7 +435,7 @@ class JobStore:
             rows = conn.execute(
                 select(jobs_table).order_by(JOB.created_at.desc(), JOB.id.desc()).limit(limit)
             ).mappings().all()
-            aggregates = self._aggregates(conn, [r["id"] for r in rows])
+            aggregates = read_counts(conn, [r["id"] for r in rows])
         return [build_job_status(r, aggregates.get(r["id"], []), _utc(now)) for r in rows]
 
     def job_events(self, job_id: str, limit: int = DEFAULT_EVENT_LIMIT) -> list[JobEvent]:
@@ -415,8 +488,8 @@ class JobStore:
         latency_s, error, status. Read in pages, each its own short transaction.
         """
         with self._read() as conn:
-            self._job_field(conn, job_id, JOB.id)
-        return self._result_pages(job_id)
+            cancelled_at = self._job_field(conn, job_id, JOB.cancelling_at)
+        return self._result_pages(job_id, cancelled=cancelled_at is not None)
 
     def job_items(self, job_id: str) -> Iterator[NewItem]:
         """Every item of a job as it was queued (custom_id, input, prompt, params, seq), in seq order.
@@ -538,73 +611,74 @@ class JobStore:
         return [(r.id, r.job_id) for r in conn.execute(self._locking(query))]
 
     def _requeue(self, conn: Connection, live: list[tuple[int, str]], now: datetime) -> list[int]:
+        """Requeue the locked in-flight items `live` ((id, job_id)); those of cancelled jobs are cancelled.
+
+        A job counts as cancelled once it has a cancelling_at (never cleared, even when a cancelling job
+        then fails), so an item of it never goes back to queued and its count moves with it.
+        """
         if not live:
             return []
         job_ids = {job_id for _, job_id in live}
-        cancelling = set(
-            conn.execute(select(JOB.id).where(JOB.id.in_(job_ids), JOB.status == "cancelling")).scalars()
-        )
-        to_queue = [item_id for item_id, job_id in live if job_id not in cancelling]
-        to_cancel = [item_id for item_id, job_id in live if job_id in cancelling]
-        if to_queue:
+        cancelled = set(conn.execute(
+            select(JOB.id).where(JOB.id.in_(job_ids), JOB.cancelling_at.is_not(None))
+        ).scalars())
+        to_queue = [item_id for item_id, job_id in live if job_id not in cancelled]
+        to_cancel = [item_id for item_id, job_id in live if job_id in cancelled]
+        for chunk in _chunks(to_queue):
             conn.execute(
                 update(items_table)
-                .where(ITEM.id.in_(to_queue))
+                .where(ITEM.id.in_(chunk))
                 .values(status="queued", claimed_by=None, claimed_at=None, lease_expires_at=None)
             )
-        if to_cancel:
+        for chunk in _chunks(to_cancel):
             conn.execute(
                 update(items_table)
-                .where(ITEM.id.in_(to_cancel))
+                .where(ITEM.id.in_(chunk))
                 .values(status="cancelled", finish_reason="cancelled", finished_at=now)
             )
-            self._settle_cancelling(conn, cancelling, now)
+        changes = CountChanges()
+        for _, job_id in live:  # in-flight items were all claimed, so each has run
+            changes.move(job_id, "in_progress", "cancelled" if job_id in cancelled else "queued", 1, 1)
+        changes.apply(conn)
+        if cancelled:
+            self._settle_cancelling(conn, cancelled, now)
         return to_queue
 
     def _settle_cancelling(self, conn: Connection, job_ids: set[str], now: datetime) -> None:
-        """Move cancelling jobs among `job_ids` to cancelled once none of their items is in flight."""
+        """Move cancelling jobs among `job_ids` to cancelled once none of their items is in flight.
+
+        Call it after applying this transaction's counter changes: it reads the in-flight counter.
+        """
         query = select(JOB.id).where(JOB.id.in_(job_ids), JOB.status == "cancelling")
         for job_id in conn.execute(self._locking(query)).scalars().all():
             in_flight = conn.execute(
-                select(func.count()).where(ITEM.job_id == job_id, ITEM.status == "in_progress")
+                select(COUNT["items"]).where(COUNT.job_id == job_id, COUNT.status == "in_progress")
             ).scalar_one()
             if in_flight == 0:
                 conn.execute(update(jobs_table).where(JOB.id == job_id).values(status="cancelled", cancelled_at=now))
 
-    def _aggregates(self, conn: Connection, job_ids: list[str]) -> dict[str, list[StateAggregate]]:
-        if not job_ids:
-            return {}
-        query = (
-            select(
-                ITEM.job_id,
-                ITEM.status,
-                func.count(),
-                func.sum(case((ITEM.attempts > 0, 1), else_=0)),
-                func.coalesce(func.sum(ITEM.prompt_tokens), 0),
-                func.coalesce(func.sum(ITEM.completion_tokens), 0),
-            )
-            .where(ITEM.job_id.in_(job_ids))
-            .group_by(ITEM.job_id, ITEM.status)
-        )
-        out: dict[str, list[StateAggregate]] = {}
-        for job_id, status, count, ran, prompt_tokens, completion_tokens in conn.execute(query):
-            agg = StateAggregate(status, int(count), int(ran), int(prompt_tokens), int(completion_tokens))
-            out.setdefault(job_id, []).append(agg)
-        return out
-
-    def _result_pages(self, job_id: str) -> Iterator[dict[str, Any]]:
+    def _result_pages(self, job_id: str, cancelled: bool) -> Iterator[dict[str, Any]]:
+        """Result rows in seq order; with `cancelled` (the job was cancelled), its still-queued items too,
+        as the cancelled items they are (item_counts.effective_status)."""
         columns = [ITEM[name] for name in RESULT_COLUMNS]
+        states = FINISHED_ITEM_STATES + (("queued",) if cancelled else ())
         last_seq: int | None = None
         while True:
-            query = select(*columns).where(ITEM.job_id == job_id, ITEM.status.in_(FINISHED_ITEM_STATES))
+            query = select(*columns).where(ITEM.job_id == job_id, ITEM.status.in_(states))
             if last_seq is not None:
                 query = query.where(ITEM.seq > last_seq)
             with self._read() as conn:
                 page = conn.execute(query.order_by(ITEM.seq).limit(_PAGE)).mappings().all()
-            yield from (dict(row) for row in page)
+            for row in page:
+                yield _as_cancelled(dict(row)) if row["status"] == "queued" else dict(row)
             if len(page) < _PAGE:
                 return
             last_seq = page[-1]["seq"]
+
+
+def _as_cancelled(row: dict[str, Any]) -> dict[str, Any]:
+    """A queued item's result row once its job was cancelled, as the cancel would have written it."""
+    return {**row, "status": "cancelled", "finish_reason": "cancelled"}
 
 
 def _holding(condition: Any, holder: str | None) -> Any:

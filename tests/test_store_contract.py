@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
+import random
+import threading
 import time
 from collections import Counter
 from datetime import datetime, timedelta, timezone
@@ -13,8 +15,10 @@ import pytest
 from sqlalchemy import create_engine, func, select, text
 
 from layerbus.storage.errors import StoreError
+from layerbus.storage.item_counts import read_counts, recount
 from layerbus.storage.records import InvalidItem, ItemResult, JobSettings, Lease, NewItem
 from layerbus.storage.schema import items as items_table
+from layerbus.storage.schema import jobs as jobs_table
 from layerbus.storage.store import JobStore
 
 T0 = datetime(2030, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc)
@@ -439,3 +443,142 @@ def test_a_store_from_before_leases_gains_the_column_and_its_claims_count_as_exp
         assert store.requeue_expired(job_id, now=T0) == {"old-broker": 2}
         status = store.job_status(job_id)
         assert (status.total, status.queued) == (3, 3)
+
+
+# --- item counters ------------------------------------------------------------------------------------
+
+
+def _counters_and_recount(url: str) -> tuple[dict, dict]:
+    """Every job's counters as stored, and as a full count of its items sets them (zero rows dropped)."""
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            job_ids = list(conn.execute(select(jobs_table.c.id)).scalars())
+            stored, counted = read_counts(conn, job_ids), recount(conn)
+    finally:
+        engine.dispose()
+
+    def flat(per_job: dict) -> dict:
+        totals = {(job_id, a.status): (a.count, a.ran, a.prompt_tokens, a.completion_tokens)
+                  for job_id, aggs in per_job.items() for a in aggs}
+        return {key: value for key, value in totals.items() if any(value)}
+
+    return flat(stored), flat(counted)
+
+
+def _random_writer(url: str, seed: int, steps: int, shared_jobs: list[str], errors: list) -> None:
+    """One writer: `steps` random claims, completions, failures, requeues, lease expiries, cancels and new
+    jobs, over the shared jobs and its own, on its own connection; what it raises lands in `errors`."""
+    rng = random.Random(seed)
+    jobs, held, clock = list(shared_jobs), [], T0
+    try:
+        with JobStore.open(url) as store:
+            for _ in range(steps):
+                clock += timedelta(seconds=rng.random())
+                job_id, op = rng.choice(jobs), rng.random()
+                if op < 0.05:
+                    invalid = [InvalidItem(f"bad-{n}", "x", "refused", 100 + n) for n in range(rng.randint(0, 2))]
+                    jobs.append(store.create_job(SETTINGS, new_items(rng.randint(0, 12)), invalid, now=clock))
+                elif op < 0.40:
+                    worker = rng.choice(["w1", "w2"]) + str(seed)
+                    claimed = store.claim_items(job_id, worker, rng.randint(1, 6), now=clock,
+                                                lease_s=rng.choice([0.5, 30.0]))
+                    held += [(c.item_id, worker) for c in claimed]
+                elif op < 0.70 and held:
+                    done = [held.pop(rng.randrange(len(held))) for _ in range(min(len(held), rng.randint(1, 4)))]
+                    results = [ItemResult(i, None, "error", 2, 0, 0.1, error="boom") if rng.random() < 0.3
+                               else ok(i, rng.randint(0, 9)) for i, _ in done]
+                    store.complete_items(results, now=clock, holder=rng.choice([done[0][1], None]))
+                elif op < 0.80 and held:
+                    store.requeue_items([held.pop()[0]], now=clock)
+                elif op < 0.90:
+                    store.requeue_expired(job_id, now=clock + timedelta(seconds=rng.choice([0, 1, 60])))
+                elif op < 0.93:
+                    store.requeue_in_flight(job_id, now=clock)
+                elif op < 0.96:
+                    try:
+                        store.cancel_job(job_id, now=clock)
+                    except StoreError:  # finished or failed jobs cannot be cancelled
+                        pass
+                else:
+                    try:
+                        store.set_job_status(job_id, rng.choice(["failed", "finalizing"]), now=clock)
+                    except StoreError:  # a move the lifecycle forbids from where the job is
+                        pass
+    except Exception as exc:  # noqa: BLE001 (handed to the test thread, which fails with it)
+        errors.append(exc)
+
+
+def test_item_counters_equal_a_full_count_after_two_random_writers(store: JobStore, store_url: str) -> None:
+    shared = [store.create_job(SETTINGS, new_items(n), [InvalidItem("bad", "x", "refused", 99)], now=T0)
+              for n in (20, 40, 60)]
+    errors: list = []
+    writers = [threading.Thread(target=_random_writer, args=(store_url, seed, 250, shared, errors)) for seed in (1, 2)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(timeout=120)
+    assert not errors, errors
+    stored, counted = _counters_and_recount(store_url)
+    assert stored == counted
+    assert {state for _, state in counted} >= {"queued", "completed", "failed", "cancelled"}, "the run was too tame"
+
+
+def test_a_store_from_before_the_counters_gains_them_counted_from_its_items(store_url: str) -> None:
+    with JobStore.open(store_url) as store:
+        running = store.create_job(SETTINGS, new_items(5), [InvalidItem("bad", "x", "refused", 9)], now=T0)
+        store.complete_items([ok(c.item_id, 7) for c in store.claim_items(running, "w", 2)])
+        store.claim_items(running, "w", 1)
+        cancelled = store.create_job(SETTINGS, new_items(3), now=T0)
+        store.cancel_job(cancelled)
+        expected = {job_id: store.job_status(job_id, now=T0) for job_id in (running, cancelled)}
+    engine = create_engine(store_url)
+    with engine.begin() as conn:  # the store as a layerbus before the counters left it
+        conn.execute(text("DROP TABLE item_counts"))
+    engine.dispose()
+    with JobStore.open(store_url) as store:
+        assert {job_id: store.job_status(job_id, now=T0) for job_id in expected} == expected
+    stored, counted = _counters_and_recount(store_url)
+    assert stored == counted
+
+
+def test_a_cancel_leaves_queued_rows_alone_and_they_read_back_cancelled(store: JobStore, store_url: str) -> None:
+    job_id = store.create_job(SETTINGS, new_items(4), now=T0)
+    (first,) = store.claim_items(job_id, "w", 1)
+    assert store.cancel_job(job_id, now=T0) == "cancelling"
+    engine = create_engine(store_url)
+    with engine.connect() as conn:
+        rows = Counter(conn.execute(select(items_table.c.status).where(items_table.c.job_id == job_id)).scalars())
+    engine.dispose()
+    assert rows == {"queued": 3, "in_progress": 1}, "the cancel rewrote item rows"
+    store.set_job_status(job_id, "failed", error="broker lost")  # a cancelling job may still fail
+    assert store.requeue_in_flight(job_id) == 0  # ...and its in-flight item is cancelled, not queued again
+    assert [(r["custom_id"], r["status"], r["finish_reason"]) for r in store.item_results(job_id)] == [
+        (f"id-{n}", "cancelled", "cancelled") for n in range(4)]
+    status = store.job_status(job_id)
+    assert (status.cancelled, status.queued, status.in_progress) == (4, 0, 0)
+
+
+def test_a_job_filled_in_chunks_runs_only_once_queued_and_a_discarded_one_leaves_nothing(store, store_url) -> None:
+    job_id = store.begin_job(SETTINGS, now=T0)
+    store.add_items(job_id, new_items(3), now=T0)
+    store.add_items(job_id, new_items(2, start=3), [InvalidItem("bad", "x", "refused", 9)], now=T0)
+    assert store.next_runnable_job() is None and store.claim_items(job_id, "w", 5) == []
+    status = store.job_status(job_id)
+    assert (status.status, status.total, status.queued, status.failed) == ("validating", 6, 5, 1)
+    store.set_job_status(job_id, "queued", now=T0)
+    assert [c.custom_id for c in store.claim_items(job_id, "w", 9)] == [f"id-{n}" for n in range(5)]
+    with pytest.raises(StoreError, match="is in_progress: items are added only while it is validating"):
+        store.add_items(job_id, new_items(1, start=7))
+    repeated = store.begin_job(SETTINGS, now=T0)
+    store.add_items(repeated, new_items(2))
+    with pytest.raises(StoreError, match="job not created, nothing was queued"):
+        store.add_items(repeated, new_items(1))  # id-0 again, in a later chunk
+    assert store.job_status(repeated).total == 2, "the failed chunk left nothing"
+    store.discard_job(repeated)
+    refused = store.begin_job(SETTINGS, now=T0)
+    store.add_items(refused, new_items(4), now=T0)
+    store.discard_job(refused)
+    assert [s.job_id for s in store.list_jobs()] == [job_id]
+    stored, counted = _counters_and_recount(store_url)
+    assert stored == counted and {job for job, _ in stored} == {job_id}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
 import sys
 from datetime import datetime, timedelta, timezone
@@ -53,6 +54,17 @@ def test_sqlite_read_path_declines_what_it_cannot_answer(tmp_path):
     assert read_job_status(f"sqlite:///{tmp_path / 'absent.db'}", "job_x") is None
     (tmp_path / "junk.db").write_bytes(b"not a database")
     assert read_job_status(f"sqlite:///{tmp_path / 'junk.db'}", "job_x") is None
+
+
+def test_a_store_from_before_the_item_counters_is_left_to_the_full_store(tmp_path):
+    url, ids = make_store(tmp_path)
+    with sqlite3.connect(tmp_path / "jobs.db") as conn:
+        conn.execute("DROP TABLE item_counts")  # as a layerbus before the counters left it
+    assert read_job_status(url, ids[0]) is None and read_recent_jobs(url, 5) is None
+    with JobStore.open(url):  # counts the items once and keeps the counters from then on
+        pass
+    assert read_job_status(url, ids[0]).counts == {"queued": 4, "in_progress": 2, "completed": 2, "failed": 2,
+                                                   "cancelled": 0}
 
 
 @pytest.mark.cluster
