@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.netns import StageNamespaces, unavailable_reason  # noqa: E402
 from layerbus.broker.broker import Broker, BrokerConfig  # noqa: E402
+from layerbus.broker.placement import PlanOptions  # noqa: E402
 from layerbus.broker.requests import GenerationRequest  # noqa: E402
 from layerbus.broker.scheduler import BatchingConfig  # noqa: E402
 from layerbus.jobs.corpus import SAMPLE_CORPUS, corpus_prompts  # noqa: E402
@@ -71,6 +72,9 @@ def run_in_namespaces(model_dir: Path, prompts, codec: str, rate_mbit: float | N
     with key_dir, StageNamespaces(NAMESPACES, rate_mbit) as net:
         config = BrokerConfig(str(model_dir), 2, control_bind="tcp://0.0.0.0:*", results_bind="tcp://0.0.0.0:*",
                               advertise_host=net.host_address(1), wire=codec, keys=keys,
+                              # stage-0 first: only its data port is reachable from here, only stage-1 reaches
+                              # the advertised results address (a reordered plan left every step unanswered)
+                              plan_options=PlanOptions(allow_reorder=False, allow_drop=False),
                               batching=BatchingConfig(micro_batch_size=micro_batch_size, max_context=2048))
         broker = Broker(config)
         port = broker.control.address.rsplit(":", 1)[1]

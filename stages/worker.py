@@ -170,13 +170,8 @@ class StageWorker:
                 self._drain_control()
             if self.data_in in events and not self.stopping:
                 self._serve_one()
-            if self.control_handshakes in events:
-                refused = handshake_failure(self.control_handshakes)
-                if refused is not None:
-                    log.error("stage %s: no link to the broker at %s: %s; a secured broker needs this stage's "
-                              "--keys (its NAME.key copied into the broker's --allow folder) and --broker-key",
-                              self.name, self.config.broker, refused)
-                    return 2
+            if self.control_handshakes in events and self._broker_refused():
+                return 2
             now = time.monotonic()
             if self.gate is not None and now >= self.next_refusal_check:
                 self._report_refusals()
@@ -186,6 +181,18 @@ class StageWorker:
                 log.error("stage %s: broker %s silent for %.1f s; exiting", self.name, self.config.broker, silent)
                 return 3
         return 0
+
+    def _broker_refused(self) -> bool:
+        """A failed handshake with the broker, logged; True when it is for good (libzmq will not retry)."""
+        failure = handshake_failure(self.control_handshakes)
+        if failure is None:
+            return False
+        why, for_good = failure
+        (log.error if for_good else log.warning)(
+            "stage %s: no link to the broker at %s: %s; a secured broker needs this stage's --keys (its NAME.key "
+            "copied into the broker's --allow folder) and --broker-key (the broker's NAME.key)",
+            self.name, self.config.broker, why)
+        return for_good
 
     def _secure_client(self, socket: zmq.Socket) -> None:
         """A control socket (this loop's or the heartbeat thread's) as a CURVE client of the broker."""

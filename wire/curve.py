@@ -279,19 +279,22 @@ def watch_handshakes(socket: zmq.Socket) -> zmq.Socket:
     return monitor
 
 
-def handshake_failure(monitor: zmq.Socket, settle_s: float = 0.2) -> str | None:
-    """Why the watched client's handshake failed (None: no failure was reported). A failure may come as
-    a vague event first (a closed pipe) and the telling one just after: each is waited for briefly."""
+def handshake_failure(monitor: zmq.Socket, settle_s: float = 0.2) -> tuple[str, bool] | None:
+    """Why the watched client's handshake failed, and whether for good (None: no failure was reported).
+    For good: the server refused our key, or one side has no keys (libzmq never retries either). Otherwise
+    (a wrong server key, or a connection broken mid-handshake, as by a broker restarting) libzmq retries.
+    A failure may come as a vague event first (a closed pipe) and the telling one just after: each is
+    waited for briefly."""
     events = []
     while monitor.poll(0 if not events else int(settle_s * 1000)):
         events.append(recv_monitor_message(monitor))
     if not events:
         return None
     if any(event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH for event in events):
-        return "the server refused this side's key (it is not in the server's allowed keys)"
+        return "the server refused this side's key (it is not in the server's allowed keys)", True
     if any(event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH for event in events):
-        return "one side has CURVE keys and the other has none"
-    return "the handshake did not complete (is the server's public key the right one?)"
+        return "one side has CURVE keys and the other has none", True
+    return "the handshake did not complete (is the server's public key the right one?); retrying", False
 
 
 # -- which binds need keys ---------------------------------------------------------------------
