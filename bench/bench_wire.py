@@ -8,8 +8,12 @@
      limited by tbf to a rate that makes the float16 run network-bound (the rate is derived from the
      unlimited float16 run: its hop bytes/s times --compute-to-transfer), float16 against int8.
 
+  4. CurveZMQ (issue 13): the same two-stage runs with every link secured against unsecured, on the
+     unlimited link and on the limited one (float16), and the handshake's time on loopback.
+
     flock /tmp/layerbus-heavy.lock .venv/bin/python bench/bench_wire.py          # about 5 minutes
     .venv/bin/python bench/bench_wire.py --documents 8 --prompts 12               # a quick look
+    flock /tmp/layerbus-heavy.lock .venv/bin/python bench/bench_wire.py --curve-only   # part 4 alone
 """
 
 from __future__ import annotations
@@ -17,20 +21,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.netns import StageNamespaces, unavailable_reason  # noqa: E402
 from layerbus.broker.broker import Broker, BrokerConfig  # noqa: E402
+from layerbus.broker.placement import PlanOptions  # noqa: E402
 from layerbus.broker.requests import GenerationRequest  # noqa: E402
 from layerbus.broker.scheduler import BatchingConfig  # noqa: E402
 from layerbus.jobs.corpus import SAMPLE_CORPUS, corpus_prompts  # noqa: E402
 from layerbus.stages.wire_quality import quality_report  # noqa: E402
 from layerbus.wire.codecs import CODEC_NAMES, wire_bytes  # noqa: E402
+from layerbus.wire.curve import ClusterKeys, make_keypair, read_keypair, secure_client, secure_server  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
@@ -52,12 +62,19 @@ def short_prompts(tokenizer, count: int) -> list[tuple[str, list[int]]]:
 
 
 def run_in_namespaces(model_dir: Path, prompts, codec: str, rate_mbit: float | None, max_new_tokens: int,
-                      micro_batch_size: int) -> dict:
-    """Broker here, stage i in namespace i; the stage-0 -> stage-1 hop crosses the (limited) link."""
+                      micro_batch_size: int, secure: bool = True) -> dict:
+    """Broker here, stage i in namespace i; the stage-0 -> stage-1 hop crosses the (limited) link. Every link
+    CurveZMQ (one throwaway keypair, as a local cluster's), or none (`secure=False`: the stages' --insecure)."""
     requests = [GenerationRequest(pid, ids, max_new_tokens=max_new_tokens) for pid, ids in prompts]
-    with StageNamespaces(NAMESPACES, rate_mbit) as net:
+    key_dir = tempfile.TemporaryDirectory(prefix="layerbus-bench-keys-")
+    keys = ClusterKeys(read_keypair(make_keypair(Path(key_dir.name), "bench")[1])) if secure else None
+    key_args = ["--keys", str(keys.keypair.path), "--broker-key", str(keys.keypair.path)] if keys else ["--insecure"]
+    with key_dir, StageNamespaces(NAMESPACES, rate_mbit) as net:
         config = BrokerConfig(str(model_dir), 2, control_bind="tcp://0.0.0.0:*", results_bind="tcp://0.0.0.0:*",
-                              advertise_host=net.host_address(1), wire=codec,
+                              advertise_host=net.host_address(1), wire=codec, keys=keys,
+                              # stage-0 first: only its data port is reachable from here, only stage-1 reaches
+                              # the advertised results address (a reordered plan left every step unanswered)
+                              plan_options=PlanOptions(allow_reorder=False, allow_drop=False),
                               batching=BatchingConfig(micro_batch_size=micro_batch_size, max_context=2048))
         broker = Broker(config)
         port = broker.control.address.rsplit(":", 1)[1]
@@ -67,7 +84,7 @@ def run_in_namespaces(model_dir: Path, prompts, codec: str, rate_mbit: float | N
         try:
             for i, name in enumerate(NAMESPACES):
                 argv = [sys.executable, "-m", "layerbus.stages", "--broker", f"tcp://{net.host_address(i)}:{port}",
-                        "--name", f"stage-{i}", "--bind", f"tcp://{binds[i]}:*", "--threads", "1"]
+                        "--name", f"stage-{i}", "--bind", f"tcp://{binds[i]}:*", "--threads", "1", *key_args]
                 processes.append(subprocess.Popen(net.command(name, argv), env=env, stdout=subprocess.DEVNULL,
                                                   stderr=subprocess.DEVNULL))
             broker.start()
@@ -91,11 +108,62 @@ def run_in_namespaces(model_dir: Path, prompts, codec: str, rate_mbit: float | N
         raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
     new_tokens = sum(len(r.token_ids) for r in results)
     sent = stage_stats["stage-0"]["bytes_out"]
-    return {"codec": codec, "rate_mbit": rate_mbit, "wall_s": stats.wall_s, "new_tokens": new_tokens,
+    return {"codec": codec, "secure": secure, "rate_mbit": rate_mbit, "wall_s": stats.wall_s, "new_tokens": new_tokens,
             "tokens_per_s": new_tokens / stats.wall_s, "hop_bytes": sent, "hop_bytes_per_s": sent / stats.wall_s,
             "codec_share": {name: s["codec_s"] / s["busy_s"] for name, s in stage_stats.items() if s.get("busy_s")},
             "busy_s": {name: s["busy_s"] for name, s in stage_stats.items()},
             "token_ids": [r.token_ids for r in results]}
+
+
+def handshake_ms(secure: bool, connections: int = 50) -> float:
+    """Median time from connect to a first message received, over tcp loopback, CURVE or not (no ZAP)."""
+    context = zmq.Context()
+    server_keys = read_keypair(make_keypair(Path(tempfile.mkdtemp()), "server")[1]) if secure else None
+    client_keys = read_keypair(make_keypair(Path(tempfile.mkdtemp()), "client")[1]) if secure else None
+    server = context.socket(zmq.ROUTER)
+    if secure:
+        secure_server(server, server_keys)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    times = []
+    for _ in range(connections):
+        client = context.socket(zmq.DEALER)
+        client.setsockopt(zmq.LINGER, 0)
+        if secure:
+            secure_client(client, client_keys, server_keys.public)
+        started = time.perf_counter()
+        client.connect(f"tcp://127.0.0.1:{port}")
+        client.send(b"hello")
+        server.recv_multipart()
+        times.append((time.perf_counter() - started) * 1e3)
+        client.close(linger=0)
+    server.close(linger=0)
+    context.term()
+    return statistics.median(times)
+
+
+def curve_comparison(model_dir: Path, prompts, args) -> dict:
+    """Secured against unsecured, unlimited and limited link (float16, the rate as part 3 derives it)."""
+    run = lambda rate, secure: run_in_namespaces(model_dir, prompts, "float16", rate, args.max_new_tokens,  # noqa: E731
+                                                 args.micro_batch_size, secure)
+    unlimited = {"insecure": run(None, False), "curve": run(None, True)}
+    rate = unlimited["insecure"]["hop_bytes_per_s"] * 8 / 1e6 * args.compute_to_transfer
+    limited = {"insecure": run(rate, False), "curve": run(rate, True)}
+    report = {"handshake_ms": {"null": handshake_ms(False), "curve": handshake_ms(True)}, "rate_mbit": rate}
+    print("\nCurveZMQ: 2 stages in namespaces, float16 wire")
+    print("| link | links | tok/s | wall s | tok/s change |\n|---|---|---|---|---|")
+    for label, runs in (("no limit", unlimited), (f"tbf {rate:.2f} Mbit/s", limited)):
+        plain, curve = runs["insecure"], runs["curve"]
+        change = curve["tokens_per_s"] / plain["tokens_per_s"] - 1
+        report[label] = {"change": change, "same_outputs": curve["token_ids"] == plain["token_ids"],
+                         **{name: {"tokens_per_s": r["tokens_per_s"], "wall_s": r["wall_s"]}
+                            for name, r in runs.items()}}
+        print(f"| {label} | unsecured | {plain['tokens_per_s']:.1f} | {plain['wall_s']:.1f} | |")
+        print(f"| {label} | CurveZMQ | {curve['tokens_per_s']:.1f} | {curve['wall_s']:.1f} | {change:+.1%} |")
+    shakes = report["handshake_ms"]
+    print(f"handshake (connect to first message received, tcp loopback, median of 50): NULL {shakes['null']:.2f} ms, "
+          f"CURVE {shakes['curve']:.2f} ms; outputs equal: no limit {report['no limit']['same_outputs']}, "
+          f"limited {report[f'tbf {rate:.2f} Mbit/s']['same_outputs']}")
+    return report
 
 
 def main() -> None:
@@ -108,12 +176,23 @@ def main() -> None:
     parser.add_argument("--compute-to-transfer", type=float, default=0.15,
                         help="float16 compute time / transfer time on the limited link (default 0.15)")
     parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--curve-only", action="store_true",
+                        help="only part 4, CurveZMQ against unsecured links (written to bench_wire_curve.json)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bench_wire.json")
     args = parser.parse_args()
     from layerbus.models.default_model import default_model_dir
     from layerbus.models.model_info import load_tokenizer, read_model_info
 
     model_dir = args.model or default_model_dir()
+    if args.curve_only:
+        reason = unavailable_reason()
+        if reason is not None:
+            raise SystemExit(f"CurveZMQ comparison skipped: {reason}")
+        report = curve_comparison(model_dir, short_prompts(load_tokenizer(model_dir), args.prompts), args)
+        out = args.out.with_name("bench_wire_curve.json")
+        out.write_text(json.dumps(report, indent=2))
+        print(f"\nwritten to {out}")
+        return
     hidden = read_model_info(model_dir).files.config.hidden_size
     report: dict = {"model": str(model_dir), "hidden_size": hidden, "cores": os.cpu_count()}
 

@@ -39,6 +39,7 @@ from layerbus.broker.trace_file import BrokerTrace
 from layerbus.broker.wire_choice import AutoWireInputs, plan_link_codecs
 from layerbus.broker.workload import Workload, job_shape, mean_decode_context
 from layerbus.models.model_info import ModelInfo, load_tokenizer, read_model_info
+from layerbus.wire.curve import ClusterKeys
 from layerbus.wire.trace_events import PLACE
 from layerbus.wire.spans import LayerRange
 from layerbus.wire.weight_formats import check_weight_format
@@ -56,6 +57,9 @@ class BrokerConfig:
     control_bind: str = "tcp://127.0.0.1:*"  # ROUTER for registration/heartbeats ("*" = any port)
     results_bind: str = "tcp://127.0.0.1:*"  # PULL where the last stage returns tokens
     advertise_host: str | None = None  # host name stages on other machines use for results_bind
+    # CURVE on every link (wire/curve.py): the broker's keypair and the stage keys it admits. None: the
+    # links are neither authenticated nor encrypted (the CLI allows that on loopback binds, or --insecure).
+    keys: ClusterKeys | None = None
     partition: str = "planned"  # "planned" (profiled stages, broker.placement), "balanced" (by FLOPs) or "equal"
     plan_options: PlanOptions = field(default_factory=PlanOptions)  # workload mix, reserve, reordering
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
@@ -96,10 +100,14 @@ class Broker:
                                  config.workload.items if config.workload else None)
         self.batching = sizing.batching
         self.batching_reasons = sizing.reasons
-        self.context = context or zmq.Context.instance()
-        self.control = ControlPlane(self.context, config.control_bind)
+        # A secured broker has a context of its own: libzmq takes one ZAP authenticator per context.
+        self._own_context = context is None and config.keys is not None
+        self.context = context or (zmq.Context() if self._own_context else zmq.Context.instance())
+        self.control = ControlPlane(self.context, config.control_bind, keys=config.keys)
         self.results = self.context.socket(zmq.PULL)
         self.results.setsockopt(zmq.LINGER, 0)
+        if self.control.gate is not None:
+            self.control.gate.guard(self.results)
         self.results.bind(config.results_bind)
         self.results_address = self._advertised(self.results.getsockopt(zmq.LAST_ENDPOINT).decode())
         # Decode steps dominate a run's hops: a micro-batch's rows of float32 hidden states.
@@ -427,7 +435,9 @@ class Broker:
         if self.pipeline is not None:
             self.pipeline.close()
         self.results.close(linger=0)
-        self.control.socket.close(linger=0)
+        self.control.close()
+        if self._own_context:
+            self.context.term()
 
 
 

@@ -2,7 +2,13 @@
 and report failures. It keeps one `StageInfo` per stage (what the stage is and how it is doing; which
 layers it serves is the broker's `Placement`), decides in one place when a stage is lost
 (`lost_reason`), and hands the pipeline loop the events it must act on. Where the broker started the
-stage processes itself (a LocalCluster), `children` tells it which of them ended, and why."""
+stage processes itself (a LocalCluster), `children` tells it which of them ended, and why.
+
+With keys (wire.curve.ClusterKeys), the ROUTER is a CURVE server admitting only the allowed stage keys;
+a stage's key is read from its registration's connection (the handshake proved it), and each stage is
+told the key of the hop it sends to and of the one allowed to send to it. Peers refused in the
+handshake, here or at a stage's data port, are logged once each and queued in `refusals` for the
+job's events."""
 
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import zmq
 
 from layerbus.broker.chain import Placement
 from layerbus.wire import protocol
+from layerbus.wire.curve import ClusterKeys, CurveGate
 from layerbus.wire.frames import WireError, decode, encode
 from layerbus.wire.protocol import HEARTBEAT_IDENTITY_SUFFIX
 from layerbus.wire.spans import LayerRange
@@ -80,6 +87,7 @@ class StageInfo:
     stats: dict = field(default_factory=dict)
     error: str | None = None
     busy_s: float = 0.0  # how long its current step or load had run at its last heartbeat
+    public_key: str | None = None  # its CURVE key (Z85) as its connection proved it; None: an unsecured cluster
 
 
 @dataclass(frozen=True)
@@ -110,11 +118,16 @@ class ChildWatch(Protocol):
 
 class ControlPlane:
     def __init__(self, context: zmq.Context, bind: str = "tcp://127.0.0.1:*",
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, keys: ClusterKeys | None = None):
         self.clock = clock
+        self.keys = keys
+        # The broker's one ZAP authenticator and handshake monitors (the broker guards its results socket too).
+        self.gate = CurveGate(context, keys.keypair, keys.allowed) if keys is not None else None
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted stage may reuse its name
+        if self.gate is not None:
+            self.gate.guard(self.socket)
         self.socket.bind(bind)
         self.address = self.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.stages: dict[bytes, StageInfo] = {}
@@ -125,6 +138,10 @@ class ControlPlane:
         # Set by a LocalCluster: its stage processes, looked at on every poll; `exits` is what they reported.
         self.children: ChildWatch | None = None
         self.exits: list[StageExit] = []
+        # Refusals not yet in a job's events (the pipeline takes them), and those already logged: a peer
+        # that keeps retrying is logged and recorded once.
+        self.refusals: list[str] = []
+        self._refusals_seen: set[str] = set()
 
     # -- receiving -----------------------------------------------------------------------------
     def poll(self, timeout_ms: int = 0) -> list[ControlEvent]:
@@ -157,7 +174,7 @@ class ControlPlane:
         if from_heartbeat_thread:
             identity = identity[:-len(HEARTBEAT_IDENTITY_SUFFIX)]
         if kind == protocol.REGISTER and not from_heartbeat_thread:
-            self._register(identity, header, now)
+            self._register(identity, header, now, _proven_key(frames[1]) if self.keys is not None else None)
             return []
         stage = self.stages.get(identity)
         if stage is None:
@@ -195,6 +212,9 @@ class ControlPlane:
                 stage.state, stage.error = StageState.FAILED, str(header.get("error"))
             return [ControlEvent("failure", stage.name, header)]
         elif kind == protocol.REJECTED:
+            if header.get("refused") is True:  # its data port refused a handshake
+                self._refused(f"stage {stage.name}'s data port {header.get('error')}")
+                return []
             log.error("stage %s rejected a message from %s: %s", stage.name, header.get("sender"), header.get("error"))
             return [ControlEvent("rejected", stage.name, header)]
         elif kind == protocol.BYE:
@@ -204,7 +224,7 @@ class ControlPlane:
             return [ControlEvent(kind, stage.name, header)]
         return []
 
-    def _register(self, identity: bytes, header: dict, now: float) -> None:
+    def _register(self, identity: bytes, header: dict, now: float, public_key: str | None) -> None:
         try:
             protocol.require_fields(header, "register", {"name": str, "device": str, "dtype": str,
                                                          "threads": int, "data_address": str})
@@ -218,7 +238,7 @@ class ControlPlane:
         self.stages[identity] = StageInfo(
             identity=identity, name=header["name"], device=header["device"], dtype=header["dtype"],
             threads=header["threads"], memory_budget=header.get("memory_budget"),
-            data_address=header["data_address"], host=str(header.get("host", "?")),
+            data_address=header["data_address"], public_key=public_key, host=str(header.get("host", "?")),
             pid=int(_figure(header.get("pid"))), last_seen=now)
         if any(ended.name == header["name"] and ended.pid == self.stages[identity].pid for ended in self.exits):
             # Registered, then ended before this message was read: it cannot serve.
@@ -226,13 +246,35 @@ class ControlPlane:
         log.info("stage %s registered (%s, %s, %d threads, data at %s)", header["name"], header["device"],
                  header["dtype"], header["threads"], header["data_address"])
 
+    def _note_refusals(self) -> None:
+        for refusal in self.gate.refusals() if self.gate is not None else ():
+            self._refused(f"the broker {refusal.describe()}")
+
+    def _refused(self, message: str) -> None:
+        if message in self._refusals_seen or len(self._refusals_seen) > 1000:
+            return
+        self._refusals_seen.add(message)
+        log.warning("%s", message)
+        self.refusals.append(message)
+
+    def take_refusals(self) -> list[str]:
+        taken, self.refusals = self.refusals, []
+        return taken
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+        if self.gate is not None:
+            self.gate.close()
+
     # -- sending -------------------------------------------------------------------------------
     def send(self, stage: StageInfo, kind: str, **fields) -> None:
         self.socket.send_multipart([stage.identity, *encode(dict(fields, kind=kind))], copy=False)
 
     def heartbeat(self, interval_s: float) -> None:
+        """Heartbeats to the live stages, every `interval_s`; refused handshakes are looked at as often."""
         now = self.clock()
         if now - self.last_heartbeat >= interval_s:
+            self._note_refusals()
             for stage in self.live_stages():
                 if self.tracer is None:
                     self.send(stage, protocol.HEARTBEAT)
@@ -314,7 +356,8 @@ class ControlPlane:
             traced = {"trace": True} if self.tracer is not None else {}
             self.send(stage, protocol.ASSIGN, epoch=self.epoch, model_dir=model_dir, layers=span.to_json(),
                       is_first=i == 0, is_last=i == len(chain) - 1, next_address=next_address,
-                      num_slots=num_slots, max_context=max_context, wire=link_codec, weights=weights, **traced)
+                      num_slots=num_slots, max_context=max_context, wire=link_codec, weights=weights,
+                      **self._link_keys(chain, i), **traced)
         deadline = self.clock() + timeout_s
         # Take in what queued while the broker was busy (planning a large job takes seconds, during
         # which heartbeats wait in the socket): judged before that, every stage would look silent.
@@ -333,6 +376,24 @@ class ControlPlane:
                 self.check_stages(chain, liveness_window_s, stuck_s=timeout_s)
             self.poll(100)
             self.heartbeat(0.5)
+
+    def _link_keys(self, chain: list[StageInfo], i: int) -> dict:
+        """For a secured cluster: the server key of the hop stage i sends to (the next stage's, or the
+        broker's results socket), and the one client key its data port admits (the hop before it)."""
+        if self.keys is None:
+            return {}
+        own = self.keys.keypair.public.decode()
+        return {"next_key": chain[i + 1].public_key if i + 1 < len(chain) else own,
+                "prev_key": chain[i - 1].public_key if i > 0 else own}
+
+
+def _proven_key(frame) -> str | None:
+    """The CURVE key (Z85) the sender's handshake proved: the ZAP User-Id of a message's frame."""
+    try:
+        return frame.get("User-Id")
+    except (zmq.ZMQError, AttributeError):
+        return None
+
 
 def lost_reason(stage: StageInfo, now: float, window_s: float, stuck_s: float) -> str | None:
     """Why this stage of a chain can serve no more (None: it can): it left, it reported an error that

@@ -3,21 +3,28 @@ benchmarks. A stage process that ends while the cluster starts is named with why
 times (broker.stage_supervisor); one that cannot come back is left out and the model placed over the
 others. Every process it starts is stopped on exit: SIGTERM, a bounded wait, then SIGKILL; and on
 Linux the kernel sends them SIGTERM if this process dies without exiting (kill -9), so a killed broker
-leaves no stages behind to compete with the one that resumes its job."""
+leaves no stages behind to compete with the one that resumes its job.
+
+Secure by default: without keys in its config it makes a throwaway keypair for the run, shared by the
+broker and its stages (wire.curve.ClusterKeys admits the broker's own key), in a temporary folder only
+its user can read, deleted once the stages have registered and loaded (they hold the keys in memory)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from layerbus.broker.broker import Broker, BrokerConfig
 from layerbus.broker.stage_supervisor import StageSupervisor
+from layerbus.wire.curve import ClusterKeys, make_keypair, read_keypair
 
 log = logging.getLogger("layerbus.cluster")
 
@@ -36,6 +43,9 @@ class LocalStageOptions:
     # Restarts of a stage process that ends before the model is placed (a crash at start-up, a load that
     # runs out of memory); after that the run goes on without it, if the others can hold the model.
     max_restarts: int = 2
+    # CURVE on every link with a throwaway keypair, unless the broker's config brings keys of its own.
+    # False: links neither authenticated nor encrypted (all on loopback), for comparisons.
+    secure: bool = True
 
 
 class LocalCluster:
@@ -46,6 +56,7 @@ class LocalCluster:
         self.broker: Broker | None = None
         self.supervisor: StageSupervisor | None = None
         self.log_files = []
+        self.key_dir: Path | None = None  # the throwaway keypair's folder, while the stages may still need it
 
     @property
     def processes(self) -> list[subprocess.Popen]:
@@ -65,15 +76,30 @@ class LocalCluster:
         """Start the broker (it places the model); stage processes that end after this are not restarted."""
         self.broker.start()
         self.supervisor.starting = False
+        self._forget_keys()  # no stage process starts after this one
 
     def __exit__(self, *exc) -> None:
         self.close()
 
     def spawn(self) -> Broker:
         """The broker and the stage processes, without starting the broker (which places the model)."""
+        if self.config.keys is None and self.options.secure:
+            self.key_dir = Path(tempfile.mkdtemp(prefix="layerbus-keys-"))  # mode 700
+            _, secret = make_keypair(self.key_dir, "run")
+            self.config = replace(self.config, keys=ClusterKeys(read_keypair(secret)))
         self.broker = Broker(self.config)
         self._spawn_stages()
         return self.broker
+
+    def _key_args(self) -> list[str]:
+        """The stages' --keys and --broker-key: the broker's own keypair (it admits it)."""
+        keys = self.config.keys
+        return ["--keys", str(keys.keypair.path), "--broker-key", str(keys.keypair.path)] if keys else []
+
+    def _forget_keys(self) -> None:
+        if self.key_dir is not None:
+            shutil.rmtree(self.key_dir, ignore_errors=True)
+            self.key_dir = None
 
     def threads_per_stage(self) -> int:
         if self.options.threads_per_stage:
@@ -91,7 +117,7 @@ class LocalCluster:
     def _spawn_stage(self, i: int) -> subprocess.Popen:
         command = [sys.executable, "-m", "layerbus.stages", "--broker", self.broker.address, "--name", f"stage-{i}",
                    "--threads", str(self.threads_per_stage()), "--device", self.options.device,
-                   "--dtype", self.options.dtype, *self.options.extra_args,
+                   "--dtype", self.options.dtype, *self._key_args(), *self.options.extra_args,
                    *(self.options.stage_args[i] if i < len(self.options.stage_args) else ())]
         stderr = None
         path = self._log_path(i)
@@ -127,6 +153,7 @@ class LocalCluster:
         for handle in self.log_files:
             handle.close()
         self.supervisor, self.log_files = None, []
+        self._forget_keys()
 
 
 def _die_with_parent() -> None:

@@ -40,6 +40,7 @@ from layerbus.broker.run_state import (
 from layerbus.broker.scheduler import BatchingConfig, Scheduler, StepPlan
 from layerbus.broker.trace_file import BrokerTrace
 from layerbus.wire import protocol
+from layerbus.wire.curve import secure_client
 from layerbus.wire.frames import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode, encode
 from layerbus.wire.protocol import StepRow
 from layerbus.wire.trace_events import APPLY, PLAN, RESULT, TRANSMIT
@@ -93,7 +94,7 @@ class Pipeline:
         # nothing is recorded (one `is not None` check where a span would begin or end).
         self.tracer = tracer
         self.push: zmq.Socket | None = None
-        self.first_address: str | None = None
+        self.first_stage: tuple[str, str | None] | None = None  # (data address, CURVE key) steps go to
         self._followed: Placement | None = None
         self._drift_watched = False
         self._follow_placement()
@@ -112,16 +113,19 @@ class Pipeline:
         self._followed, chain = placement, self.chain
         # Decided once per placement, not per loop: CPU stages sharing one host are not watched for drift.
         self._drift_watched = self.config.drift.watch_shared_cpu_host or not _shared_cpu_host(chain)
-        if chain[0].data_address != self.first_address:
-            self._connect_first(chain[0].data_address)
+        if (chain[0].data_address, chain[0].public_key) != self.first_stage:
+            self._connect_first(chain[0])
 
-    def _connect_first(self, address: str) -> None:
+    def _connect_first(self, stage: StageInfo) -> None:
+        """Steps go to this stage from now on: a CURVE client of its data port on a secured cluster."""
         if self.push is not None:
             self.push.close(linger=0)
         self.push = self.context.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 0)
-        self.push.connect(address)
-        self.first_address = address
+        if self.control.keys is not None:
+            secure_client(self.push, self.control.keys.keypair, stage.public_key.encode())
+        self.push.connect(stage.data_address)
+        self.first_stage = (stage.data_address, stage.public_key)
 
     def close(self) -> None:
         self.push.close(linger=0)
@@ -168,6 +172,9 @@ class Pipeline:
             else:
                 self._handle_control(run)
         self.control.heartbeat(self.config.heartbeat_interval_s)
+        if self.control.refusals:  # peers refused in a handshake, here or at a stage's data port
+            for message in self.control.take_refusals():
+                run.report("refused", message)
         self._resend_overdue(run)
         self.control.check_stages(self.chain, self.config.liveness_window_s, self.config.stuck_step_s)
         self._watch_speed(run)

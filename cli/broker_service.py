@@ -32,6 +32,7 @@ from layerbus.cli.signals import Interrupted, stop_on_signals
 
 if TYPE_CHECKING:
     from layerbus.broker.broker import Broker
+    from layerbus.wire.curve import ClusterKeys
     from layerbus.storage import JobStatus, JobStore
 
 log = logging.getLogger("layerbus.broker")
@@ -45,10 +46,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                                "oldest first, polling for new ones, until Ctrl-C or SIGTERM.")
     add_model(parser, "Hugging Face model directory every stage can read at this path (default: the default model)")
     parser.add_argument("--stages", metavar="N", type=positive_int, required=True, help="stages to wait for")
-    parser.add_argument("--bind-control", metavar="ENDPOINT", default="tcp://0.0.0.0:5555",
-                        help="where stages register (default: tcp://0.0.0.0:5555)")
-    parser.add_argument("--bind-results", metavar="ENDPOINT", default="tcp://0.0.0.0:5556",
-                        help="where the last stage returns tokens (default: tcp://0.0.0.0:5556)")
+    parser.add_argument("--bind-control", metavar="ENDPOINT", default=None,
+                        help="where stages register (default: tcp://0.0.0.0:5555 with --keys, tcp://127.0.0.1:5555 "
+                             "without)")
+    parser.add_argument("--bind-results", metavar="ENDPOINT", default=None,
+                        help="where the last stage returns tokens (default: tcp://0.0.0.0:5556 with --keys, "
+                             "tcp://127.0.0.1:5556 without)")
+    parser.add_argument("--keys", metavar="DIR", type=Path, default=None,
+                        help="the broker's CurveZMQ keypair (`layerbus keys new DIR --name broker`: a folder holding "
+                             "one NAME.key_secret, or the file): every link authenticated and encrypted; stages "
+                             "need its NAME.key (--broker-key)")
+    parser.add_argument("--allow", metavar="DIR", type=Path, action="append", default=[],
+                        help="a folder of the stages' public keys (their NAME.key files) that may join, with "
+                             "--keys; repeatable (default: only stages holding the broker's own keypair)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow binds other machines can reach without --keys (unauthenticated, unencrypted)")
     parser.add_argument("--advertise", metavar="HOST", default=None,
                         help="host name or address stages on other machines use to reach this broker")
     add_db(parser)
@@ -70,10 +82,11 @@ def main(args: argparse.Namespace) -> int:
 
     from layerbus.broker.broker import Broker, BrokerConfig
 
+    keys, control_bind, results_bind = _security(args)
     model_dir = resolve_model(args.model)
     model_for_stages(model_dir, args.stages)
-    config = BrokerConfig(str(model_dir), args.stages, control_bind=args.bind_control,
-                          results_bind=args.bind_results, advertise_host=args.advertise, partition=args.partition,
+    config = BrokerConfig(str(model_dir), args.stages, control_bind=control_bind, keys=keys,
+                          results_bind=results_bind, advertise_host=args.advertise, partition=args.partition,
                           batching=batching_from_args(args), pipeline=pipeline_from_args(args),
                           **wire_from_args(args), weights=args.weights,
                           register_timeout_s=args.register_timeout, trace=args.trace)
@@ -83,7 +96,7 @@ def main(args: argparse.Namespace) -> int:
         try:
             broker = Broker(config)
         except zmq.ZMQError as error:
-            raise UsageError(f"cannot bind {args.bind_control} / {args.bind_results}: {error}; another broker "
+            raise UsageError(f"cannot bind {control_bind} / {results_bind}: {error}; another broker "
                              "may hold the port: pick others with --bind-control/--bind-results") from None
         try:
             with stop_on_signals():
@@ -97,13 +110,48 @@ def main(args: argparse.Namespace) -> int:
             report_trace(args.trace)
 
 
+def _security(args: argparse.Namespace) -> tuple["ClusterKeys | None", str, str]:
+    """The broker's keys and its two binds. With keys both listen on every interface by default; without,
+    on loopback only, and a bind other machines can reach is refused unless --insecure says so."""
+    from layerbus.wire.curve import (
+        ClusterKeys,
+        CurveKeyError,
+        allowed_keys,
+        insecure_warning,
+        is_loopback,
+        read_keypair,
+        unsecured_bind_message,
+    )
+
+    if args.allow and args.keys is None:
+        raise UsageError("--allow needs --keys: the broker's own keypair (`layerbus keys new DIR --name broker`)")
+    if args.keys is not None and args.insecure:
+        raise UsageError("--insecure and --keys contradict each other: drop one")
+    try:
+        keys = None if args.keys is None else ClusterKeys(
+            read_keypair(args.keys), frozenset(key for folder in args.allow for key in allowed_keys(folder)))
+    except CurveKeyError as error:
+        raise UsageError(str(error)) from None
+    host = "0.0.0.0" if keys is not None else "127.0.0.1"
+    control_bind = args.bind_control or f"tcp://{host}:5555"
+    results_bind = args.bind_results or f"tcp://{host}:5556"
+    exposed = [bind for bind in (control_bind, results_bind) if not is_loopback(bind)]
+    if exposed and keys is None:
+        if not args.insecure:
+            raise UsageError(unsecured_bind_message(exposed, "--keys DIR (and --allow DIR for the stages' keys)"))
+        print(f"layerbus broker: {insecure_warning(exposed)}", file=sys.stderr, flush=True)
+    return keys, control_bind, results_bind
+
+
 def _serve(store: JobStore, broker: Broker, model_dir: Path, args: argparse.Namespace) -> int:
     from layerbus.jobs.runner import run_job
     from layerbus.storage.run_info import write_run_info
 
     leases = leases_from_args(args)
+    keys = broker.config.keys
+    key_options = f" --keys DIR --broker-key {str(keys.keypair.path).removesuffix('_secret')}" if keys else ""
     print(f"layerbus broker: waiting for {args.stages} stage(s) at {broker.address}: start each with "
-          f"`layerbus stage --broker {broker.address}`", file=sys.stderr, flush=True)
+          f"`layerbus stage --broker {broker.address}{key_options}`", file=sys.stderr, flush=True)
     if "0.0.0.0" in broker.address:
         print("layerbus broker: stages on other machines use this machine's address instead of 0.0.0.0, and "
               "need this broker started with --advertise HOST so their last stage can reach the results port",

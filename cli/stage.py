@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from layerbus.cli.errors import UsageError
+
 STAGE_DESCRIPTION = ("Run one stage: register with the broker at --broker, load the layers it assigns, serve "
                      "steps until the broker says stop, SIGTERM/Ctrl-C, or the broker goes silent.")
 
@@ -30,4 +32,8 @@ def main(args: argparse.Namespace) -> int:
     from layerbus.stages.worker import run_stage
 
     stage_args = stage_parser().parse_args(args.extra)
-    return run_stage(config_from_args(stage_args))
+    try:
+        config = config_from_args(stage_args)
+    except ValueError as error:  # keys that cannot be used, or an exposed bind without them
+        raise UsageError(str(error)) from None
+    return run_stage(config)

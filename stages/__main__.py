@@ -6,10 +6,21 @@ import argparse
 import logging
 import re
 import sys
+from pathlib import Path
 
 from layerbus.stages.worker import StageConfig, run_stage
+from layerbus.wire.curve import (
+    StageKeys,
+    insecure_warning,
+    is_loopback,
+    read_keypair,
+    read_public_key,
+    unsecured_bind_message,
+)
 from layerbus.wire.frames import DEFAULT_MAX_MESSAGE_BYTES
 from layerbus.wire.weight_formats import WEIGHT_FORMATS
+
+log = logging.getLogger("layerbus.stage")
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -83,15 +94,39 @@ def add_stage_arguments(parser: argparse.ArgumentParser) -> None:
                         help="exit when the broker is silent this many seconds (default: 15)")
     parser.add_argument("--max-message-bytes", type=byte_size, default=DEFAULT_MAX_MESSAGE_BYTES, metavar="SIZE",
                         help="reject data messages larger than this, in bytes or with a unit (default: 1GiB)")
+    parser.add_argument("--keys", metavar="DIR", type=Path, default=None,
+                        help="this stage's CurveZMQ keypair (`layerbus keys new DIR`: a folder holding one "
+                             "NAME.key_secret, or the file): every link authenticated and encrypted; its NAME.key "
+                             "goes into the broker's --allow folder")
+    parser.add_argument("--broker-key", metavar="FILE", type=Path, default=None,
+                        help="the broker's public key file (its NAME.key), with --keys")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow a --bind other machines can reach without --keys (unauthenticated, unencrypted)")
 
 
 def config_from_args(args: argparse.Namespace) -> StageConfig:
+    """The stage's config; ValueError (the message says what to change) for keys that cannot be used or a
+    bind reachable from other machines without them."""
     return StageConfig(broker=args.broker, name=args.name, bind=args.bind, advertise=args.advertise,
                        device=args.device, dtype=args.dtype, weights=args.weights, threads=args.threads,
                        memory_budget=args.memory_budget, emulate_memory=args.emulate_memory,
                        broker_timeout_s=args.broker_timeout,
                        emulate_speed=args.emulate_speed, emulate_slowdown=args.emulate_slowdown,
-                       max_message_bytes=args.max_message_bytes)
+                       max_message_bytes=args.max_message_bytes, keys=stage_keys(args))
+
+
+def stage_keys(args: argparse.Namespace) -> StageKeys | None:
+    if (args.keys is None) != (args.broker_key is None):
+        raise ValueError("--keys and --broker-key go together: this stage's keypair and the broker's public key")
+    if args.keys is not None:
+        if args.insecure:
+            raise ValueError("--insecure and --keys contradict each other: drop one")
+        return StageKeys(read_keypair(args.keys), read_public_key(args.broker_key))
+    if not is_loopback(args.bind):
+        if not args.insecure:
+            raise ValueError(unsecured_bind_message([args.bind], "--keys DIR --broker-key FILE"))
+        log.warning("%s", insecure_warning([args.bind]))
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     add_stage_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return run_stage(config_from_args(args))
+    try:
+        config = config_from_args(args)
+    except ValueError as error:  # CurveKeyError included
+        parser.error(str(error))
+    return run_stage(config)
 
 
 if __name__ == "__main__":

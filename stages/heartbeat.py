@@ -24,10 +24,11 @@ from layerbus.wire.protocol import HEARTBEAT_IDENTITY_SUFFIX
 
 class HeartbeatThread(threading.Thread):
     def __init__(self, context: zmq.Context, broker: str, identity: bytes, interval_s: float,
-                 describe: Callable[[], dict]):
+                 describe: Callable[[], dict], secure: Callable[[zmq.Socket], None] = lambda socket: None):
         super().__init__(name="layerbus-heartbeat", daemon=True)
         self.context, self.broker, self.identity, self.interval_s = context, broker, identity, interval_s
         self.describe = describe  # the fields of each heartbeat (stats, busy_s), read from the main loop's state
+        self.secure = secure  # makes the socket a CURVE client of the broker, as the stage's control socket is
         self.stopped = threading.Event()
 
     def run(self) -> None:
@@ -35,6 +36,7 @@ class HeartbeatThread(threading.Thread):
         socket.setsockopt(zmq.IDENTITY, self.identity + HEARTBEAT_IDENTITY_SUFFIX)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM, 4)  # a broker that is away needs no backlog of stale heartbeats
+        self.secure(socket)
         socket.connect(self.broker)
         try:
             while not self.stopped.wait(self.interval_s):

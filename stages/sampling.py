@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from layerbus.stages.forward import head_logits
+from layerbus.stages.shard import StageShard
+from layerbus.wire.protocol import StepRow
 from layerbus.wire.sampling import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) over the seed space
@@ -45,3 +48,38 @@ def target_log_probs(logits: torch.Tensor, targets: list[int]) -> tuple[list[flo
     index = torch.tensor(targets, dtype=torch.long).unsqueeze(1)
     greedy = logits.argmax(dim=-1) == index.squeeze(1)
     return log_probs.gather(1, index).squeeze(1).tolist(), greedy.tolist()
+
+
+def last_stage_outputs(shard: StageShard, rows: list[StepRow], hidden: torch.Tensor) -> dict:
+    """The result of a step on the last stage: each emitting row's next token with its log-prob, and each
+    scored row's log-probs of its targets (the result message's tokens and scores)."""
+    tokens, scores, emitting, last_positions = [], [], [], []
+    scored_rows, scored_positions = [], []
+    offset = 0
+    for row in rows:
+        end = offset + row.length
+        if row.targets:
+            scored_rows.append(row)
+            scored_positions.extend(range(offset, offset + len(row.targets)))
+        if row.emit:
+            emitting.append(row)
+            last_positions.append(end - 1)
+        offset = end
+    if scored_rows:
+        # One head matmul for every scored position of the step (an eval step scores dozens of short
+        # rows; one call each would read the head's weights, the largest a stage holds, once per row).
+        logits = head_logits(shard, hidden[scored_positions]).cpu()
+        start = 0
+        for row in scored_rows:
+            count = len(row.targets)
+            scores.append([row.slot, *target_log_probs(logits[start:start + count], row.targets)])
+            start += count
+    if emitting:
+        # One head matmul for all emitting rows: the head is the largest weight a stage reads.
+        logits = head_logits(shard, hidden[last_positions]).cpu()
+        log_probs = torch.log_softmax(logits, dim=-1)  # one pass for the whole batch
+        for row, row_logits, row_log_probs in zip(emitting, logits, log_probs):
+            token, logprob = choose_token(row_logits, SamplingParams.from_json(row.sampling),
+                                          row.start + row.length, row_log_probs)
+            tokens.append([row.slot, token, logprob])
+    return {"tokens": tokens, "scores": scores}

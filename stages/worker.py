@@ -4,14 +4,17 @@ A stage starts empty. It registers on the control plane (ROUTER/DEALER), loads t
 assigns, reports READY, then pulls steps from its data socket, runs them and pushes the result to
 the next stage (or, on the last stage, the chosen tokens to the broker). It never dies silently:
 a bad message is rejected and reported, a failed step is reported with its error text, and it
-exits by itself when the broker has been silent for too long.
+exits by itself when the broker has been silent for too long, or at once when the broker refuses its key.
+
+Secured (`StageConfig.keys`), every socket is CurveZMQ: the control and heartbeat DEALERs and the next-hop
+PUSH are clients of keys the stage was given or the broker named; the data PULL is a server admitting only
+the previous hop the assignment names, and peers it refuses are counted and reported (wire/curve.py).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import resource
 import signal
 import socket
 import time
@@ -22,17 +25,18 @@ import zmq
 
 from layerbus.models.attention_shape import attention_shape
 from layerbus.models.model_files import open_model_dir
-from layerbus.stages.forward import head_logits, run_step
+from layerbus.stages.forward import run_step
 from layerbus.stages.heartbeat import HeartbeatThread, busy_for
+from layerbus.stages.host import check_device, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from layerbus.stages.kv_cache import KVArena
-from layerbus.stages.sampling import choose_token, target_log_probs
+from layerbus.stages.sampling import last_stage_outputs
 from layerbus.stages.shard import ShardSpec, StageShard, load_shard
 from layerbus.stages.step_validation import StepExpectations, validate_step
 from layerbus.stages.tracing import StageTracer, untraced_flush
 from layerbus.wire import codecs, protocol
+from layerbus.wire.curve import CurveGate, StageKeys, handshake_failure, secure_client, watch_handshakes
 from layerbus.wire.frames import DEFAULT_MAX_MESSAGE_BYTES, Message, WireError, decode, encode
 from layerbus.wire.protocol import StepRow
-from layerbus.wire.sampling import SamplingParams
 from layerbus.wire.spans import LayerRange
 from layerbus.wire.weight_formats import choose_weights
 
@@ -59,6 +63,9 @@ class StageConfig:
     send_timeout_s: float = 60.0  # a send blocked this long (next stage gone) is reported
     emulate_speed: float = 1.0  # emulation: run at this fraction of the real speed (sleeps the rest)
     emulate_slowdown: tuple[int, float] | None = None  # emulation: (after this many steps, speed x this)
+    # CURVE on every link (wire/curve.py): this stage's keypair and the broker's public key. None: its
+    # links are neither authenticated nor encrypted (allowed on a loopback --bind, or with --insecure).
+    keys: StageKeys | None = None
 
     def resolved_name(self) -> str:
         return self.name or f"{socket.gethostname()}-{os.getpid()}"
@@ -72,65 +79,15 @@ class StageStats:
     steps: int = 0
     tokens: int = 0  # positions processed
     rejected: int = 0
+    refused: int = 0  # peers refused in the data port's handshake (their messages never arrive)
     started_at: float = 0.0
 
     def to_json(self) -> dict:
         return {"busy_s": round(self.busy_s, 6), "steps": self.steps, "tokens": self.tokens,
-                "rejected": self.rejected, "codec_s": round(self.codec_s, 6), "bytes_out": self.bytes_out,
+                "rejected": self.rejected, "refused": self.refused, "codec_s": round(self.codec_s, 6),
+                "bytes_out": self.bytes_out,
                 "uptime_s": round(time.monotonic() - self.started_at, 6),
                 "peak_rss": peak_rss_bytes()}
-
-
-def check_device(device: str, dtype: str) -> None:
-    """Refuse at start-up a device this machine does not have, rather than at the first load."""
-    try:
-        parsed = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"--device {device!r} is not a torch device; use cpu, cuda:N or mps") from None
-    if parsed.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ValueError(f"--device {device}: this torch build or machine has no CUDA device "
-                             f"(torch {torch.__version__}); install a CUDA build of torch or use --device cpu")
-        if (parsed.index or 0) >= count:
-            raise ValueError(f"--device {device}: only {count} CUDA device(s) here (cuda:0 to cuda:{count - 1})")
-    elif parsed.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError("--device mps: Metal is not available on this machine; use --device cpu")
-    elif parsed.type not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"--device {device}: layerbus runs on cpu, cuda:N or mps")
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"--dtype {dtype!r} is not float32, bfloat16 or float16")
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory. VmHWM belongs to the process's own address space;
-    getrusage's ru_maxrss would also carry the high-water mark of the parent that forked us,
-    which for a stage spawned by a process holding a model is that whole model."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: the best there is
-
-
-def reset_peak_rss() -> None:
-    """Restart the peak from the current size (Linux >= 4.0), so a load's peak is its own."""
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-    except OSError:
-        pass
-
-
-def current_rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * resource.getpagesize()
-    except OSError:  # not Linux: the peak is the best figure there is
-        return peak_rss_bytes()
 
 
 class StageWorker:
@@ -147,10 +104,17 @@ class StageWorker:
         self.control = self.context.socket(zmq.DEALER)
         self.control.setsockopt(zmq.IDENTITY, self.name.encode())
         self.control.setsockopt(zmq.LINGER, 0)
+        self._secure_client(self.control)
+        self.control_handshakes = watch_handshakes(self.control)  # the broker refused us: say so and stop
         self.data_in = self.context.socket(zmq.PULL)
         self.data_in.setsockopt(zmq.LINGER, 0)
-        self.data_out: zmq.Socket | None = None
-        self.next_address: str | None = None
+        # Secured: the data port admits only the hop before this stage, as the assignment names it.
+        self.gate = CurveGate(self.context, config.keys.keypair) if config.keys is not None else None
+        if self.gate is not None:
+            self.gate.guard(self.data_in)
+        self.refusals_seen: set[str] = set()
+        self.data_out: zmq.Socket | None = None  # connected at the first send after an assignment
+        self.next_hop: tuple[str, str | None] | None = None  # (address, CURVE server key) of the next hop
         self.busy_since: float | None = None  # when the running step or load began (None: idle)
         self.heartbeats: HeartbeatThread | None = None
         # Testing only: a step whose input tokens contain this id raises, as a poison item would.
@@ -159,6 +123,7 @@ class StageWorker:
         self.wire_codec = codecs.DEFAULT_CODEC  # how outgoing hidden states travel (the broker's ASSIGN says)
         self.tracer: StageTracer | None = None  # step records, only while the broker asks (ASSIGN's trace)
         self.runtime_bytes = 0  # resident memory before any load, measured when run() starts
+        self.next_refusal_check = 0.0  # monotonic time to look at the data port's refused handshakes again
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -173,12 +138,14 @@ class StageWorker:
         self.runtime_bytes = current_rss_bytes()
         self._register()
         self.heartbeats = HeartbeatThread(self.context, self.config.broker, self.name.encode(),
-                                          self.config.heartbeat_interval_s, self._heartbeat_fields)
+                                          self.config.heartbeat_interval_s, self._heartbeat_fields,
+                                          self._secure_client)
         self.heartbeats.start()
         self.last_heard = time.monotonic()
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)
         poller.register(self.data_in, zmq.POLLIN)
+        poller.register(self.control_handshakes, zmq.POLLIN)
         try:
             exit_code = self._loop(poller)
         except Exception as error:  # a bug or a broken device: say what it was before going
@@ -187,7 +154,13 @@ class StageWorker:
                                error=f"stage stopped: {type(error).__name__}: {error}")
             exit_code = 1
         self.heartbeats.stop()
-        self._send_control(protocol.BYE, stats=self.stats.to_json())
+        try:  # without a link (the broker refused this stage) there is no one to say goodbye to: no waiting
+            self.control.send_multipart(encode({"kind": protocol.BYE, "stats": self.stats.to_json()}),
+                                        flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            pass
+        if self.gate is not None:
+            self.gate.close()
         self.context.destroy(linger=0)
         log.info("stage %s stopped", self.name)
         # 128 + signal, as shells report a process a signal stopped, so a supervisor (run_cluster.sh)
@@ -202,11 +175,44 @@ class StageWorker:
                 self._drain_control()
             if self.data_in in events and not self.stopping:
                 self._serve_one()
-            silent = time.monotonic() - self.last_heard
+            if self.control_handshakes in events and self._broker_refused():
+                return 2
+            now = time.monotonic()
+            if self.gate is not None and now >= self.next_refusal_check:
+                self._report_refusals()
+                self.next_refusal_check = now + 1.0
+            silent = now - self.last_heard
             if silent > self.config.broker_timeout_s:
                 log.error("stage %s: broker %s silent for %.1f s; exiting", self.name, self.config.broker, silent)
                 return 3
         return 0
+
+    def _broker_refused(self) -> bool:
+        """A failed handshake with the broker, logged; True when it is for good (libzmq will not retry)."""
+        failure = handshake_failure(self.control_handshakes)
+        if failure is None:
+            return False
+        why, for_good = failure
+        (log.error if for_good else log.warning)(
+            "stage %s: no link to the broker at %s: %s; a secured broker needs this stage's --keys (its NAME.key "
+            "copied into the broker's --allow folder) and --broker-key (the broker's NAME.key)",
+            self.name, self.config.broker, why)
+        return for_good
+
+    def _secure_client(self, socket: zmq.Socket) -> None:
+        """A control socket (this loop's or the heartbeat thread's) as a CURVE client of the broker."""
+        if self.config.keys is not None:
+            secure_client(socket, self.config.keys.keypair, self.config.keys.broker)
+
+    def _report_refusals(self) -> None:
+        """Peers the data port refused: counted, and each new one logged and told to the broker."""
+        for refusal in self.gate.refusals():
+            self.stats.refused += 1
+            message = refusal.describe()
+            if message not in self.refusals_seen and len(self.refusals_seen) < 1000:
+                self.refusals_seen.add(message)
+                log.warning("stage %s: data port %s", self.name, message)
+                self._send_control(protocol.REJECTED, sender=refusal.address or "?", error=message, refused=True)
 
     def request_stop(self, signum=None, _frame=None) -> None:
         if signum is not None:
@@ -269,6 +275,7 @@ class StageWorker:
                                                        "is_first": bool, "is_last": bool, "next_address": str,
                                                        "num_slots": int, "max_context": int})
             wire_codec = codecs.check_codec_name(header.get("wire", codecs.DEFAULT_CODEC))
+            next_key = self._admit(header)
             reset_peak_rss()
             started, rss_before = time.monotonic(), current_rss_bytes()
             self.busy_since = started
@@ -281,7 +288,7 @@ class StageWorker:
             shape = attention_shape(shard.config)
             arena = KVArena(list(spec.layers), header["num_slots"], shape.kv_heads, shape.head_dim,
                             shard.dtype, shard.device, header["max_context"])
-            self._connect_next(header["next_address"])
+            self._next_hop(protocol.require_endpoint(header["next_address"], "next_address"), next_key)
             # Only a fully set-up stage serves the new epoch: a failure above leaves it serving none.
             self.shard, self.arena, self.epoch = shard, arena, header["epoch"]
             self.wire_codec = wire_codec
@@ -323,16 +330,40 @@ class StageWorker:
             log.exception("stage %s: profiling failed", self.name)
             return {"error": f"{type(error).__name__}: {error}"}
 
-    def _connect_next(self, address: str) -> None:
-        if self.data_out is not None and address == self.next_address:
-            return
-        if self.data_out is not None:
+    def _admit(self, header: dict) -> str | None:
+        """Secured: admit only the assignment's previous hop to the data port, before READY (so before any
+        step is sent); the next hop's server key. None on an unsecured stage."""
+        if self.gate is None:
+            return None
+        protocol.require_fields(header, "assign", {"next_key": str, "prev_key": str})
+        keys = (header["next_key"].encode(), header["prev_key"].encode())
+        if any(len(key) != 40 for key in keys):
+            raise WireError(f"assign's next_key and prev_key must be 40-character Z85 CURVE keys, got "
+                            f"{header['next_key']!r:.50} and {header['prev_key']!r:.50}")
+        self.gate.admit([keys[1]])
+        return header["next_key"]
+
+    def _next_hop(self, address: str, key: str | None) -> None:
+        """Send to this hop from now on. The socket connects at the first send: steps come only once every
+        stage is READY, so the next stage admits this one by then (a refused CURVE client never retries)."""
+        if (address, key) != self.next_hop and self.data_out is not None:
             self.data_out.close(linger=0)
-        self.data_out = self.context.socket(zmq.PUSH)
-        self.data_out.setsockopt(zmq.LINGER, 0)
-        self.data_out.setsockopt(zmq.SNDTIMEO, int(self.config.send_timeout_s * 1000))
-        self.data_out.connect(address)
-        self.next_address = address
+            self.data_out = None
+        self.next_hop = (address, key)
+
+    def _connect_next(self) -> None:
+        address, key = self.next_hop
+        data_out = self.context.socket(zmq.PUSH)
+        data_out.setsockopt(zmq.LINGER, 0)
+        data_out.setsockopt(zmq.SNDTIMEO, int(self.config.send_timeout_s * 1000))
+        if key is not None:
+            secure_client(data_out, self.config.keys.keypair, key.encode())
+        try:
+            data_out.connect(address)
+        except zmq.ZMQError:
+            data_out.close(linger=0)
+            raise
+        self.data_out = data_out
 
     # -- data plane -----------------------------------------------------------------------------
     def _serve_one(self) -> None:
@@ -373,13 +404,15 @@ class StageWorker:
             if marks is not None:
                 marks.sleep_done()
         try:
+            if self.data_out is None:
+                self._connect_next()
             self.data_out.send_multipart(reply, copy=False)
             self.stats.bytes_out += sum(memoryview(frame).nbytes for frame in reply[1:])
-        except zmq.Again:
+        except zmq.ZMQError as error:
             # Not the items' fault: the next stage is gone or stuck. The broker resends once it knows.
+            why = f"timed out after {self.config.send_timeout_s} s" if isinstance(error, zmq.Again) else str(error)
             self._send_control(protocol.FAILURE, epoch=self.epoch, step=header["step"], mb=header["mb"],
-                               attempt=header["attempt"], cause="send",
-                               error=f"send to {self.next_address} timed out after {self.config.send_timeout_s} s")
+                               attempt=header["attempt"], cause="send", error=f"send to {self.next_hop[0]} {why}")
         ended = time.monotonic()
         self.stats.busy_s += ended - started
         self.stats.steps += 1
@@ -416,39 +449,7 @@ class StageWorker:
             frames = encode(dict(out_header, kind=protocol.STEP, **codec_fields), tensors)
             self.stats.codec_s += time.monotonic() - started
             return frames
-        return encode(dict(out_header, kind=protocol.RESULT, **self._choose(rows, hidden)))
-
-    def _choose(self, rows: list[StepRow], hidden: torch.Tensor) -> dict:
-        tokens, scores, emitting, last_positions = [], [], [], []
-        scored_rows, scored_positions = [], []
-        offset = 0
-        for row in rows:
-            end = offset + row.length
-            if row.targets:
-                scored_rows.append(row)
-                scored_positions.extend(range(offset, offset + len(row.targets)))
-            if row.emit:
-                emitting.append(row)
-                last_positions.append(end - 1)
-            offset = end
-        if scored_rows:
-            # One head matmul for every scored position of the step (an eval step scores dozens of short
-            # rows; one call each would read the head's weights, the largest a stage holds, once per row).
-            logits = head_logits(self.shard, hidden[scored_positions]).cpu()
-            start = 0
-            for row in scored_rows:
-                count = len(row.targets)
-                scores.append([row.slot, *target_log_probs(logits[start:start + count], row.targets)])
-                start += count
-        if emitting:
-            # One head matmul for all emitting rows: the head is the largest weight a stage reads.
-            logits = head_logits(self.shard, hidden[last_positions]).cpu()
-            log_probs = torch.log_softmax(logits, dim=-1)  # one pass for the whole batch
-            for row, row_logits, row_log_probs in zip(emitting, logits, log_probs):
-                token, logprob = choose_token(row_logits, SamplingParams.from_json(row.sampling),
-                                              row.start + row.length, row_log_probs)
-                tokens.append([row.slot, token, logprob])
-        return {"tokens": tokens, "scores": scores}
+        return encode(dict(out_header, kind=protocol.RESULT, **last_stage_outputs(self.shard, rows, hidden)))
 
 
 def _hold_while(path: str, limit_s: float = 120.0) -> None:

@@ -17,7 +17,8 @@ Control plane (DEALER at each stage, ROUTER at the broker), headers only:
                    loaded, e.g. "int4 (q4_1 g32)"), load_s, peak_rss}
                    heartbeat {stats, busy_s, epoch} (from the stage's heartbeat socket, identity
                    + "\0heartbeat")     failure {error, epoch, step?, mb?, attempt?, cause: step|send}
-                   rejected {sender, error} (a malformed data message was dropped)   bye {}
+                   rejected {sender, error, refused?} (a malformed data message was dropped; with
+                   refused: true, a peer refused in the data port's handshake)   bye {}
                    profile_result {layer_decode_s, layer_prefill_s, embed_s, head_s, step_overhead_s,
                    memory_budget, micro_batch_size, prefill_tokens, cached} or {error}
                    probe_echo {seq}
@@ -26,7 +27,9 @@ Control plane (DEALER at each stage, ROUTER at the broker), headers only:
   broker -> stage: assign {epoch, model_dir, layers, is_first, is_last, next_address, num_slots,
                    max_context, wire (codec of the outgoing hidden states; default float32),
                    weights (wire/weight_formats.py; default auto; a stage's own --weights wins),
-                   trace? (true: record step spans, see wire/trace_events.py)}
+                   trace? (true: record step spans, see wire/trace_events.py),
+                   next_key, prev_key (secured clusters: the Z85 CURVE key of the hop it sends to,
+                   and the one client key its data port admits; see wire/curve.py)}
                    heartbeat {sent_us?}     shutdown {}
                    reset {} (you were presumed dead: drop your span and register again)
                    profile {model_dir, micro_batch_size, kv_length, prefill_tokens}
@@ -113,3 +116,13 @@ def require_fields(header: dict[str, Any], kind: str, fields: dict[str, type]) -
         value = header.get(name)
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             raise WireError(f"{kind} header field {name!r} must be {expected.__name__}, got {value!r:.60}")
+
+
+def require_endpoint(value: str, field: str) -> str:
+    """An address a stage is told to connect to, checked for form now (the stage connects at its first send,
+    when a bad one could no longer fail the assignment): tcp://HOST:PORT, ipc://PATH or inproc://NAME."""
+    scheme, _, rest = value.partition("://")
+    host, _, port = rest.rpartition(":")
+    if not ((scheme in ("ipc", "inproc") and rest) or (scheme == "tcp" and host and port.isdigit())):
+        raise WireError(f"{field} {value!r:.80} is not a ZeroMQ endpoint (tcp://HOST:PORT, ipc://PATH, inproc://NAME)")
+    return value

@@ -1,0 +1,60 @@
+"""What a stage checks and measures about the machine it runs on: that its device exists, and its own
+resident memory (the figures a stage reports when it has loaded a span)."""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+
+
+def check_device(device: str, dtype: str) -> None:
+    """Refuse at start-up a device this machine does not have, rather than at the first load."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a torch device; use cpu, cuda:N or mps") from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"--device {device}: this torch build or machine has no CUDA device "
+                             f"(torch {torch.__version__}); install a CUDA build of torch or use --device cpu")
+        if (parsed.index or 0) >= count:
+            raise ValueError(f"--device {device}: only {count} CUDA device(s) here (cuda:0 to cuda:{count - 1})")
+    elif parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("--device mps: Metal is not available on this machine; use --device cpu")
+    elif parsed.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"--device {device}: layerbus runs on cpu, cuda:N or mps")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"--dtype {dtype!r} is not float32, bfloat16 or float16")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory. VmHWM belongs to the process's own address space;
+    getrusage's ru_maxrss would also carry the high-water mark of the parent that forked us,
+    which for a stage spawned by a process holding a model is that whole model."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: the best there is
+
+
+def reset_peak_rss() -> None:
+    """Restart the peak from the current size (Linux >= 4.0), so a load's peak is its own."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        pass
+
+
+def current_rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * resource.getpagesize()
+    except OSError:  # not Linux: the peak is the best figure there is
+        return peak_rss_bytes()
