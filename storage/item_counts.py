@@ -6,9 +6,14 @@ JobStore method that changes an item's state records the change in a CountChange
 before committing; `recount` is the full count the counters must always equal (the contract suite
 checks it, and a store from before the counters is filled from it when first opened).
 
-A cancel leaves the job's queued items' rows untouched (rewriting a million wide rows took 15 s):
-the job's cancelling_at marks them, no claim hands them out, and they count and read back as
-cancelled. `effective_status` is that rule, in one place.
+The counters count items by their stored status, nothing else, so each writer changes them by exactly
+the rows it changed and concurrent writers cannot make them drift. A cancel leaves the job's queued
+items' rows untouched (rewriting a million wide rows took 15 s) and touches no counter: the job's
+cancelling_at marks them, no claim hands them out, and status and results report them as cancelled
+(storage.status.reported_aggregates for counters, JobStore's result pages for rows). An earlier version
+moved the queued counter into cancelled at the cancel; a claim committing right after it (its item
+rows changed, its counter change waiting on the cancel's row locks) then left the queued counter
+negative on PostgreSQL, which the two-writer contract test found.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from sqlalchemy import Connection, and_, bindparam, case, func, insert, select, update
+from sqlalchemy import Connection, bindparam, case, func, insert, select, update
 
 from layerbus.storage.schema import item_counts as counts_table
 from layerbus.storage.schema import items as items_table
@@ -29,12 +34,6 @@ ITEM = items_table.c
 JOB = jobs_table.c
 # The counted totals of a row, in StateAggregate's order after status.
 _TOTALS = ("items", "ran", "prompt_tokens", "completion_tokens")
-
-
-def effective_status(item_status, cancelling_at):  # type: ignore[no-untyped-def]
-    """SQL for an item's state as status and results report it: queued items of a job that was
-    cancelled (cancelling_at set, never cleared) are cancelled."""
-    return case((and_(item_status == "queued", cancelling_at.is_not(None)), "cancelled"), else_=item_status)
 
 
 @dataclass
@@ -111,18 +110,17 @@ def lock_counts(conn: Connection, job_id: str, row_locks: bool) -> dict[str, Sta
 
 
 def recount(conn: Connection, job_ids: list[str] | None = None) -> dict[str, list[StateAggregate]]:
-    """The counters as a full count of the items would set them (all jobs when `job_ids` is None).
+    """The counters as a full count of the items by stored status would set them (all jobs when
+    `job_ids` is None).
 
     Reads every item of the jobs: for filling the counters of an older store, and for checking them.
     """
-    status = effective_status(ITEM.status, JOB.cancelling_at)
     query = (
         select(
-            ITEM.job_id, status, func.count(), func.sum(case((ITEM.attempts > 0, 1), else_=0)),
+            ITEM.job_id, ITEM.status, func.count(), func.sum(case((ITEM.attempts > 0, 1), else_=0)),
             func.coalesce(func.sum(ITEM.prompt_tokens), 0), func.coalesce(func.sum(ITEM.completion_tokens), 0),
         )
-        .join(jobs_table, JOB.id == ITEM.job_id)
-        .group_by(ITEM.job_id, status)
+        .group_by(ITEM.job_id, ITEM.status)
     )  # fmt: skip
     if job_ids is not None:
         query = query.where(ITEM.job_id.in_(job_ids))

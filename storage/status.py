@@ -33,8 +33,23 @@ class StateAggregate:
     completion_tokens: int
 
 
+def reported_aggregates(aggregates: Sequence[StateAggregate], cancelled: bool) -> list[StateAggregate]:
+    """The counters as status reports them: once a job was cancelled (its cancelling_at is set, never
+    cleared), its queued items are cancelled ones (storage/item_counts.py: a cancel leaves their rows)."""
+    if not cancelled:
+        return list(aggregates)
+    queued = [a for a in aggregates if a.status == "queued"]
+    others = [a for a in aggregates if a.status not in ("queued", "cancelled")]
+    folded = [a for a in aggregates if a.status == "cancelled"] + queued
+    if not folded:
+        return others
+    return others + [StateAggregate("cancelled", *(sum(getattr(a, f) for a in folded)
+                                                   for f in ("count", "ran", "prompt_tokens", "completion_tokens")))]
+
+
 def build_job_status(job: Mapping[str, Any], aggregates: Sequence[StateAggregate], now: datetime) -> JobStatus:
     """The JobStatus of `job` (a jobs row as a mapping) given its item aggregates, as seen at `now`."""
+    aggregates = reported_aggregates(aggregates, job["cancelling_at"] is not None)
     counts = {state: 0 for state in ITEM_STATES}
     for agg in aggregates:
         counts[agg.status] = agg.count

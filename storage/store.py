@@ -381,16 +381,12 @@ class JobStore:
                 raise StoreError(
                     f"job {job_id!r} is {current}: only {', '.join(CANCELLABLE_JOB_STATES)} jobs can be cancelled"
                 )
-            # The queued items' rows stay as they are: cancelling_at marks them cancelled (item_counts.
-            # effective_status), which takes one statement whatever the job's size. Locking the counters
-            # waits out concurrent completions and requeues, so the in-flight count is final.
+            # The queued items' rows and their counter stay as they are: cancelling_at marks them
+            # cancelled (status.reported_aggregates, _result_pages), which takes one
+            # statement whatever the job's size. Locking the counters waits out concurrent completions
+            # and requeues, so the in-flight count is final.
             counts = lock_counts(conn, job_id, self._row_locks)
             in_flight = counts["in_progress"].count
-            queued = counts["queued"]
-            changes = CountChanges()
-            changes.add(job_id, "queued", -queued.count, -queued.ran, -queued.prompt_tokens, -queued.completion_tokens)
-            changes.add(job_id, "cancelled", queued.count, queued.ran, queued.prompt_tokens, queued.completion_tokens)
-            changes.apply(conn)
             target = "cancelling" if in_flight else "cancelled"
             moved = conn.execute(
                 update(jobs_table)
@@ -659,7 +655,7 @@ class JobStore:
 
     def _result_pages(self, job_id: str, cancelled: bool) -> Iterator[dict[str, Any]]:
         """Result rows in seq order; with `cancelled` (the job was cancelled), its still-queued items too,
-        as the cancelled items they are (item_counts.effective_status)."""
+        as the cancelled items they are (storage/item_counts.py)."""
         columns = [ITEM[name] for name in RESULT_COLUMNS]
         states = FINISHED_ITEM_STATES + (("queued",) if cancelled else ())
         last_seq: int | None = None
