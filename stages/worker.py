@@ -254,6 +254,11 @@ class StageWorker:
                 # The broker presumed this stage dead (it went silent) and re-planned without it: drop
                 # the span, whose steps belong to a finished epoch, and offer this stage again.
                 log.warning("stage %s: the broker re-planned without this stage; registering again", self.name)
+                # Steps already received belong to the old epoch: serve them on the old span first, so
+                # their results reach the broker, which discards them, rather than being rejected here
+                # (whether they came before the RESET was a race that load decided).
+                while not self.stopping and self.shard is not None and self.data_in.poll(0):
+                    self._serve_one()
                 self.shard, self.arena, self.epoch = None, None, -1
                 self._register()
             elif message.kind == protocol.PROFILE:
