@@ -33,14 +33,22 @@ def peak_rss_bytes() -> int:
     """This process's peak resident memory. VmHWM belongs to the process's own address space;
     getrusage's ru_maxrss would also carry the high-water mark of the parent that forked us,
     which for a stage spawned by a process holding a model is that whole model."""
+    peak = proc_kib_field("/proc/self/status", "VmHWM")
+    if peak is not None:
+        return peak
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: the best there is
+
+
+def proc_kib_field(path: str, name: str) -> int | None:
+    """A "Name:  N kB" field of a /proc file (status, meminfo) in bytes; None where there is none (not Linux)."""
     try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
+        with open(path) as fields:
+            for line in fields:
+                if line.startswith(f"{name}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: the best there is
+    return None
 
 
 def reset_peak_rss() -> None:

@@ -30,6 +30,7 @@ from layerbus.models.attention_shape import attention_shape
 from layerbus.models.home import profile_cache_dir
 from layerbus.models.model_files import open_model_dir
 from layerbus.models.tensor_reader import SAFETENSORS_DTYPES, TensorReader
+from layerbus.stages.host import proc_kib_field
 from layerbus.stages.forward import head_logits, run_step
 from layerbus.stages.kv_cache import KVArena
 from layerbus.stages.shard import ShardSpec, StageShard, load_shard
@@ -320,13 +321,9 @@ def free_memory_bytes(device: str) -> int:
         return int(torch.cuda.mem_get_info(parsed)[0])
     if parsed.type == "mps":
         return int(torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory())
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    available = proc_kib_field("/proc/meminfo", "MemAvailable")
+    if available is not None:
+        return available
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 

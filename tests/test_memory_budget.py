@@ -5,8 +5,6 @@ emulating a smaller device."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from transformers import AutoTokenizer
 
@@ -14,6 +12,7 @@ from layerbus.broker.broker import BatchingConfig, BrokerConfig
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.requests import GenerationRequest
 from layerbus.models.model_files import open_model_dir
+from layerbus.stages.host import proc_kib_field
 from layerbus.stages.profile import largest_tensor_bytes, memory_figures
 from layerbus.wire.spans import LayerRange
 from tests.test_equivalence import TINY_PROMPTS
@@ -46,10 +45,9 @@ def test_without_a_budget_only_the_loader_comes_out_of_free_memory(tiny_models):
 
 
 def vm_hwm(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmHWM for process {pid}")
+    peak = proc_kib_field(f"/proc/{pid}/status", "VmHWM")
+    assert peak is not None, f"no VmHWM for process {pid}"
+    return peak
 
 
 @pytest.mark.cluster
