@@ -106,6 +106,8 @@ class StageWorker:
         self.control.setsockopt(zmq.LINGER, 0)
         self._secure_client(self.control)
         self.control_handshakes = watch_handshakes(self.control)  # the broker refused us: say so and stop
+        self.admitted = False  # heard from the broker at least once
+        self.failed_handshake: str | None = None  # why the last handshake failed before we were admitted
         self.data_in = self.context.socket(zmq.PULL)
         self.data_in.setsockopt(zmq.LINGER, 0)
         # Secured: the data port admits only the hop before this stage, as the assignment names it.
@@ -182,6 +184,13 @@ class StageWorker:
                 self._report_refusals()
                 self.next_refusal_check = now + 1.0
             silent = now - self.last_heard
+            if silent > self.config.broker_timeout_s and self.failed_handshake is not None:
+                # Never admitted: libzmq's retries kept failing (a keyless stage may see only broken pipes
+                # from a secured broker, never the telling "mechanism mismatch"), so this is no link at all.
+                log.error("stage %s: no link to the broker at %s after %.1f s: %s; a secured broker needs this "
+                          "stage's --keys and --broker-key", self.name, self.config.broker, silent,
+                          self.failed_handshake)
+                return 2
             if silent > self.config.broker_timeout_s:
                 log.error("stage %s: broker %s silent for %.1f s; exiting", self.name, self.config.broker, silent)
                 return 3
@@ -193,6 +202,8 @@ class StageWorker:
         if failure is None:
             return False
         why, for_good = failure
+        if not self.admitted:
+            self.failed_handshake = why
         (log.error if for_good else log.warning)(
             "stage %s: no link to the broker at %s: %s; a secured broker needs this stage's --keys (its NAME.key "
             "copied into the broker's --allow folder) and --broker-key (the broker's NAME.key)",
@@ -242,7 +253,7 @@ class StageWorker:
     def _drain_control(self) -> None:
         while self.control.poll(0):
             frames = self.control.recv_multipart(copy=False)
-            self.last_heard = time.monotonic()
+            self.last_heard, self.admitted = time.monotonic(), True
             try:
                 message = decode(frames, 1 << 20)
             except WireError as error:
