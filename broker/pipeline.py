@@ -48,6 +48,17 @@ from layerbus.wire.trace_events import APPLY, PLAN, RESULT, TRANSMIT
 log = logging.getLogger("layerbus.broker")
 
 
+MAX_RESEND_BACKOFF = 8  # attempt k waits step_timeout_s * 2**k, at most this many times step_timeout_s
+
+
+def resend_after_s(step_timeout_s: float, attempt: int) -> float:
+    """How long attempt `attempt` (0 first) of a step may stay out before it is sent again. Doubling
+    per attempt: on a link slower than the timeout assumed, each resend adds the step's bytes to the
+    same queue, so resending at a fixed period would keep the link full of copies and nothing would
+    come back; backing off lets the queue drain. A message lost to a dead peer is still resent soon."""
+    return step_timeout_s * min(2 ** attempt, MAX_RESEND_BACKOFF)
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
     """Timing of the data-plane loop."""
@@ -55,7 +66,7 @@ class PipelineConfig:
     heartbeat_interval_s: float = 0.5  # broker -> stage heartbeats (stages send theirs as often)
     liveness_window_s: float = 5.0  # a stage silent this long (no heartbeat, no message) is lost
     stuck_step_s: float = 300.0  # a stage whose heartbeats say one step has run this long is lost
-    step_timeout_s: float = 60.0  # a step not back after this long is resent (next attempt)
+    step_timeout_s: float = 60.0  # a step not back after this long is resent (next attempt; doubling after)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger results are rejected
     drift: DriftConfig = field(default_factory=DriftConfig)  # when a slowed stage has layers moved off it
 
@@ -221,9 +232,11 @@ class Pipeline:
     def _resend_overdue(self, run: RunState) -> None:
         now = self.clock()
         for mb, current in run.inflight.items():
-            if now - current.sent_at > self.config.step_timeout_s:
-                log.warning("step %d of micro-batch %d not back after %.0f s: sending attempt %d",
-                            current.step, mb, now - current.sent_at, current.attempt + 1)
+            if now - current.sent_at > resend_after_s(self.config.step_timeout_s, current.attempt):
+                log.warning("step %d of micro-batch %d not back after %.0f s: sending attempt %d (the next after "
+                            "%.0f s; a link this slow needs a longer step timeout)", current.step, mb,
+                            now - current.sent_at, current.attempt + 1,
+                            resend_after_s(self.config.step_timeout_s, current.attempt + 1))
                 self._resend(run, current)
 
     # -- receiving -----------------------------------------------------------------------------
