@@ -70,7 +70,11 @@ def run_in_namespaces(model_dir: Path, prompts, codec: str, rate_mbit: float | N
     keys = ClusterKeys(read_keypair(make_keypair(Path(key_dir.name), "bench")[1])) if secure else None
     key_args = ["--keys", str(keys.keypair.path), "--broker-key", str(keys.keypair.path)] if keys else ["--insecure"]
     with key_dir, StageNamespaces(NAMESPACES, rate_mbit) as net:
-        config = BrokerConfig(str(model_dir), 2, control_bind="tcp://0.0.0.0:*", results_bind="tcp://0.0.0.0:*",
+        # Equal halves: the bench measures the link, not placement. A profiled plan on this shared machine
+        # once gave stage-0 a single layer (co-run factors measured under load), which shrank the hop's
+        # bytes/s, hence the derived rate, until one prefill step's transfer outlasted the resend timeout.
+        config = BrokerConfig(str(model_dir), 2, partition="equal",
+                              control_bind="tcp://0.0.0.0:*", results_bind="tcp://0.0.0.0:*",
                               advertise_host=net.host_address(1), wire=codec, keys=keys,
                               # stage-0 first: only its data port is reachable from here, only stage-1 reaches
                               # the advertised results address (a reordered plan left every step unanswered)
@@ -81,12 +85,16 @@ def run_in_namespaces(model_dir: Path, prompts, codec: str, rate_mbit: float | N
         binds = [net.stage_address(0), net.chain_address(1)]  # stage 1 receives over the limited link
         env = dict(os.environ, PYTHONPATH=str(REPO))
         processes = []
+        # Kept after the run: a stalled or failed run is read from its stages' logs.
+        log_dir = Path(tempfile.mkdtemp(prefix=f"layerbus-bench-wire-{codec}-{'curve' if secure else 'plain'}-"))
+        print(f"stage logs: {log_dir}", file=sys.stderr)
         try:
             for i, name in enumerate(NAMESPACES):
                 argv = [sys.executable, "-m", "layerbus.stages", "--broker", f"tcp://{net.host_address(i)}:{port}",
                         "--name", f"stage-{i}", "--bind", f"tcp://{binds[i]}:*", "--threads", "1", *key_args]
-                processes.append(subprocess.Popen(net.command(name, argv), env=env, stdout=subprocess.DEVNULL,
-                                                  stderr=subprocess.DEVNULL))
+                with open(log_dir / f"stage-{i}.log", "wb") as log:
+                    processes.append(subprocess.Popen(net.command(name, argv), env=env, stdout=subprocess.DEVNULL,
+                                                      stderr=log))
             broker.start()
             results, stats = broker.generate(requests)
             steps_before = {s.name: s.stats.get("steps") for s in broker.chain}
