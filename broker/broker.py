@@ -14,6 +14,7 @@ from layerbus.broker.control import ClusterError, ControlPlane, StageInfo, Stage
 from layerbus.broker.drift import Work
 from layerbus.broker.detokenizer import IncrementalDetokenizer
 from layerbus.broker.model_memory import model_memory
+from layerbus.broker.network import HostLinks
 from layerbus.broker.partition import model_cost_from_config
 from layerbus.broker.pipeline import Pipeline, PipelineConfig
 from layerbus.broker.placement import PlacementError, Plan, PlanOptions, StageProfile, estimate_split
@@ -80,6 +81,10 @@ class BrokerConfig:
     # prices its prefill, decode and drain, and batch sizes left at 0 are chosen for it. None: a
     # steady mix (plan_options.prompt_tokens_per_new_token), as for a broker serving whatever comes.
     workload: Workload | None = None
+    # What the links between hosts cost (broker.network.HostLinks, as a network file's [[links]] and
+    # [network] give them): every plan prices each send by the link it crosses. A stage runs on the host
+    # it registered with unless `hosts` names it. None: each stage's own profiled link.
+    network: HostLinks | None = None
 
 
 class Broker:
@@ -226,8 +231,12 @@ class Broker:
             log.warning("stages run different dtypes %s; memory is planned for %s", dtypes, stages[0].dtype)
         workload = self.config.workload
         job = job_shape(workload, self.batching) if workload is not None and workload.items else None
+        network = None
+        if self.config.network is not None:
+            registered = {stage.name: stage.host for stage in stages}
+            network = self.config.network.placing(registered).matrix(list(registered))
         return PlanInputs(self.model.path.name, model_memory(self.model.files, stages[0].dtype), self.batching,
-                          self.config.plan_options, job)
+                          self.config.plan_options, job, network)
 
     def _assign(self, placement: Placement) -> None:
         """Choose the links' codecs, make `placement` the one in use and have its stages load it."""
@@ -394,9 +403,9 @@ class Broker:
             # difference is the cost model's, not the guess of the output lengths.
             plan = self.plan
             job = job_shape(self.config.workload.with_output_lengths(lengths), self.batching)
+            inputs = self._plan_inputs(self.chain)
             produced = estimate_split([p for name in plan.order for p in self.profiles if p.name == name],
-                                      plan.spans, self._plan_inputs(self.chain).memory, self.batching,
-                                      plan.options, job)
+                                      plan.spans, inputs.memory, self.batching, plan.options, job, inputs.network)
         report = prediction_report(self.plan, before, stats.stage_stats, stats.new_tokens, stats.wall_s, produced)
         lines = format_prediction(report)
         for line in lines[:-1]:

@@ -58,7 +58,7 @@ def cluster_from_description(data: dict, cost: ModelCost, shapes: Shapes, source
     return Cluster(profiles, network_from_description(data, profiles, source))
 
 
-def _parse(path: Path, text: str) -> dict:
+def _parse(path: Path, text: str, top: str = "an object with a 'stages' list") -> dict:
     if path.suffix.lower() == ".toml":
         import tomllib
 
@@ -71,7 +71,7 @@ def _parse(path: Path, text: str) -> dict:
     except json.JSONDecodeError as error:
         raise ClusterFileError(f"{path} is not valid JSON ({error}); name the file *.toml for TOML") from None
     if not isinstance(data, dict):
-        raise ClusterFileError(f"{path}: the top level must be an object with a 'stages' list")
+        raise ClusterFileError(f"{path}: the top level must be {top}")
     return data
 
 
@@ -113,6 +113,39 @@ def network_from_description(data: dict, profiles: list[StageProfile], source: s
         missing = [p.name for p in profiles if not p.host]
         raise ClusterFileError(f"{source}: stage(s) {missing} have no 'host' while others do: give every stage "
                                "its host, or none")
+    if BROKER in {p.name for p in profiles}:
+        raise ClusterFileError(f"{source}: stage {BROKER!r}: with hosts, '{BROKER}' names the broker's end of the "
+                               "links: rename the stage")
+    hosts = {p.name: p.host for p in profiles}
+    return host_links(data, hosts, source, set(hosts.values())).matrix([p.name for p in profiles])
+
+
+def read_network_file(path: str | Path) -> HostLinks:
+    """A live broker's view of the links (`layerbus broker --network FILE`): a cluster file's `[network]`
+    and `[[links]]` between host names as the stages register them (their machine's host name), and
+    optionally `[hosts]` (stage name = host) for stages whose host name does not tell them apart."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ClusterFileError(f"cannot read network file {path}: {error.strerror or error}") from None
+    data = _parse(path, text, "an object with 'links' and 'network'")
+    unknown = set(data) - {"links", "network", "hosts"}
+    if unknown:
+        raise ClusterFileError(f"{path}: unknown field(s) {sorted(unknown)}; a network file has [network], "
+                               "[[links]] and [hosts] (stage = host); stages' speeds and memory are measured live")
+    named = data.get("hosts", {})
+    if not isinstance(named, dict):
+        raise ClusterFileError(f"{path}: 'hosts' must be a table of stage name = host, got {named!r:.40}")
+    hosts = {str(stage): _host(host, f"{path}: hosts: {stage}") for stage, host in named.items()}
+    if BROKER in hosts:
+        raise ClusterFileError(f"{path}: hosts: '{BROKER}' is the broker's end: give [network] broker_host instead")
+    return host_links(data, hosts, str(path), None)
+
+
+def host_links(data: dict, hosts: dict[str, str], source: str, known: set[str] | None) -> HostLinks:
+    """`[network]` and `[[links]]` of `data` over `hosts` (stage -> host); `known`: the only hosts a link
+    may name (None: any, as for a live broker whose stages have not registered yet)."""
     table = data.get("network", {})
     if not isinstance(table, dict):
         raise ClusterFileError(f"{source}: 'network' must be a table ([network] in TOML), got {table!r:.40}")
@@ -120,15 +153,11 @@ def network_from_description(data: dict, profiles: list[StageProfile], source: s
     if unknown:
         raise ClusterFileError(f"{source}: network: unknown field(s) {sorted(unknown)}; "
                                f"known: {sorted(NETWORK_FIELDS)}")
-    if BROKER in {p.name for p in profiles}:
-        raise ClusterFileError(f"{source}: stage {BROKER!r}: with hosts, '{BROKER}' names the broker's end of the "
-                               "links: rename the stage")
-    hosts = {p.name: p.host for p in profiles}
+    hosts = dict(hosts)
     if "broker_host" in table:
         hosts[BROKER] = _host(table["broker_host"], f"{source}: network: broker_host")
     default = _link(table, "bandwidth", "latency_ms", f"{source}: network", Link())
     within = _link(table, "host_bandwidth", "host_latency_ms", f"{source}: network", Link())
-    known = set(hosts.values())
     links = data.get("links", [])
     if not isinstance(links, list):
         raise ClusterFileError(f"{source}: 'links' must be a list ([[links]] tables in TOML), got {links!r:.40}")
@@ -145,14 +174,14 @@ def network_from_description(data: dict, profiles: list[StageProfile], source: s
                 or pair[0] == pair[1]):
             raise ClusterFileError(f"{where}: 'between' must name two different hosts, like [\"boxA\", \"boxB\"], "
                                    f"got {pair!r:.60}; within one host see [network] host_bandwidth")
-        strange = [h for h in pair if h not in known]
+        strange = [h for h in pair if known is not None and h not in known]
         if strange:
             raise ClusterFileError(f"{where}: between: unknown host(s) {strange}; the stages' hosts: {sorted(known)}")
         key = frozenset(pair)
         if key in between:
             raise ClusterFileError(f"{where}: a second link between {pair[0]} and {pair[1]}: give each pair once")
         between[key] = _link(entry, "bandwidth", "latency_ms", where, default)
-    return HostLinks(hosts, between, default, within).matrix([p.name for p in profiles])
+    return HostLinks(hosts, between, default, within)
 
 
 def link_entry(bandwidth_bytes_per_s: float, latency_s: float, hosts: tuple[str, str] = ("HOST_A", "HOST_B")) -> str:

@@ -66,3 +66,8 @@ class HostLinks:
             known.append(BROKER)
         links = {(a, b): self.link(a, b) for a in known for b in known if a != b}
         return LinkMatrix(links, dict(self.hosts))
+
+    def placing(self, registered: Mapping[str, str]) -> "HostLinks":
+        """These links over live stages: each stage on the host it registered with (`registered`, stage
+        -> host) unless these hosts name it (stages in containers or namespaces that share a host name)."""
+        return HostLinks({**registered, **self.hosts}, self.between, self.default, self.within_host)

@@ -63,6 +63,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="allow binds other machines can reach without --keys (unauthenticated, unencrypted)")
     parser.add_argument("--advertise", metavar="HOST", default=None,
                         help="host name or address stages on other machines use to reach this broker")
+    parser.add_argument("--network", metavar="FILE", type=Path, default=None,
+                        help="the links between the stages' hosts (TOML/JSON: [network] defaults, [[links]] between "
+                             "two host names, optional [hosts] stage = host; as in a cluster file, see "
+                             "examples/network.toml): the plan then keeps stages that share a fast link together "
+                             "(default: each stage's own measured link)")
     add_db(parser)
     parser.add_argument("--job", metavar="JOB", default=None,
                         help="run this one job, then exit (0 iff it completed); default: run jobs as they come")
@@ -83,13 +88,21 @@ def main(args: argparse.Namespace) -> int:
     from layerbus.broker.broker import Broker, BrokerConfig
 
     keys, control_bind, results_bind = _security(args)
+    network = None
+    if args.network is not None:
+        from layerbus.broker.cluster_file import ClusterFileError, read_network_file
+
+        try:
+            network = read_network_file(args.network)
+        except ClusterFileError as error:
+            raise UsageError(f"--network: {error}") from None
     model_dir = resolve_model(args.model)
     model_for_stages(model_dir, args.stages)
     config = BrokerConfig(str(model_dir), args.stages, control_bind=control_bind, keys=keys,
                           results_bind=results_bind, advertise_host=args.advertise, partition=args.partition,
                           batching=batching_from_args(args), pipeline=pipeline_from_args(args),
                           **wire_from_args(args), weights=args.weights,
-                          register_timeout_s=args.register_timeout, trace=args.trace)
+                          register_timeout_s=args.register_timeout, trace=args.trace, network=network)
     with open_store(args.db) as store:
         if args.job:
             store.job_status(args.job)  # StoreError names a job that does not exist
