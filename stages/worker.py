@@ -184,6 +184,11 @@ class StageWorker:
                 self._report_refusals()
                 self.next_refusal_check = now + 1.0
             silent = now - self.last_heard
+            if silent > self.config.broker_timeout_s and self.control.poll(0):
+                # A long step (a slow CPU, a send waiting on a slow link) kept the broker's messages
+                # waiting in the socket: they were on time, so they count before silence is judged.
+                self._drain_control()
+                silent = time.monotonic() - self.last_heard
             if silent > self.config.broker_timeout_s and self.failed_handshake is not None:
                 # Never admitted: libzmq's retries kept failing (a keyless stage may see only broken pipes
                 # from a secured broker, never the telling "mechanism mismatch"), so this is no link at all.
