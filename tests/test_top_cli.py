@@ -32,9 +32,9 @@ def stage(name: str, position: int, busy: float, **changes) -> StageSnapshot:
     return StageSnapshot(**{**fields, **changes})
 
 
-def running_store(tmp_path: Path, busy: float = 0.93) -> tuple[str, str]:
-    """A SQLite store with one finished job and, newer, one running job with two stages' snapshots."""
-    url = f"sqlite:///{tmp_path / 'jobs.db'}"
+def running_store(tmp_path: Path, busy: float = 0.93, url: str | None = None) -> tuple[str, str]:
+    """A store (default: a SQLite file) with one failed job and, newer, one running job with two stages' snapshots."""
+    url = url or f"sqlite:///{tmp_path / 'jobs.db'}"
     with JobStore.open(url) as store:
         earlier = store.create_job(SETTINGS, new_items(1), now=datetime.now(timezone.utc) - timedelta(hours=1))
         store.claim_items(earlier, "w", 1)
@@ -56,6 +56,14 @@ def test_once_prints_the_running_jobs_stages(tmp_path, capsys):
     assert [line.split()[:4] for line in lines[6:]] == [["stage-0", "box-a", "[0,", "2)"],
                                                          ["stage-1", "box-a", "[2,", "4)"]]
     assert all(" 93% " in line for line in lines[6:])
+
+
+def test_once_reads_a_postgresql_store(tmp_path, capsys, postgres_fresh_url):
+    url, job_id = running_store(tmp_path, url=postgres_fresh_url)
+    assert main(["top", "--once", "--db", url]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"layerbus top  {job_id} (demo)  in_progress")
+    assert [line.split()[0] for line in lines[6:]] == ["stage-0", "stage-1"]
 
 
 def test_a_finished_job_is_shown_and_frames_end_with_it(tmp_path, capsys):
