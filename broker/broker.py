@@ -36,10 +36,12 @@ from layerbus.broker.profiling import ProfilingConfig, collect_profiles
 from layerbus.broker.requests import GenerationRequest, GenerationResult
 from layerbus.broker.run_state import ListSource, RecordingSink, RecordingSource, RequestSource, ResultSink, RunStats
 from layerbus.broker.scheduler import BatchingConfig
+from layerbus.broker.stage_view import StageView
 from layerbus.broker.trace_file import BrokerTrace
 from layerbus.broker.wire_choice import AutoWireInputs, plan_link_codecs
 from layerbus.broker.workload import Workload, job_shape, mean_decode_context
 from layerbus.models.model_info import ModelInfo, load_tokenizer, read_model_info
+from layerbus.storage.snapshot_records import StageSnapshot
 from layerbus.wire.curve import ClusterKeys
 from layerbus.wire.trace_events import PLACE
 from layerbus.wire.spans import LayerRange
@@ -131,6 +133,7 @@ class Broker:
         # loading), for the job's events: the job is not known yet when the broker starts.
         self.start_events: list[tuple[str, str]] = []
         self._exits_noted = 0
+        self._stage_view = StageView()  # the stages' load between calls of stage_snapshots
 
     # -- the placement in use, read-only views -------------------------------------------------
     @property
@@ -165,6 +168,14 @@ class Broker:
             stage = self.control.stage(entry["name"])
             entry.update(host=stage.host, weights=stage.weights, weight_bytes=stage.param_bytes)
         return info
+
+    def stage_snapshots(self) -> list[StageSnapshot]:
+        """Every registered stage as `layerbus top` shows it, with its load since the previous call
+        (broker.stage_view). For one caller, on a thread of its own (jobs/snapshot_keeper.py), so the
+        snapshots go on while the loop loads spans or re-plans: it only reads, and the loop replaces the
+        placement and each stage's stats whole."""
+        stages = list(self.control.stages.values())
+        return self._stage_view.take(stages, self.placement, self.control.clock())
 
     @property
     def address(self) -> str:

@@ -11,10 +11,10 @@ import logging
 import sys
 
 from layerbus.cli import (broker_service, cancel, eval_commands, keys, model, netprobe, plan, results, run, stage,
-                          status, submit, wire_quality)
+                          status, submit, top, wire_quality)
 from layerbus.cli.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, failure_message, user_error_message
 
-SUBCOMMANDS = (submit, run, status, results, cancel, eval_commands, broker_service, stage, plan, model, keys,
+SUBCOMMANDS = (submit, run, status, top, results, cancel, eval_commands, broker_service, stage, plan, model, keys,
                wire_quality, netprobe)
 
 

@@ -146,7 +146,7 @@ def job_report(status: JobStatus, events: Sequence[JobEvent] = ()) -> str:
         ("tokens", f"{status.prompt_tokens} prompt, {status.completion_tokens} generated{rate}"),
     ]
     if status.eta_s is not None:
-        lines.append(("eta", _duration(status.eta_s)))
+        lines.append(("eta", duration_text(status.eta_s)))
     lines += [(column.removesuffix("_at"), f"{_clock(value)} UTC") for column, value in status.timestamps.items()
               if value is not None]
     lines.append(("results", status.results_path or "(not written yet)"))
@@ -224,7 +224,8 @@ def _clock(value: datetime | None) -> str:
     return value.strftime("%Y-%m-%d %H:%M:%S") if value is not None else "-"
 
 
-def _duration(seconds: float) -> str:
+def duration_text(seconds: float) -> str:
+    """A span of time as 42s, 3m07s or 2h05m00s (status's ETA, top's)."""
     minutes, secs = divmod(int(round(seconds)), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"

@@ -10,6 +10,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable, MutableMapping
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -18,6 +19,7 @@ from layerbus.broker.requests import GenerationRequest, GenerationResult, ScoreR
 from layerbus.jobs.item_params import ADD_SPECIAL_TOKENS_KEY, PROMPT_IDS_KEY
 from layerbus.jobs.leases import LeaseConfig, LeaseKeeper, gone_holders, pid_alive, this_worker
 from layerbus.jobs.score_items import is_scoring, score_output, score_request
+from layerbus.jobs.snapshot_keeper import SnapshotConfig, SnapshotKeeper
 from layerbus.storage import ClaimedItem, ItemResult, JobSettings, JobStatus, JobStore, StoreError
 from layerbus.storage.result_row import result_row
 from layerbus.storage.results import ResultWriter, settings_metadata
@@ -210,7 +212,7 @@ class CancelWatch:
 
 def run_job(store: JobStore, job_id: str, broker: Runner, results_dir: Path, progress: ProgressBar | None = None,
             poll_cancel_s: float = 1.0, worker_name: str | None = None,
-            leases: LeaseConfig = LeaseConfig()) -> JobStatus:
+            leases: LeaseConfig = LeaseConfig(), snapshots: SnapshotConfig = SnapshotConfig()) -> JobStatus:
     """Run a job on a started broker until it is completed, cancelled or failed; returns its status.
 
     Items an earlier run left in_progress go back to the queue first when nobody holds them any more
@@ -218,7 +220,8 @@ def run_job(store: JobStore, job_id: str, broker: Runner, results_dir: Path, pro
     resumes a job; items other brokers hold are theirs until their leases run out (jobs/leases.py). An
     exception fails the job with its text (finished outputs stay in the store and the part files);
     KeyboardInterrupt requeues the items in flight, leaves the job in_progress for a later run, and
-    propagates.
+    propagates. While the pipeline runs, the broker's stage snapshots go to the store every
+    `snapshots.interval_s` (jobs/snapshot_keeper.py), for `layerbus top`.
     """
     status = store.job_status(job_id)
     if status.status in FINAL_JOB_STATES:
@@ -235,7 +238,8 @@ def run_job(store: JobStore, job_id: str, broker: Runner, results_dir: Path, pro
         store.add_job_event(job_id, "placed", describe())
     try:
         if status.status != "finalizing":  # stopped while writing its results: only that is left to do
-            with LeaseKeeper(store, job_id, worker_name, leases):
+            with LeaseKeeper(store, job_id, worker_name, leases), \
+                    _snapshot_keeper(store, job_id, broker, worker_name, snapshots):
                 _run_rounds(store, job_id, broker, writer, settings, progress, poll_cancel_s, worker_name, leases)
         return _finish(store, job_id, writer, settings)
     except Exception as error:
@@ -243,6 +247,15 @@ def run_job(store: JobStore, job_id: str, broker: Runner, results_dir: Path, pro
         log.error("job %s failed: %s", job_id, error, exc_info=not isinstance(error, ClusterError))
         _try_set_status(store, job_id, "failed", error=f"{type(error).__name__}: {error}")
         return store.job_status(job_id)
+
+
+def _snapshot_keeper(store: JobStore, job_id: str, broker: Runner, worker_name: str,
+                     config: SnapshotConfig) -> AbstractContextManager:
+    """Stage snapshots for `layerbus top`, from a broker that can take them (test doubles may not)."""
+    take = getattr(broker, "stage_snapshots", None)
+    if not config.enabled or not callable(take):
+        return nullcontext()
+    return SnapshotKeeper(store, job_id, worker_name, take, config)
 
 
 def _take_back_abandoned(store: JobStore, job_id: str, worker_name: str) -> None:

@@ -1,5 +1,5 @@
-"""The job store's tables, `jobs`, `items`, `item_counts`, `job_events`, `eval_runs` and `eval_metrics`, as
-SQLAlchemy declarative models.
+"""The job store's tables, `jobs`, `items`, `item_counts`, `job_events`, `stage_snapshots`, `eval_runs` and
+`eval_metrics`, as SQLAlchemy declarative models.
 
 Users query these tables with plain SQL (see storage/SCHEMA.md), so they stay flat: text states,
 JSON as text, one timestamp column per job state. Timestamps are UTC: `timestamptz` on PostgreSQL,
@@ -162,6 +162,41 @@ class JobEventRow(Base):
     duration_s: Mapped[float | None] = mapped_column(Float)  # how long it took, when it is a span of time
 
 
+class StageSnapshotRow(Base):
+    """One stage of a running job as its broker last saw it (storage/snapshot_records.StageSnapshot).
+
+    Each broker replaces its rows of a job every few seconds (one transaction: delete, insert), so the
+    table holds one row per stage per broker, never a log; `layerbus top` reads it.
+    """
+
+    __tablename__ = "stage_snapshots"
+
+    job_id: Mapped[str] = mapped_column(String(32), ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    broker: Mapped[str] = mapped_column(String(200), primary_key=True)  # the writing broker, "host:pid:token"
+    stage: Mapped[str] = mapped_column(String(200), primary_key=True)  # the stage's name
+    position: Mapped[int | None] = mapped_column(Integer)  # place in the chain; NULL: holds no span
+    host: Mapped[str]  # the machine the stage registered from
+    device: Mapped[str]  # cpu, cuda:N, mps
+    layer_start: Mapped[int | None] = mapped_column(Integer)  # its layers [layer_start, layer_end)
+    layer_end: Mapped[int | None] = mapped_column(Integer)
+    weights: Mapped[str | None]  # weight format it loaded
+    wire: Mapped[str | None]  # codec of its outgoing link; NULL for the last stage
+    state: Mapped[str] = mapped_column(String(16))  # broker.control.StageState value
+    busy_ratio: Mapped[float | None] = mapped_column(Float)  # share of the last interval spent on steps
+    step_s: Mapped[float | None] = mapped_column(Float)  # mean seconds per step over the last interval
+    steps: Mapped[int | None] = mapped_column(BigInteger)  # steps since the stage started
+    tokens: Mapped[int | None] = mapped_column(BigInteger)  # positions processed since it started
+    rss_bytes: Mapped[int | None] = mapped_column(BigInteger)  # resident memory now, if reported
+    peak_rss_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    memory_budget_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    bytes_out: Mapped[int | None] = mapped_column(BigInteger)  # tensor bytes sent since it started
+    bytes_in: Mapped[int | None] = mapped_column(BigInteger)  # tensor bytes received, if reported
+    out_bytes_per_s: Mapped[float | None] = mapped_column(Float)  # over the last interval
+    in_bytes_per_s: Mapped[float | None] = mapped_column(Float)
+    heartbeat_age_s: Mapped[float | None] = mapped_column(Float)  # seconds since the broker heard from it
+    updated_at: Mapped[datetime]  # when the broker wrote the row
+
+
 class EvalRunRow(Base):
     """One eval run: the job that scored a suite's documents (its items), and what exactly was run.
 
@@ -207,5 +242,6 @@ jobs = Job.__table__
 items = Item.__table__
 item_counts = ItemCountRow.__table__
 job_events = JobEventRow.__table__
+stage_snapshots = StageSnapshotRow.__table__
 eval_runs = EvalRunRow.__table__
 eval_metrics = EvalMetricRow.__table__

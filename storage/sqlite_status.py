@@ -1,11 +1,13 @@
-"""`job_status`, `list_jobs` and `job_events` for a SQLite store on the standard library's sqlite3, read-only.
+"""`job_status`, `list_jobs`, `job_events` and `stage_snapshots` for a SQLite store on the standard library's
+sqlite3, read-only.
 
 `layerbus status` is what people poll while a job runs. Its query takes about 2 ms; importing
 SQLAlchemy takes about 240 ms. This module reads the same two things JobStore reads (the job row
 and its item counters) and builds the JobStatus with the same pure function, so both paths
 agree by construction (and a contract test holds them to it). Anything unusual (not a plain SQLite
 file URL, a missing file, a schema it does not know) returns None and the caller uses JobStore;
-a store made before the job_events table existed has no events to show, which is not unusual.
+a store made before the job_events (or stage_snapshots) table existed has no events (or stages) to show,
+which is not unusual.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from urllib.parse import unquote
 
 from layerbus.storage.events import DEFAULT_EVENT_LIMIT, events_oldest_first
 from layerbus.storage.records import JobEvent, JobStatus
+from layerbus.storage.snapshot_records import SNAPSHOT_FIELDS, StageSnapshot, snapshot_from_row, snapshot_order
 from layerbus.storage.states import TIMESTAMP_COLUMNS
 from layerbus.storage.status import StateAggregate, build_job_status
 
@@ -27,7 +30,8 @@ _AGGREGATES = """
     SELECT job_id, status, items, ran, prompt_tokens, completion_tokens
     FROM item_counts WHERE job_id IN ({marks})"""
 _EVENTS = "SELECT at, kind, message, duration_s FROM job_events WHERE job_id = ? ORDER BY id DESC LIMIT ?"
-_HAS_EVENTS_TABLE = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'job_events'"
+_HAS_TABLE = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
+_SNAPSHOTS = f"SELECT {', '.join(SNAPSHOT_FIELDS)} FROM stage_snapshots WHERE job_id = ?"
 
 
 def sqlite_file(url: str) -> Path | None:
@@ -59,12 +63,44 @@ def read_job_events(url: str, job_id: str, limit: int = DEFAULT_EVENT_LIMIT) -> 
         return None
     try:
         with connect() as conn:
-            if conn.execute(_HAS_EVENTS_TABLE).fetchone() is None:
+            if conn.execute(_HAS_TABLE, ("job_events",)).fetchone() is None:
                 return []  # a store older than the table; JobStore.open adds it
             rows = conn.execute(_EVENTS, (job_id, limit)).fetchall()
     except sqlite3.Error:
         return None
     return events_oldest_first((utc_from_text(at), kind, message, duration) for at, kind, message, duration in rows)
+
+
+def read_stage_snapshots(url: str, job_id: str) -> list[StageSnapshot] | None:
+    """The job's stage snapshots as JobStore.stage_snapshots returns them; None when this path cannot answer."""
+    connect = read_only_connect(url)
+    if connect is None:
+        return None
+    try:
+        with connect() as conn:
+            if conn.execute(_HAS_TABLE, ("stage_snapshots",)).fetchone() is None:
+                return []  # a store older than the table; a broker's JobStore.open adds it
+            rows = [dict(zip(SNAPSHOT_FIELDS, row)) for row in conn.execute(_SNAPSHOTS, (job_id,))]
+    except sqlite3.Error:
+        return None
+    for row in rows:
+        row["updated_at"] = utc_from_text(row["updated_at"])
+    return sorted((snapshot_from_row(row) for row in rows), key=snapshot_order)
+
+
+def read_latest_job_ids(url: str, status: str | None = None, limit: int = 1) -> list[str] | None:
+    """The ids of the newest `limit` jobs (of those in `status`, if given), newest first, as
+    JobStore.latest_job_id orders them ([]: there are none); None when this path cannot answer."""
+    connect = read_only_connect(url)
+    if connect is None:
+        return None
+    where, params = ("WHERE status = ? ", (status, limit)) if status is not None else ("", (limit,))
+    try:
+        with connect() as conn:
+            rows = conn.execute(f"SELECT id FROM jobs {where}ORDER BY created_at DESC, id DESC LIMIT ?", params)
+            return [row[0] for row in rows]
+    except sqlite3.Error:
+        return None
 
 
 def read_only_connect(url: str):

@@ -32,11 +32,14 @@ from layerbus.storage.leases import DEFAULT_LEASE_S, held_by, job_leases, lease_
 from layerbus.storage.records import (ClaimedItem, InvalidItem, ItemResult, JobEvent, JobSettings, JobStatus, Lease,
                                       NewItem)
 from layerbus.storage.result_row import RESULT_COLUMNS
+from layerbus.storage.snapshot_records import (MAX_BROKER_CHARS, StageSnapshot, snapshot_from_row, snapshot_order,
+                                               snapshot_row)
 from layerbus.storage.rows import (claimed_item, duplicate_message, insert_new_items, invalid_item_row, new_item_row,
                                    result_params)
 from layerbus.storage.schema import item_counts as counts_table
 from layerbus.storage.schema import items as items_table
 from layerbus.storage.schema import job_events as events_table
+from layerbus.storage.schema import stage_snapshots as snapshots_table
 from layerbus.storage.schema import jobs as jobs_table
 from layerbus.storage.states import (
     CANCELLABLE_JOB_STATES,
@@ -53,6 +56,7 @@ ITEM = items_table.c
 JOB = jobs_table.c
 COUNT = counts_table.c
 EVENT = events_table.c
+SNAPSHOT = snapshots_table.c
 # Rows per page when streaming results, and ids per IN (...) list (SQLite allows 32,766 parameters).
 _PAGE = 1000
 
@@ -414,6 +418,21 @@ class JobStore:
             self._job_field(conn, job_id, JOB.id)
             conn.execute(insert(events_table), row)
 
+    def record_stage_snapshots(self, job_id: str, broker: str, snapshots: Sequence[StageSnapshot],
+                               now: datetime | None = None) -> None:
+        """Replace `broker`'s stage snapshots of the job with `snapshots`, stamped `now` (`layerbus top`).
+
+        One short transaction: the broker's earlier rows go, so a stage it no longer knows leaves the view.
+        """
+        now = _utc(now)
+        rows = [snapshot_row(job_id, broker, snapshot, now) for snapshot in snapshots]
+        with self._write() as conn:
+            self._job_field(conn, job_id, JOB.id)
+            conn.execute(delete(snapshots_table).where(SNAPSHOT.job_id == job_id,
+                                                       SNAPSHOT.broker == broker[:MAX_BROKER_CHARS]))
+            if rows:
+                conn.execute(insert(snapshots_table), rows)
+
     # --- reading ----------------------------------------------------------------------------------
 
     def job_status(self, job_id: str, now: datetime | None = None) -> JobStatus:
@@ -448,10 +467,20 @@ class JobStore:
             )
             return events_oldest_first(conn.execute(query))
 
-    def latest_job_id(self) -> str | None:
+    def latest_job_id(self, status: str | None = None) -> str | None:
+        """The newest job (created_at, then id), or the newest in `status`; None when there is none."""
         with self._read() as conn:
             query = select(JOB.id).order_by(JOB.created_at.desc(), JOB.id.desc()).limit(1)
+            if status is not None:
+                query = query.where(JOB.status == status)
             return conn.execute(query).scalar_one_or_none()
+
+    def stage_snapshots(self, job_id: str) -> list[StageSnapshot]:
+        """Every broker's latest view of the job's stages, by broker, then in chain order (snapshot_order)."""
+        with self._read() as conn:
+            self._job_field(conn, job_id, JOB.id)
+            rows = conn.execute(select(snapshots_table).where(SNAPSHOT.job_id == job_id)).mappings().all()
+        return sorted((snapshot_from_row(row) for row in rows), key=snapshot_order)
 
     def find_job_by_name(self, name: str) -> str | None:
         """The newest job named `name` (created_at, then id), or None: how a caller that names its jobs by
