@@ -7,7 +7,6 @@ from __future__ import annotations
 import shlex
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
