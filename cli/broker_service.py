@@ -71,6 +71,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_db(parser)
     parser.add_argument("--job", metavar="JOB", default=None,
                         help="run this one job, then exit (0 iff it completed); default: run jobs as they come")
+    parser.add_argument("--exit-when-idle", action="store_true",
+                        help="once the stages are placed, serve the queued and running jobs of this model, then "
+                             "exit when none is left (0 iff every job it ran completed) instead of polling for "
+                             "more: for a batch scheduler (`sbatch --wait`, deploy/slurm/layerbus.sbatch)")
     add_cluster_options(parser)
     add_weights(parser)
     add_trace(parser)
@@ -87,6 +91,8 @@ def main(args: argparse.Namespace) -> int:
 
     from layerbus.broker.broker import Broker, BrokerConfig
 
+    if args.exit_when_idle and args.job:
+        raise UsageError("--exit-when-idle and --job: --job already exits after its one job: drop one")
     keys, control_bind, results_bind = _security(args)
     network = None
     if args.network is not None:
@@ -177,14 +183,30 @@ def _serve(store: JobStore, broker: Broker, model_dir: Path, args: argparse.Name
         _report(status)
         return EXIT_OK if status.status == "completed" else EXIT_FAILED
     warned: set[str] = set()
+    ran: list[JobStatus] = []
     while True:
+        # Looked up only now that the stages are placed, and again after every job: a job queued while the
+        # stages were registering, or while another job ran, is served before an idle broker exits.
         job_id = next_job_for(store, model_dir, warned)
+        if job_id is None and args.exit_when_idle:
+            code = exit_code_when_idle([status.status for status in ran])
+            print(f"layerbus broker: no queued or running job for {model_dir}: exiting (--exit-when-idle) after "
+                  f"{len(ran)} job(s), {sum(s.status == 'completed' for s in ran)} completed", file=sys.stderr,
+                  flush=True)
+            return code
         if job_id is None:
             _idle(broker, args.poll)
             continue
         print(f"layerbus broker: running {job_id}", file=sys.stderr, flush=True)
         write_run_info(job_id, broker.run_info())
-        _report(run_job(store, job_id, broker, results_dir(), leases=leases))
+        ran.append(run_job(store, job_id, broker, results_dir(), leases=leases))
+        _report(ran[-1])
+
+
+def exit_code_when_idle(final_states: list[str]) -> int:
+    """`--exit-when-idle`'s exit code from the final states of the jobs this broker ran: 0 iff each completed
+    (none ran: nothing failed), so a batch scheduler's job fails when one of its jobs did."""
+    return EXIT_OK if all(state == "completed" for state in final_states) else EXIT_FAILED
 
 
 def next_job_for(store: JobStore, model_dir: Path, warned: set[str]) -> str | None:

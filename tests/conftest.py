@@ -32,8 +32,10 @@ pytest_plugins = [
 ]
 
 POSTGRES_FIXTURES = {"postgres_server", "postgres_url", "postgres_fresh_url"}
-# Programs that make a process a cluster-tier one: the CLI, the local cluster script, a PostgreSQL server.
-CLUSTER_PROGRAMS = {"layerbus", "run_cluster.sh", "initdb", "pg_ctl", "postgres"}
+# Programs that make a process a cluster-tier one: the CLI, the local cluster script, a PostgreSQL server,
+# a Slurm cluster (tests/slurm_cluster.py).
+CLUSTER_PROGRAMS = {"layerbus", "run_cluster.sh", "initdb", "pg_ctl", "postgres",
+                    "munged", "slurmctld", "slurmd", "sbatch"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
