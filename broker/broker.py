@@ -33,7 +33,7 @@ from layerbus.broker.planning import (
 )
 from layerbus.broker.profiling import ProfilingConfig, collect_profiles
 from layerbus.broker.requests import GenerationRequest, GenerationResult
-from layerbus.broker.run_state import ListSource, RecordingSink, RecordingSource, RequestSource, ResultSink, RunStats
+from layerbus.broker.run_state import BrokerCounts, ListSource, RecordingSink, RecordingSource, RequestSource, ResultSink, RunStats
 from layerbus.broker.scheduler import BatchingConfig
 from layerbus.broker.trace_file import BrokerTrace
 from layerbus.broker.wire_choice import AutoWireInputs, plan_link_codecs
@@ -126,6 +126,7 @@ class Broker:
         # loading), for the job's events: the job is not known yet when the broker starts.
         self.start_events: list[tuple[str, str]] = []
         self._exits_noted = 0
+        self.counts = BrokerCounts()  # stages lost, re-plans, failed and resent steps: the metrics' counters
 
     # -- the placement in use, read-only views -------------------------------------------------
     @property
@@ -263,6 +264,7 @@ class Broker:
                 if self.control.children is None or lost is None:
                     raise
                 self._forget(lost)
+                self.counts.stages_lost += 1
                 self._note_exits()
                 reason = error.reason if isinstance(error, StageLost) else lost.error or str(error)
                 self.start_events.append(("stage_lost", f"stage {lost.name} lost while the model was being placed "
@@ -276,7 +278,7 @@ class Broker:
         self.pipeline = Pipeline(self.context, self.control, lambda: self.placement, self.results, self.batching,
                                  set(self.model.eos_ids), self._new_detokenizer, self.config.pipeline,
                                  recover=self.recover, rebalance=self.rebalance, expected=self._expected_busy_s,
-                                 tracer=self.tracer)
+                                 tracer=self.tracer, counts=self.counts)
 
     # -- re-planning -----------------------------------------------------------------------------
     def _note_exits(self) -> None:
@@ -298,6 +300,7 @@ class Broker:
         left, or too little memory), wait for a stage to register. Another stage lost while loading
         is dropped too, and the plan made again. None when `should_stop` says so."""
         self._forget(lost.stage)
+        self.counts.stages_lost += 1
         waiting_for: str | None = None
         while not should_stop():
             candidates = [s for s in self.control.live_stages() if s.state is not StageState.FAILED]
@@ -315,9 +318,11 @@ class Broker:
                 continue
             try:
                 self._assign(placement)
+                self.counts.replans_lost += 1
                 return self.placement
             except StageLost as again:
                 self._forget(again.stage)
+                self.counts.stages_lost += 1
                 report("stage_lost", f"{again} (while loading a new span)", stage=again.stage.name)
             except ClusterError as error:  # a load failed: that stage is left out of the next plan
                 report("load_failed", str(error))
@@ -356,6 +361,7 @@ class Broker:
         except ClusterError as error:  # a stage could not load its new span: re-plan without it
             failed = next((stage for stage in self.chain if stage.state is StageState.FAILED), self.chain[0])
             raise StageLost(failed, f"could not load its new span: {error}") from None
+        self.counts.replans_slowed += 1
         return self.placement
 
     def _write_trace(self) -> None:
