@@ -61,12 +61,17 @@ BUSY_WINDOW_S = 60.0  # layerbus_stage_busy_ratio covers about the last minute o
 
 
 def busy_ratio(history: Sequence[BusySample], now: BusySample, window_s: float = BUSY_WINDOW_S) -> float:
-    """The fraction of its time the stage spent in steps since the oldest sample of `history` within
-    `window_s` of `now` (on its uptime clock), or since the latest one before that when none is (scrapes
-    further apart than the window), or over its whole life when there is none. In [0, 1]."""
+    """The fraction of its time the stage spent in steps over about the last `window_s` of its uptime, in
+    [0, 1]: since the latest sample of `history` at least `window_s` old; over its whole life when it is
+    younger than the window; else (scrapes began less than a window ago) since the oldest sample there is."""
     earlier = [s for s in history if s.uptime_s < now.uptime_s]
-    within = [s for s in earlier if s.uptime_s >= now.uptime_s - window_s]
-    base = within[0] if within else earlier[-1] if earlier else BusySample(0.0, 0.0)
+    old_enough = [s for s in earlier if s.uptime_s <= now.uptime_s - window_s]
+    if old_enough:
+        base = old_enough[-1]
+    elif now.uptime_s <= window_s or not earlier:
+        base = BusySample(0.0, 0.0)
+    else:
+        base = earlier[0]
     span = now.uptime_s - base.uptime_s
     if span <= 0:
         return 0.0
@@ -75,11 +80,13 @@ def busy_ratio(history: Sequence[BusySample], now: BusySample, window_s: float =
 
 def remember(history: Sequence[BusySample], now: BusySample,
              window_s: float = BUSY_WINDOW_S) -> tuple[BusySample, ...]:
-    """`history` with `now` added and what fell out of the window dropped. A stage whose uptime went
-    back is a new process under the same name: its old samples are forgotten."""
+    """`history` with `now` added, keeping the samples within the window and the latest one before it (the
+    next ratio's base). A stage whose uptime went back is a new process under the same name: its old
+    samples are forgotten."""
     if history and now.uptime_s < history[-1].uptime_s:
         history = ()
-    kept = tuple(s for s in history if s.uptime_s >= now.uptime_s - window_s)
+    before = [s for s in history if s.uptime_s < now.uptime_s - window_s]
+    kept = tuple(before[-1:]) + tuple(s for s in history if s.uptime_s >= now.uptime_s - window_s)
     return kept if kept and kept[-1].uptime_s == now.uptime_s else kept + (now,)
 
 
@@ -136,7 +143,7 @@ def stage_families(stages: Sequence[StageInfo], placement: Placement | None, now
         Family("layerbus_stage_heartbeat_age_seconds", "gauge", "Seconds since anything last arrived from the "
                "stage (it heartbeats every 0.5 s).", tuple(age)),
         Family("layerbus_stage_busy_ratio", "gauge", "Fraction of the stage's time spent running steps, over "
-               f"about the last {BUSY_WINDOW_S:g} s (its whole life at the first scrape).", tuple(busy)),
+               f"about the last {BUSY_WINDOW_S:g} s.", tuple(busy)),
         Family("layerbus_stage_busy_seconds_total", "counter", "Seconds the stage spent running steps.",
                tuple(busy_total)),
         Family("layerbus_stage_step_seconds", "histogram", "Time the stage took per step: receive, decode, "

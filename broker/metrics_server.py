@@ -130,7 +130,7 @@ class MetricsServer:
         try:
             self._server = make_server(host, port, self._app, server_class=_server_class(host),
                                        handler_class=_QuietHandler)
-        except (OSError, socket.gaierror) as error:
+        except OSError as error:  # in use, not an address of this machine, a name that does not resolve
             raise MetricsError(f"cannot serve metrics at {_url(host, port)}: {error.strerror or error}; pick "
                                "another port (or 0 for any free one) or an address of this machine, e.g. "
                                "--metrics 127.0.0.1:9464") from None

@@ -50,13 +50,15 @@ TWO = Placement(("a", "b"), (LayerRange(0, 3), LayerRange(3, 6)), ("int8",))
 
 
 @pytest.mark.parametrize("history, now, window, expected", [
-    ((), BusySample(10, 5), 60, 0.5),  # no history: the stage's whole life
-    ((BusySample(10, 5),), BusySample(20, 13), 60, 0.8),  # since the last scrape
-    ((BusySample(10, 5), BusySample(30, 6)), BusySample(80, 16), 60, 10 / 50),  # the oldest within the window
-    ((BusySample(10, 5), BusySample(15, 6)), BusySample(100, 33), 60, 27 / 85),  # none within: the latest before
-    ((BusySample(20, 13),), BusySample(20, 13), 60, 13 / 20),  # no new heartbeat since: the whole life
+    ((), BusySample(10, 5), 60, 0.5),  # younger than the window: its whole life
+    ((BusySample(10, 5),), BusySample(20, 13), 60, 13 / 20),  # still its whole life, the window's worth of it
+    ((BusySample(5, 1), BusySample(30, 6)), BusySample(80, 16), 60, 15 / 75),  # since the latest a window old
+    ((BusySample(10, 5), BusySample(15, 6), BusySample(90, 8)), BusySample(100, 33), 60, 27 / 85),
+    ((BusySample(70, 10), BusySample(90, 12)), BusySample(100, 17), 60, 7 / 30),  # scrapes began lately: the oldest
+    ((), BusySample(100, 25), 60, 0.25),  # the first scrape of an old stage: its whole life
+    ((BusySample(100, 13),), BusySample(100, 13), 60, 0.13),  # no heartbeat since: the whole life
     ((), BusySample(0, 0), 60, 0.0),
-    ((BusySample(10, 9),), BusySample(11, 10.5), 60, 1.0),  # rounding above 1 is clamped
+    ((), BusySample(10, 10.5), 60, 1.0),  # rounding above 1 is clamped
 ])
 def test_busy_ratio(history, now, window, expected):
     assert busy_ratio(history, now, window) == pytest.approx(expected)
@@ -65,11 +67,21 @@ def test_busy_ratio(history, now, window, expected):
 @pytest.mark.parametrize("history, now, expected", [
     ((), BusySample(1, 0), (BusySample(1, 0),)),
     ((BusySample(1, 0),), BusySample(1, 0), (BusySample(1, 0),)),  # the same heartbeat twice: kept once
-    ((BusySample(1, 0), BusySample(70, 1)), BusySample(80, 2), (BusySample(70, 1), BusySample(80, 2))),
+    ((BusySample(1, 0), BusySample(10, 1), BusySample(70, 1)), BusySample(80, 2),
+     (BusySample(10, 1), BusySample(70, 1), BusySample(80, 2))),  # the latest before the window stays: the base
     ((BusySample(50, 9),), BusySample(3, 1), (BusySample(3, 1),)),  # uptime went back: a new process
 ])
 def test_remember_keeps_the_window(history, now, expected):
     assert remember(history, now, 60) == expected
+
+
+def test_a_job_that_ended_before_the_first_scrape_still_shows_busy_until_it_leaves_the_window():
+    history, seen = (), []
+    for uptime in (12, 13, 14, 40, 75, 200):  # the stage worked 3 s before it was first scraped, then idled
+        now = BusySample(uptime, 3.0)
+        seen.append(busy_ratio(history, now, 60))
+        history = remember(history, now, 60)
+    assert seen[:4] == [pytest.approx(3 / u) for u in (12, 13, 14, 40)] and seen[4:] == [0.0, 0.0]
 
 
 def test_busy_sample_needs_a_heartbeat():

@@ -51,6 +51,28 @@ def wait_for_line(log: Path, pattern: re.Pattern, process: subprocess.Popen) -> 
     raise AssertionError(f"no {pattern.pattern!r} within {TIMEOUT_S} s:\n{log.read_text()}")
 
 
+def scrape(endpoint: str) -> dict[tuple[str, tuple], float]:
+    """(series name, sorted labels) -> value, as the endpoint shows them now."""
+    code, text = get(f"{endpoint}/metrics")
+    assert code == 200, text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def wait_for_final_heartbeats(endpoint: str, stages: tuple[str, ...], finished: float) -> None:
+    """Until every stage has been heard since `finished` (a monotonic time after its last step): its stats
+    in the broker are then its final ones (they travel with heartbeats, every 0.5 s)."""
+    deadline = finished + TIMEOUT_S
+    while time.monotonic() < deadline:
+        asked = time.monotonic()
+        ages = {dict(labels)["stage"]: value for (name, labels), value in scrape(endpoint).items()
+                if name == "layerbus_stage_heartbeat_age_seconds"}
+        if all(stage in ages and ages[stage] < asked - finished for stage in stages):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"stages {stages} not heard from within {TIMEOUT_S} s after the job ended")
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -77,6 +99,17 @@ def query(prometheus: str, expression: str) -> list[dict]:
     code, body = get(f"{prometheus}/api/v1/query?{urllib.parse.urlencode({'query': expression})}")
     assert code == 200, body
     return json.loads(body)["data"]["result"]
+
+
+def eventually(prometheus: str, expression: str, done) -> list[dict]:
+    """The query's result once `done` accepts it (Prometheus has scraped what the test waits for)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        found = query(prometheus, expression)
+        if done(found):
+            return found
+        assert time.monotonic() < deadline, f"Prometheus answers {found} to {expression}"
+        time.sleep(0.5)
 
 
 def stop(process: subprocess.Popen) -> None:
@@ -126,6 +159,7 @@ def served(tmp_path_factory, tiny_models):
                 assert time.monotonic() < deadline and broker.poll() is None, log.read_text()
                 time.sleep(0.1)
             status = store.job_status(job_id)
+        wait_for_final_heartbeats(endpoint, ("stage-0", "stage-1"), time.monotonic())
         yield {"endpoint": endpoint, "job": job_id, "status": status, "healthz_before": before,
                "prometheus": prometheus[1] if prometheus else None, "log": log}
     finally:
@@ -136,18 +170,16 @@ def served(tmp_path_factory, tiny_models):
 def test_the_endpoint_reports_the_job_and_both_stages(served):
     assert served["healthz_before"] == 503, "no stage had registered yet"
     assert get(f"{served['endpoint']}/healthz")[0] == 200
-    code, text = get(f"{served['endpoint']}/metrics")
-    assert code == 200
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in text_string_to_metric_families(text) for s in family.samples}
+    samples = scrape(served["endpoint"])
     job = (("job_id", served["job"]),)
     assert samples[("layerbus_generated_tokens_total", job)] == served["status"].completion_tokens > 0
     assert samples[("layerbus_prompt_tokens_total", job)] == served["status"].prompt_tokens
     assert samples[("layerbus_job_items", job + (("state", "completed"),))] == 12
     busy = {dict(labels)["stage"]: value for (name, labels), value in samples.items()
             if name == "layerbus_stage_busy_ratio"}
-    assert set(busy) == {"stage-0", "stage-1"} and all(0 < value <= 1 for value in busy.values())
+    assert set(busy) == {"stage-0", "stage-1"} and all(0 <= value <= 1 for value in busy.values())
     for stage in ("stage-0", "stage-1"):
+        assert samples[("layerbus_stage_busy_seconds_total", (("stage", stage),))] > 0
         steps = samples[("layerbus_stage_step_seconds_count", (("stage", stage),))]
         assert steps > 0 and samples[("layerbus_stage_step_seconds_bucket", (("le", "+Inf"), ("stage", stage)))] == steps
         assert samples[("layerbus_stage_memory_used_bytes", (("memory", "host"), ("stage", stage)))] > 0
@@ -171,19 +203,15 @@ def test_a_real_prometheus_reads_the_jobs_tokens_and_every_stages_busy_ratio(ser
         pytest.skip("no Prometheus server: `apt-get install prometheus` (Debian's package) to run this test")
     expected = served["status"].completion_tokens
     generated = f'layerbus_generated_tokens_total{{job_id="{served["job"]}"}}'
-    deadline = time.monotonic() + TIMEOUT_S
-    while True:  # it scrapes every second: the scrape after the job's end brings the final count
-        found = query(prometheus, generated)
-        if found and float(found[0]["value"][1]) == expected:
-            break
-        assert time.monotonic() < deadline, f"Prometheus has {found} for {generated}, the job generated {expected}"
-        time.sleep(0.5)
+    # It scrapes every second: a scrape after the job's end (and after the stages' final heartbeats, which the
+    # fixture waited for) brings the final figures.
+    found = eventually(prometheus, generated, lambda found: found and float(found[0]["value"][1]) == expected)
+    assert found[0]["metric"]["job"] == "layerbus", "Prometheus's own job label, beside our job_id"
+    worked = eventually(prometheus, "max_over_time(layerbus_stage_busy_ratio[10m]) > 0",
+                        lambda found: len(found) == 2)
+    assert sorted(series["metric"]["stage"] for series in worked) == ["stage-0", "stage-1"]
     busy = query(prometheus, "layerbus_stage_busy_ratio")
     assert sorted(series["metric"]["stage"] for series in busy) == ["stage-0", "stage-1"]
-    assert all(series["metric"]["job"] == "layerbus" for series in busy), "Prometheus's own job label, untouched"
-    # It kept the run's history too: the busy ratio was scraped while the stages worked.
-    worked = query(prometheus, "max_over_time(layerbus_stage_busy_ratio[10m])")
-    assert all(float(series["value"][1]) > 0 for series in worked) and len(worked) == 2
 
 
 def test_run_serves_metrics_while_it_runs(tmp_path, tiny_models):
