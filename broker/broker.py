@@ -34,7 +34,7 @@ from layerbus.broker.planning import (
 )
 from layerbus.broker.profiling import ProfilingConfig, collect_profiles
 from layerbus.broker.requests import GenerationRequest, GenerationResult
-from layerbus.broker.run_state import ListSource, RecordingSink, RecordingSource, RequestSource, ResultSink, RunStats
+from layerbus.broker.run_state import BrokerCounts, ListSource, RecordingSink, RecordingSource, RequestSource, ResultSink, RunStats
 from layerbus.broker.scheduler import BatchingConfig
 from layerbus.broker.stage_view import StageView
 from layerbus.broker.trace_file import BrokerTrace
@@ -134,6 +134,7 @@ class Broker:
         self.start_events: list[tuple[str, str]] = []
         self._exits_noted = 0
         self._stage_view = StageView()  # the stages' load between calls of stage_snapshots
+        self.counts = BrokerCounts()  # stages lost, re-plans, failed and resent steps: the metrics' counters
 
     # -- the placement in use, read-only views -------------------------------------------------
     @property
@@ -283,6 +284,7 @@ class Broker:
                 if self.control.children is None or lost is None:
                     raise
                 self._forget(lost)
+                self.counts.stages_lost += 1
                 self._note_exits()
                 reason = error.reason if isinstance(error, StageLost) else lost.error or str(error)
                 self.start_events.append(("stage_lost", f"stage {lost.name} lost while the model was being placed "
@@ -296,7 +298,7 @@ class Broker:
         self.pipeline = Pipeline(self.context, self.control, lambda: self.placement, self.results, self.batching,
                                  set(self.model.eos_ids), self._new_detokenizer, self.config.pipeline,
                                  recover=self.recover, rebalance=self.rebalance, expected=self._expected_busy_s,
-                                 tracer=self.tracer)
+                                 tracer=self.tracer, counts=self.counts)
 
     # -- re-planning -----------------------------------------------------------------------------
     def _note_exits(self) -> None:
@@ -318,6 +320,7 @@ class Broker:
         left, or too little memory), wait for a stage to register. Another stage lost while loading
         is dropped too, and the plan made again. None when `should_stop` says so."""
         self._forget(lost.stage)
+        self.counts.stages_lost += 1
         waiting_for: str | None = None
         while not should_stop():
             candidates = [s for s in self.control.live_stages() if s.state is not StageState.FAILED]
@@ -335,9 +338,11 @@ class Broker:
                 continue
             try:
                 self._assign(placement)
+                self.counts.replans_lost += 1
                 return self.placement
             except StageLost as again:
                 self._forget(again.stage)
+                self.counts.stages_lost += 1
                 report("stage_lost", f"{again} (while loading a new span)", stage=again.stage.name)
             except ClusterError as error:  # a load failed: that stage is left out of the next plan
                 report("load_failed", str(error))
@@ -376,6 +381,7 @@ class Broker:
         except ClusterError as error:  # a stage could not load its new span: re-plan without it
             failed = next((stage for stage in self.chain if stage.state is StageState.FAILED), self.chain[0])
             raise StageLost(failed, f"could not load its new span: {error}") from None
+        self.counts.replans_slowed += 1
         return self.placement
 
     def _write_trace(self) -> None:

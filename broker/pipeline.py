@@ -30,6 +30,7 @@ from layerbus.broker.control import ControlPlane, StageInfo, StageLost
 from layerbus.broker.detokenizer import IncrementalDetokenizer
 from layerbus.broker.drift import DriftConfig, DriftWatch, Expected, Work
 from layerbus.broker.run_state import (
+    BrokerCounts,
     EventSink,
     InFlight,
     RequestSource,
@@ -91,8 +92,10 @@ class Pipeline:
                  new_detokenizer: Callable[[], IncrementalDetokenizer] | None = None,
                  config: PipelineConfig = PipelineConfig(), clock: Callable[[], float] = time.monotonic,
                  recover: Recover | None = None, rebalance: Rebalance | None = None,
-                 expected: Expected | None = None, tracer: BrokerTrace | None = None):
+                 expected: Expected | None = None, tracer: BrokerTrace | None = None,
+                 counts: BrokerCounts | None = None):
         self.control, self.config, self.clock = control, config, clock
+        self.counts = counts if counts is not None else BrokerCounts()  # the owner's, read by its metrics
         self.placement = placement  # the owner's placement in use (it swaps it whole on a re-plan)
         self.batching, self.eos_ids, self.new_detokenizer = batching, eos_ids, new_detokenizer
         self.recover = recover  # None: a lost stage ends the run with ClusterError
@@ -227,6 +230,7 @@ class Pipeline:
         current.attempt += 1
         current.sent_at = self.clock()
         run.stats.resent += 1
+        self.counts.resent_steps += 1
         self._transmit(run.scheduler, current.plan, current.step, current.attempt)
 
     def _resend_overdue(self, run: RunState) -> None:
@@ -313,6 +317,7 @@ class Pipeline:
                 self._resend(run, current)  # the next hop is the problem, not the items
                 continue
             del run.inflight[event.header["mb"]]
+            self.counts.failed_steps += 1
             error = f"stage {event.stage}: {event.header.get('error')}"
             run.deliver(run.scheduler.fail_step(current.plan, error, self.clock()))
 

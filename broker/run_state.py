@@ -110,6 +110,17 @@ class RunStats:
 
 
 @dataclass
+class BrokerCounts:
+    """What the broker has been through since it started, over every run (its metrics' counters): only grows."""
+
+    stages_lost: int = 0  # stages declared lost (silent, stuck, gone or failed), while starting or serving
+    replans_lost: int = 0  # placements made again without a lost stage
+    replans_slowed: int = 0  # placements made again to move layers off a slowed stage
+    failed_steps: int = 0  # steps a stage reported failed (their items are retried alone, or fail)
+    resent_steps: int = 0  # steps sent again: overdue, or the next hop could not be reached
+
+
+@dataclass
 class InFlight:
     """A step sent down the chain and not back yet."""
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from layerbus.cli.errors import EXIT_FAILED, EXIT_OK, UsageError
 from layerbus.cli.options import (
     add_cluster_options,
+    add_metrics,
     add_weights,
     add_trace,
     batching_from_args,
@@ -27,11 +28,13 @@ from layerbus.cli.options import (
     report_trace,
     resolve_model,
     results_dir,
+    start_metrics,
 )
 from layerbus.cli.signals import Interrupted, stop_on_signals
 
 if TYPE_CHECKING:
     from layerbus.broker.broker import Broker
+    from layerbus.broker.metrics_server import MetricsServer
     from layerbus.wire.curve import ClusterKeys
     from layerbus.storage import JobStatus, JobStore
 
@@ -78,6 +81,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_cluster_options(parser)
     add_weights(parser)
     add_trace(parser)
+    add_metrics(parser)
     parser.add_argument("--poll", metavar="SECONDS", type=float, default=2.0,
                         help="how often to look for new jobs when idle (default: 2)")
     parser.add_argument("--register-timeout", metavar="SECONDS", type=float, default=600.0,
@@ -117,9 +121,13 @@ def main(args: argparse.Namespace) -> int:
         except zmq.ZMQError as error:
             raise UsageError(f"cannot bind {control_bind} / {results_bind}: {error}; another broker "
                              "may hold the port: pick others with --bind-control/--bind-results") from None
+        metrics = None
         try:
+            metrics = start_metrics(args)  # /healthz says 503 while the stages register and load
+            if metrics is not None:
+                metrics.attach(broker)
             with stop_on_signals():
-                return _serve(store, broker, model_dir, args)
+                return _serve(store, broker, model_dir, args, metrics)
         except Interrupted as interrupted:
             print(f"layerbus broker: {interrupted}: stopped; stages told to stop, items in flight requeued",
                   file=sys.stderr)
@@ -127,6 +135,8 @@ def main(args: argparse.Namespace) -> int:
         finally:
             broker.close()  # writes --trace's file with what it has
             report_trace(args.trace)
+            if metrics is not None:
+                metrics.close()
 
 
 def _security(args: argparse.Namespace) -> tuple["ClusterKeys | None", str, str]:
@@ -162,7 +172,8 @@ def _security(args: argparse.Namespace) -> tuple["ClusterKeys | None", str, str]
     return keys, control_bind, results_bind
 
 
-def _serve(store: JobStore, broker: Broker, model_dir: Path, args: argparse.Namespace) -> int:
+def _serve(store: JobStore, broker: Broker, model_dir: Path, args: argparse.Namespace,
+           metrics: MetricsServer | None = None) -> int:
     from layerbus.jobs.runner import run_job
     from layerbus.storage.run_info import write_run_info
 
@@ -179,6 +190,8 @@ def _serve(store: JobStore, broker: Broker, model_dir: Path, args: argparse.Name
     print(f"layerbus broker: ready: {broker.placement.text()}", file=sys.stderr, flush=True)
     if args.job:
         write_run_info(args.job, broker.run_info())
+        if metrics is not None:
+            metrics.watch_job(store, args.job)
         status = run_job(store, args.job, broker, results_dir(), leases=leases)
         _report(status)
         return EXIT_OK if status.status == "completed" else EXIT_FAILED
@@ -199,6 +212,8 @@ def _serve(store: JobStore, broker: Broker, model_dir: Path, args: argparse.Name
             continue
         print(f"layerbus broker: running {job_id}", file=sys.stderr, flush=True)
         write_run_info(job_id, broker.run_info())
+        if metrics is not None:
+            metrics.watch_job(store, job_id)
         ran.append(run_job(store, job_id, broker, results_dir(), leases=leases))
         _report(ran[-1])
 

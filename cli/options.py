@@ -140,6 +140,42 @@ def add_weights(parser: argparse.ArgumentParser) -> None:
                              "of 32); a stage started with its own --weights keeps it (default: auto)")
 
 
+def add_metrics(parser: argparse.ArgumentParser) -> None:
+    """--metrics HOST:PORT (`run`, `broker`)."""
+    parser.add_argument("--metrics", metavar="HOST:PORT", type=metrics_address, default=None,
+                        help="serve Prometheus metrics at http://HOST:PORT/metrics and a readiness check at /healthz "
+                             "(200 once the chain is placed); a bare PORT listens on 127.0.0.1 only, as do secured "
+                             "clusters unless HOST says otherwise; PORT 0 takes any free port (default: no metrics)")
+
+
+def start_metrics(args: argparse.Namespace):
+    """The metrics endpoint --metrics asks for, listening (None without --metrics); an address it cannot
+    listen on is a usage error naming it."""
+    address = getattr(args, "metrics", None)  # `eval run` shares `run`'s code and has no --metrics
+    if address is None:
+        return None
+    from layerbus.broker.metrics_server import MetricsError, MetricsServer
+
+    try:
+        server = MetricsServer(*address)
+    except MetricsError as error:
+        raise UsageError(str(error)) from None
+    print(f"layerbus: metrics at {server.address}/metrics, readiness at {server.address}/healthz", file=sys.stderr,
+          flush=True)
+    return server
+
+
+def metrics_address(text: str) -> tuple[str, int]:
+    """--metrics: PORT (loopback), HOST:PORT or [IPv6]:PORT, as (host, port). Listening beyond loopback is
+    only ever the user's explicit choice: the metrics name hosts, jobs and layer spans."""
+    host, sep, port = text.strip().rpartition(":")
+    host = host.strip("[]") if sep else ""
+    if not port.isdigit() or not 0 <= int(port) <= 65535 or (sep and not host):
+        raise argparse.ArgumentTypeError(f"{text!r}: give PORT (listens on 127.0.0.1), HOST:PORT or [IPv6]:PORT, "
+                                         "e.g. 9464 or 0.0.0.0:9464")
+    return host or "127.0.0.1", int(port)
+
+
 WIRE_NAMES = ("float32", "float16", "bfloat16", "int8", "int4", "auto")  # as wire.codecs, without importing torch
 
 

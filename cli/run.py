@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from layerbus.cli.errors import EXIT_FAILED, EXIT_OK, RunFailed, UsageError
 from layerbus.cli.options import (
     add_cluster_options,
+    add_metrics,
     add_weights,
     add_trace,
     batching_from_args,
@@ -25,12 +26,14 @@ from layerbus.cli.options import (
     positive_int,
     report_trace,
     results_dir,
+    start_metrics,
 )
 from layerbus.cli.signals import Interrupted, stop_on_signals
 from layerbus.cli.status import job_report
 from layerbus.storage.states import FINAL_JOB_STATES
 
 if TYPE_CHECKING:
+    from layerbus.broker.metrics_server import MetricsServer
     from layerbus.storage import JobStatus, JobStore
 
 
@@ -48,6 +51,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_cluster_options(parser)
     add_weights(parser)
     add_trace(parser)
+    add_metrics(parser)
     add_verbose(parser)
     parser.set_defaults(handler=main)
 
@@ -56,6 +60,21 @@ def main(args: argparse.Namespace) -> int:
     if (args.input is None) == (args.job is None):
         raise UsageError("give INPUT (to submit a new job) or --job JOB (to run an existing one)"
                          + (", not both" if args.input else ""))
+    metrics = start_metrics(args)  # first: an address it cannot listen on is refused before anything is queued
+    try:
+        status, events, job_id = _submit_and_run(args, metrics)
+    finally:
+        if metrics is not None:
+            metrics.close()
+    print(job_report(status, events))
+    if status.status != "completed":
+        print(f"layerbus: job {job_id} is {status.status}" + (f": {status.error}" if status.error else ""),
+              file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _submit_and_run(args: argparse.Namespace, metrics: MetricsServer | None) -> tuple[JobStatus, list, str]:
     with open_store(args.db) as store:
         if args.job:
             if args.task or args.model:
@@ -71,18 +90,14 @@ def main(args: argparse.Namespace) -> int:
             model_dir = Path(store.job_settings(job_id).model)
         status = store.job_status(job_id)
         if status.status not in FINAL_JOB_STATES:  # a finished job needs no cluster
-            status = run_locally(store, job_id, model_dir, args)
-        events = store.job_events(job_id)
-    print(job_report(status, events))
-    if status.status != "completed":
-        print(f"layerbus: job {job_id} is {status.status}" + (f": {status.error}" if status.error else ""),
-              file=sys.stderr)
-        return EXIT_FAILED
-    return EXIT_OK
+            status = run_locally(store, job_id, model_dir, args, metrics)
+        return status, store.job_events(job_id), job_id
 
 
-def run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.Namespace) -> JobStatus:
-    """Run a queued or interrupted job on a broker here and args.stages local stage processes."""
+def run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.Namespace,
+                metrics: MetricsServer | None = None) -> JobStatus:
+    """Run a queued or interrupted job on a broker here and args.stages local stage processes; `metrics`
+    (--metrics) serves the broker once it has placed the model, and the job."""
     from layerbus.broker.broker import BrokerConfig
     from layerbus.broker.control import ClusterError
     from layerbus.broker.local_cluster import LocalStageOptions
@@ -106,9 +121,12 @@ def run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.Na
                           workload=workload, **wire_from_args(args), weights=args.weights, trace=trace)
     options = LocalStageOptions(threads_per_stage=args.threads_per_stage, log_dir=log_dir)
     print(f"layerbus: running {job_id} on {args.stages} local stage(s); stage logs in {log_dir}", file=sys.stderr)
+    if metrics is not None:
+        metrics.watch_job(store, job_id)
     try:
         with stop_on_signals():
-            return run_job_locally(store, job_id, config, options, results_dir(), leases=leases_from_args(args))
+            return run_job_locally(store, job_id, config, options, results_dir(), leases=leases_from_args(args),
+                                   on_started=metrics.attach if metrics is not None else None)
     except ClusterError as error:
         raise RunFailed(f"{error}\nstage logs: {log_dir}; the job keeps its finished items: "
                         f"`layerbus run --job {job_id}` resumes it") from None

@@ -66,3 +66,14 @@ def current_rss_bytes() -> int:
             return int(statm.read().split()[1]) * resource.getpagesize()
     except OSError:  # not Linux: the peak is the best figure there is
         return peak_rss_bytes()
+
+
+def device_memory_bytes(device: str) -> int:
+    """Memory this process holds on its GPU (what torch's allocator reserved there: a --memory-budget on a
+    GPU counts it); 0 on a CPU, whose memory is the resident size."""
+    kind = device.split(":", 1)[0]
+    if kind == "cuda" and torch.cuda.is_initialized():  # never the heartbeat thread that initializes CUDA
+        return int(torch.cuda.memory_reserved(torch.device(device)))
+    if kind == "mps":
+        return int(torch.mps.driver_allocated_memory())
+    return 0

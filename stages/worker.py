@@ -13,12 +13,13 @@ the previous hop the assignment names, and peers it refuses are counted and repo
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import signal
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import zmq
@@ -27,7 +28,7 @@ from layerbus.models.attention_shape import attention_shape
 from layerbus.models.model_files import open_model_dir
 from layerbus.stages.forward import run_step
 from layerbus.stages.heartbeat import HeartbeatThread, busy_for
-from layerbus.stages.host import check_device, current_rss_bytes, peak_rss_bytes, reset_peak_rss
+from layerbus.stages.host import check_device, current_rss_bytes, device_memory_bytes, peak_rss_bytes, reset_peak_rss
 from layerbus.stages.kv_cache import KVArena
 from layerbus.stages.sampling import last_stage_outputs
 from layerbus.stages.shard import ShardSpec, StageShard, load_shard
@@ -71,23 +72,40 @@ class StageConfig:
         return self.name or f"{socket.gethostname()}-{os.getpid()}"
 
 
+# Upper bounds (seconds) of the step-time histogram a stage keeps (the broker serves it as Prometheus's
+# layerbus_stage_step_seconds): from a tiny model's millisecond steps to an old card's long prefill.
+STEP_SECONDS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
 @dataclass
 class StageStats:
     busy_s: float = 0.0  # time spent running steps (decode + compute + encode)
     codec_s: float = 0.0  # of which: wire codec decode of incoming and encode of outgoing hidden states
     bytes_out: int = 0  # tensor-frame bytes sent to the next hop (headers not counted)
+    bytes_in: int = 0  # tensor-frame bytes received from the hop before (headers not counted)
     steps: int = 0
     tokens: int = 0  # positions processed
     rejected: int = 0
     refused: int = 0  # peers refused in the data port's handshake (their messages never arrive)
     started_at: float = 0.0
+    device: str = "cpu"  # where the layers live: a GPU's memory is reported beside the process's
+    # Steps per step-time bucket (STEP_SECONDS_BUCKETS, then one for longer steps): counted where busy_s
+    # grows, so the histogram's sum is busy_s and its count is steps.
+    step_counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_SECONDS_BUCKETS) + 1))
+
+    def observe_step(self, seconds: float) -> None:
+        self.busy_s += seconds
+        self.steps += 1
+        self.step_counts[bisect.bisect_left(STEP_SECONDS_BUCKETS, seconds)] += 1
 
     def to_json(self) -> dict:
         return {"busy_s": round(self.busy_s, 6), "steps": self.steps, "tokens": self.tokens,
                 "rejected": self.rejected, "refused": self.refused, "codec_s": round(self.codec_s, 6),
-                "bytes_out": self.bytes_out,
+                "bytes_out": self.bytes_out, "bytes_in": self.bytes_in,
                 "uptime_s": round(time.monotonic() - self.started_at, 6),
-                "peak_rss": peak_rss_bytes()}
+                "peak_rss": peak_rss_bytes(), "rss_bytes": current_rss_bytes(),
+                "device_bytes": device_memory_bytes(self.device),
+                "step_le": list(STEP_SECONDS_BUCKETS), "step_counts": list(self.step_counts)}
 
 
 class StageWorker:
@@ -99,7 +117,7 @@ class StageWorker:
         self.shard: StageShard | None = None
         self.arena: KVArena | None = None
         self.epoch = -1
-        self.stats = StageStats(started_at=time.monotonic())
+        self.stats = StageStats(started_at=time.monotonic(), device=config.device)
         self.context = zmq.Context()
         self.control = self.context.socket(zmq.DEALER)
         self.control.setsockopt(zmq.IDENTITY, self.name.encode())
@@ -390,6 +408,7 @@ class StageWorker:
     def _serve_one(self) -> None:
         frames = self.data_in.recv_multipart(copy=False)
         started = self.busy_since = time.monotonic()
+        self.stats.bytes_in += sum(memoryview(frame).nbytes for frame in frames[1:])
         try:
             self._serve(frames, started)
         finally:
@@ -435,8 +454,7 @@ class StageWorker:
             self._send_control(protocol.FAILURE, epoch=self.epoch, step=header["step"], mb=header["mb"],
                                attempt=header["attempt"], cause="send", error=f"send to {self.next_hop[0]} {why}")
         ended = time.monotonic()
-        self.stats.busy_s += ended - started
-        self.stats.steps += 1
+        self.stats.observe_step(ended - started)
         if marks is not None:  # the step's spans end where busy_s stops counting: they add up to it
             tracer.record(marks, header, ended)
 

@@ -59,7 +59,7 @@ def process_of(cluster, position: int):
 
 def run(model_dir, requests, num_stages=3, on_result=lambda cluster, count: None, env=None, events=None,
         batching=BatchingConfig(num_slots=8, num_micro_batches=4, max_step_tokens=32), pipeline=FAST_LIVENESS,
-        stage_args=(), secure=True):
+        stage_args=(), secure=True, counts=None):
     # Every stage is used (no noisy profile gets one left out), so the faults hit the chain they aim at.
     config = BrokerConfig(str(model_dir), num_stages, batching=batching, pipeline=pipeline,
                           plan_options=PlanOptions(allow_drop=False))
@@ -70,6 +70,8 @@ def run(model_dir, requests, num_stages=3, on_result=lambda cluster, count: None
         stats = cluster.broker.run(ListSource(requests), sink,
                                    events=(lambda kind, message, **fields: events.append((kind, message, fields)))
                                    if events is not None else None)
+        if counts is not None:  # the broker's counters, which its metrics serve
+            counts.append(cluster.broker.counts)
     assert sorted(sink.deliveries) == sorted(r.request_id for r in requests), "every request answered exactly once"
     return sink.results, stats
 
@@ -119,10 +121,11 @@ def test_kill_9_of_one_of_three_stages_changes_no_output(model_dir, requests, un
             killed.append(name)
             os.kill(process.pid, signal.SIGKILL)
 
-    events = []
-    results, stats = run(model_dir, requests, on_result=kill_middle, events=events)
+    events, counts = [], []
+    results, stats = run(model_dir, requests, on_result=kill_middle, events=events, counts=counts)
     assert killed, "the run ended before the fault was injected: make it longer"
     assert len(stats.recoveries) == 1 and stats.recoveries[0]["stage"] == killed[0]
+    assert (counts[0].stages_lost, counts[0].replans_lost, counts[0].replans_slowed) == (1, 1, 0)
     assert [kind for kind, _, _ in events][:2] == ["stage_lost", "recovered"]
     assert outputs(results) == unfaulted
 
@@ -160,7 +163,9 @@ def test_a_poison_item_fails_after_bounded_attempts_and_the_rest_complete(model_
     poison_id = next(token for token in range(3, 10_000) if token not in used)  # a token no other item sees
     poisoned = list(requests)
     poisoned.insert(5, GenerationRequest("poison", [1, 2, poison_id, 3], max_new_tokens=10))
-    results, stats = run(model_dir, poisoned, env={"LAYERBUS_FAIL_ON_TOKEN": str(poison_id)})
+    counts = []
+    results, stats = run(model_dir, poisoned, env={"LAYERBUS_FAIL_ON_TOKEN": str(poison_id)}, counts=counts)
+    assert counts[0].failed_steps >= 3 and counts[0].stages_lost == 0, counts
     poison = results.pop("poison")
     assert poison.finish_reason == "error"
     assert "LAYERBUS_FAIL_ON_TOKEN" in poison.error and "failed alone 3 time(s)" in poison.error
@@ -183,9 +188,11 @@ def test_a_stage_slowed_mid_job_has_layers_moved_off_it_and_outputs_do_not_chang
     # 24 x 60 tokens: about 720 steps, so some 570 at the slowed pace if never re-planned (about 27 s),
     # where the baseline window and two slow windows take about 3 s.
     long_run = make_requests(model_dir, count=24, max_new_tokens=60)
+    counts = []
     results, stats = run(model_dir, long_run, events=events, pipeline=watchful, stage_args=slow_later,
-                         on_result=note_initial_spans)
+                         on_result=note_initial_spans, counts=counts)
     assert "rebalanced" in [kind for kind, _, _ in events], f"no re-plan after the slowdown; events: {events}"
+    assert counts[0].replans_slowed == [kind for kind, _, _ in events].count("rebalanced") >= 1
     moved = stats.recoveries[0]["placement"]
     after = dict(zip(moved.stages, moved.spans))
     assert "stage-1" not in after or len(after["stage-1"]) < len(initial["stage-1"]), (initial, after)
@@ -255,7 +262,9 @@ def test_a_step_not_back_in_time_is_resent_and_the_late_duplicate_discarded(mode
             threading.Timer(2.0, os.kill, (process.pid, signal.SIGCONT)).start()
 
     impatient = PipelineConfig(heartbeat_interval_s=0.2, liveness_window_s=5.0, step_timeout_s=1.0)
-    results, stats = run(model_dir, requests, on_result=pause_middle, pipeline=impatient)
+    counts = []
+    results, stats = run(model_dir, requests, on_result=pause_middle, pipeline=impatient, counts=counts)
     assert paused and stats.recoveries == []
     assert stats.resent >= 1 and stats.discarded >= 1
+    assert counts[0].resent_steps == stats.resent and counts[0].stages_lost == 0
     assert outputs(results) == unfaulted
