@@ -34,6 +34,20 @@ if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb 
     fi
 fi
 
+# A real Prometheus scraping a broker (tests/test_metrics_cluster.py) and tmux for `layerbus top`'s live
+# view (tests/test_top_cli.py): installed the same way where missing; their tests skip, saying why, if
+# that fails. Slurm's daemons (tests/test_slurm.py) are not: a few minutes more; install slurm-wlm and
+# munge to run that test too.
+missing=()
+command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
+command -v tmux >/dev/null 2>&1 || missing+=(tmux)
+if [ "${#missing[@]}" -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "run_tests: installing ${missing[*]} for the monitoring tests" >&2
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq \
+        --no-install-recommends "${missing[@]}" >/dev/null; } ||
+        echo "run_tests: could not install ${missing[*]}; their tests will be skipped" >&2
+fi
+
 export LAYERBUS_TEST_MODEL_CACHE="${LAYERBUS_TEST_MODEL_CACHE:-$PWD/.layerbus/test-models}"
 LAYERBUS_MODEL_CACHE="$LAYERBUS_TEST_MODEL_CACHE" .venv/bin/python -c \
     "from layerbus.models.default_model import default_model_dir; default_model_dir()" >/dev/null
