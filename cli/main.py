@@ -7,18 +7,42 @@ status` and `--help` stay fast. Errors the user can fix print one line of advice
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
+from collections.abc import Callable
 
-from layerbus.cli import (broker_service, cancel, eval_commands, keys, model, netprobe, plan, results, run, stage,
-                          status, submit, top, wire_quality)
 from layerbus.cli.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, failure_message, user_error_message
 
-SUBCOMMANDS = (submit, run, status, top, results, cancel, eval_commands, broker_service, stage, plan, model, keys,
-               wire_quality, netprobe)
+# Each subcommand: its module in this package and its line in `layerbus --help`. Only the module of the
+# command given is imported (each imports what its options need: a read-only command must not pay
+# for the others' imports); the others are listed by these lines. tests/test_cli_main.py checks that
+# each line is the one its module registers.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "submit": ("submit", "queue a job (prints its id)"),
+    "run": ("run", "submit and run a job on local stage processes"),
+    "status": ("status", "show recent jobs, or one job's progress"),
+    "top": ("top", "watch a job's stages as they work (host, layers, busy %%, step time, memory, links)"),
+    "results": ("results", "print the path of a job's Parquet results"),
+    "cancel": ("cancel", "cancel a job (prints its new status)"),
+    "eval": ("eval_commands", "run evals, compare runs, show a suite's history"),
+    "broker": ("broker_service", "run a broker for stages started elsewhere"),
+    "stage": ("stage", "run one stage process (see `layerbus stage --help`)"),
+    "plan": ("plan", "show how the model's layers would be placed on a cluster"),
+    "model": ("model", "prepare the default model or import a GGUF"),
+    "keys": ("keys", "make CurveZMQ keys for the broker and stages"),
+    "wire-quality": ("wire_quality", "measure what each wire codec costs in quality"),
+    "netprobe": ("netprobe", "measure round trips and bandwidth to another machine, and what they cost per token"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def chosen_command(argv: list[str]) -> str | None:
+    """The subcommand `argv` names (its first word that is not an option), None when there is none."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
+def build_parser(load: Callable[[str], bool] = lambda name: True) -> argparse.ArgumentParser:
+    """The whole parser; subcommands for which `load(name)` is False get only their help line."""
     parser = argparse.ArgumentParser(
         prog="layerbus",
         description="Offline batch inference over a model split into stage processes.",
@@ -27,8 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
                "130 interrupted.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log progress to stderr (-vv: debug)")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in SUBCOMMANDS:
-        module.add_parser(subparsers)
+    for name, (module, help_line) in SUBCOMMANDS.items():
+        if load(name):
+            importlib.import_module(f"layerbus.cli.{module}").add_parser(subparsers)
+        else:
+            subparsers.add_parser(name, help=help_line)
     return parser
 
 
@@ -41,7 +68,8 @@ def configure_logging(verbosity: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    command = chosen_command(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(lambda name: name == command)
     args, extra = parser.parse_known_args(argv)
     if getattr(args, "handler", None) is None:
         parser.print_help(sys.stderr)

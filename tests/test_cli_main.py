@@ -1,0 +1,41 @@
+"""The console script builds only the chosen subcommand's parser (cli/main.py): its help lines for the
+others must be the ones their modules register, and a read-only command imports no other command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from layerbus.cli.main import SUBCOMMANDS, build_parser, chosen_command
+
+
+def subcommand_helps(parser: argparse.ArgumentParser) -> dict[str, str]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {choice.dest: choice.help for choice in action._choices_actions}
+
+
+def test_every_help_line_is_the_one_its_module_registers():
+    loaded, listed = build_parser(), build_parser(lambda name: False)
+    assert subcommand_helps(loaded) == subcommand_helps(listed) == {name: h for name, (_, h) in SUBCOMMANDS.items()}
+
+
+@pytest.mark.parametrize("argv, command", [
+    ([], None), (["--help"], None), (["status"], "status"), (["-v", "status", "job_1"], "status"),
+    (["-vv", "eval", "run", "x"], "eval"), (["wire-quality", "--help"], "wire-quality"),
+])
+def test_the_chosen_command_is_the_first_word_that_is_not_an_option(argv, command):
+    assert chosen_command(argv) == command
+
+
+def test_a_read_only_command_imports_no_other_command():
+    probe = ("import json, sys\nfrom layerbus.cli.main import build_parser, chosen_command\n"
+             "build_parser(lambda name: name == chosen_command(['status']))\n"
+             "print(json.dumps(sorted(m for m in sys.modules if m.startswith('layerbus.cli.'))))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    loaded = json.loads(done.stdout)
+    others = {f"layerbus.cli.{module}" for name, (module, _) in SUBCOMMANDS.items() if name != "status"}
+    assert "layerbus.cli.status" in loaded and not others & set(loaded), loaded
