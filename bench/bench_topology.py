@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.corpus import tokenized_stories  # noqa: E402
-from bench.netns import StageNamespaces, _ip, unavailable_reason  # noqa: E402
+from bench.netns import StageNamespaces, run_ip, stop_stages, unavailable_reason  # noqa: E402
 from layerbus.broker.broker import Broker, BrokerConfig  # noqa: E402
 from layerbus.broker.network import BROKER, HostLinks, Link  # noqa: E402
 from layerbus.broker.placement import PlanOptions  # noqa: E402
@@ -50,9 +50,9 @@ def routes(net: StageNamespaces) -> None:
     """Each namespace's slow-link address reachable from here (the broker sends stage 0 its tokens,
     whichever host it is on), and the broker's results address from both namespaces."""
     for i in range(len(NAMESPACES)):
-        _ip("ip", "route", "add", f"{slow_address(i)}/32", "via", net.stage_address(i))
+        run_ip("ip", "route", "add", f"{slow_address(i)}/32", "via", net.stage_address(i))
         other = 1 - i
-        _ip("ip", "route", "add", f"{net.host_address(other)}/32", "via", net.host_address(i),
+        run_ip("ip", "route", "add", f"{net.host_address(other)}/32", "via", net.host_address(i),
             namespace=NAMESPACES[i])
 
 
@@ -99,12 +99,7 @@ def run_chain(model_dir: Path, prompts, max_new_tokens: int, rate_mbit: float, r
             plan, prediction = broker.plan, broker.last_prediction
         finally:
             broker.close()
-            for process in processes:
-                try:
-                    process.wait(10)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            stop_stages(processes)
     errors = [r.error for r in results if r.error]
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")

@@ -32,7 +32,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.netns import StageNamespaces, unavailable_reason  # noqa: E402
+from bench.netns import StageNamespaces, stop_stages, unavailable_reason  # noqa: E402
 from layerbus.broker.broker import Broker, BrokerConfig  # noqa: E402
 from layerbus.broker.placement import PlanOptions  # noqa: E402
 from layerbus.broker.requests import GenerationRequest  # noqa: E402
@@ -105,12 +105,7 @@ def run_in_namespaces(model_dir: Path, prompts, codec: str, rate_mbit: float | N
             stage_stats = {s.name: dict(s.stats) for s in broker.chain}
         finally:
             broker.close()
-            for process in processes:
-                try:
-                    process.wait(10)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            stop_stages(processes)
     errors = [r.error for r in results if r.error]
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")

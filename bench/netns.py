@@ -34,7 +34,7 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _ip(*args: str, namespace: str | None = None) -> None:
+def run_ip(*args: str, namespace: str | None = None) -> None:
     command = (["ip", "netns", "exec", namespace] if namespace else []) + list(args)
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
@@ -98,33 +98,43 @@ class StageNamespaces:
     def _create(self) -> None:
         for i, name in enumerate(self.names):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)  # a leftover of a killed run
-            _ip("ip", "netns", "add", name)
+            run_ip("ip", "netns", "add", name)
             self.created.append(name)
-            _ip("ip", "link", "set", "lo", "up", namespace=name)
+            run_ip("ip", "link", "set", "lo", "up", namespace=name)
             if not self.host_links:
                 continue
             host_end, stage_end = f"lb5h{i}", f"lb5s{i}"
             subprocess.run(["ip", "link", "del", host_end], capture_output=True)
-            _ip("ip", "link", "add", host_end, "type", "veth", "peer", "name", stage_end)
-            _ip("ip", "link", "set", stage_end, "netns", name)
-            _ip("ip", "addr", "add", f"{self.host_address(i)}/24", "dev", host_end)
-            _ip("ip", "link", "set", host_end, "up")
-            _ip("ip", "addr", "add", f"{self.stage_address(i)}/24", "dev", stage_end, namespace=name)
-            _ip("ip", "link", "set", stage_end, "up", namespace=name)
+            run_ip("ip", "link", "add", host_end, "type", "veth", "peer", "name", stage_end)
+            run_ip("ip", "link", "set", stage_end, "netns", name)
+            run_ip("ip", "addr", "add", f"{self.host_address(i)}/24", "dev", host_end)
+            run_ip("ip", "link", "set", host_end, "up")
+            run_ip("ip", "addr", "add", f"{self.stage_address(i)}/24", "dev", stage_end, namespace=name)
+            run_ip("ip", "link", "set", stage_end, "up", namespace=name)
         for i in range(1, len(self.names)):
             left, right = f"lb5c{i}a", f"lb5c{i}b"
-            _ip("ip", "link", "add", left, "netns", self.names[i - 1], "type", "veth", "peer", "name", right,
+            run_ip("ip", "link", "add", left, "netns", self.names[i - 1], "type", "veth", "peer", "name", right,
                 "netns", self.names[i])
-            _ip("ip", "addr", "add", f"10.77.{100 + i - 1}.1/24", "dev", left, namespace=self.names[i - 1])
-            _ip("ip", "addr", "add", f"{self.chain_address(i)}/24", "dev", right, namespace=self.names[i])
-            _ip("ip", "link", "set", left, "up", namespace=self.names[i - 1])
-            _ip("ip", "link", "set", right, "up", namespace=self.names[i])
+            run_ip("ip", "addr", "add", f"10.77.{100 + i - 1}.1/24", "dev", left, namespace=self.names[i - 1])
+            run_ip("ip", "addr", "add", f"{self.chain_address(i)}/24", "dev", right, namespace=self.names[i])
+            run_ip("ip", "link", "set", left, "up", namespace=self.names[i - 1])
+            run_ip("ip", "link", "set", right, "up", namespace=self.names[i])
             if self.shape is not None:
-                _ip(*self.shape.tc_args(left), namespace=self.names[i - 1])
-                _ip(*self.shape.tc_args(right), namespace=self.names[i])
+                run_ip(*self.shape.tc_args(left), namespace=self.names[i - 1])
+                run_ip(*self.shape.tc_args(right), namespace=self.names[i])
 
     def close(self) -> None:
         """Delete the namespaces (their veth ends, and so the host ends, go with them)."""
         for name in reversed(self.created):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
         self.created = []
+
+
+def stop_stages(processes) -> None:
+    """Wait for stage processes the broker told to stop; kill any still running after 10 s."""
+    for process in processes:
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -24,20 +24,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from layerbus.storage import JobStore
 from tests.test_cli_helpers import JOB_ID, REPO, cli_env, layerbus, layerbus_executable, status_json, write_jsonl
 from tests.test_cli_run import RUN_TIMEOUT_S, documents, start_run, wait_for_job
+from tests.test_metrics import get
 
 pytestmark = pytest.mark.cluster  # a broker, stage processes, a Prometheus server
 
 METRICS_AT = re.compile(r"metrics at (http://127\.0\.0\.1:\d+)/metrics")
 WAITING_AT = re.compile(r"waiting for 2 stage\(s\) at (tcp://127\.0\.0\.1:\d+)")
 TIMEOUT_S = 120
-
-
-def get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
 
 
 def wait_for_line(log: Path, pattern: re.Pattern, process: subprocess.Popen) -> str:
