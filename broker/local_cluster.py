@@ -1,6 +1,8 @@
 """A broker in this process plus N stage processes on this machine: for `layerbus run`, tests and
-benchmarks. A stage process that ends while the cluster starts is named with why and restarted a few
-times (broker.stage_supervisor); one that cannot come back is left out and the model placed over the
+benchmarks. The stage processes are forked from a launcher that imported their libraries once
+(broker.stage_launcher; LAYERBUS_FORK_STAGES=0 starts each as a fresh interpreter instead). A stage
+process that ends while the cluster starts is named with why and restarted a few times
+(broker.stage_supervisor); one that cannot come back is left out and the model placed over the
 others. Every process it starts is stopped on exit: SIGTERM, a bounded wait, then SIGKILL; and on
 Linux the kernel sends them SIGTERM if this process dies without exiting (kill -9), so a killed broker
 leaves no stages behind to compete with the one that resumes its job.
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from layerbus.broker.broker import Broker, BrokerConfig
+from layerbus.broker.stage_launcher import LauncherError, die_with_parent, forking_supported, shared_launcher
 from layerbus.broker.stage_supervisor import StageSupervisor
 from layerbus.wire.curve import ClusterKeys, make_keypair, read_keypair
 
@@ -46,6 +49,9 @@ class LocalStageOptions:
     # CURVE on every link with a throwaway keypair, unless the broker's config brings keys of its own.
     # False: links neither authenticated nor encrypted (all on loopback), for comparisons.
     secure: bool = True
+    # Fork the stages from a launcher that imported their libraries once (broker.stage_launcher), where
+    # the platform can; False: a fresh `python -m layerbus.stages` each (seconds of imports per stage).
+    fork: bool = True
 
 
 class LocalCluster:
@@ -114,21 +120,29 @@ class LocalCluster:
     def _log_path(self, i: int) -> Path | None:
         return self.options.log_dir / f"stage-{i}.log" if self.options.log_dir is not None else None
 
-    def _spawn_stage(self, i: int) -> subprocess.Popen:
-        command = [sys.executable, "-m", "layerbus.stages", "--broker", self.broker.address, "--name", f"stage-{i}",
-                   "--threads", str(self.threads_per_stage()), "--device", self.options.device,
-                   "--dtype", self.options.dtype, *self._key_args(), *self.options.extra_args,
-                   *(self.options.stage_args[i] if i < len(self.options.stage_args) else ())]
-        stderr = None
+    def _spawn_stage(self, i: int):
+        """Stage process i: forked from the launcher where it can be, else a fresh interpreter."""
+        argv = ["--broker", self.broker.address, "--name", f"stage-{i}",
+                "--threads", str(self.threads_per_stage()), "--device", self.options.device,
+                "--dtype", self.options.dtype, *self._key_args(), *self.options.extra_args,
+                *(self.options.stage_args[i] if i < len(self.options.stage_args) else ())]
+        env = dict(os.environ, **self.options.env)
         path = self._log_path(i)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
+        if self.options.fork and forking_supported():
+            try:
+                return shared_launcher().spawn(argv, env, path)
+            except LauncherError as error:
+                log.warning("%s; starting stage-%d as a new process instead", error, i)
+        stderr = None
+        if path is not None:
             stderr = open(path, "ab")
             self.log_files.append(stderr)
         # A new process group, so a Ctrl-C at the terminal reaches the broker alone and the
         # broker stops its stages in order.
-        return subprocess.Popen(command, env=dict(os.environ, **self.options.env), stdout=subprocess.DEVNULL,
-                                stderr=stderr, start_new_session=True, preexec_fn=_die_with_parent)
+        return subprocess.Popen([sys.executable, "-m", "layerbus.stages", *argv], env=env, stdout=subprocess.DEVNULL,
+                                stderr=stderr, start_new_session=True, preexec_fn=die_with_parent)
 
     def close(self, timeout_s: float = 10.0) -> None:
         if self.supervisor is not None:
@@ -155,15 +169,3 @@ class LocalCluster:
         self.supervisor, self.log_files = None, []
         self._forget_keys()
 
-
-def _die_with_parent() -> None:
-    """In the child before exec: ask Linux for SIGTERM when the parent dies (prctl PR_SET_PDEATHSIG)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass  # without it, orphaned stages still exit once the broker has been silent for --broker-timeout

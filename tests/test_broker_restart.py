@@ -34,6 +34,12 @@ def children(pid: int) -> list[int]:
         return []
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process under `pid`: the stages, and the launcher they were forked from (broker.stage_launcher)."""
+    found = children(pid)
+    return found + [grandchild for child in found for grandchild in descendants(child)]
+
+
 def alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
@@ -86,14 +92,15 @@ def test_kill_9_of_the_broker_then_resume_gives_the_unfaulted_outputs(tmp_path, 
     run = start_run(home, log, corpus, "--model", model, "--db", db, *RUN_ARGS)
     try:
         job_id = wait_for_job(db, lambda status: status.completed >= 1, "committed items", run, log)
-        stages = children(run.pid)
-        assert len(stages) == 2, f"expected 2 stage processes under the broker, found {stages}"
+        processes = descendants(run.pid)
+        stages = [pid for pid in processes if not children(pid)]  # the launcher has the stages under it
+        assert len(stages) == 2, f"expected 2 stage processes under the broker, found {stages} of {processes}"
         os.kill(run.pid, signal.SIGKILL)
         run.wait(10)
         deadline = time.monotonic() + 10
-        while any(alive(pid) for pid in stages) and time.monotonic() < deadline:
+        while any(alive(pid) for pid in processes) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(alive(pid) for pid in stages), "the killed broker's stages must not outlive it"
+        assert not any(alive(pid) for pid in processes), "the killed broker's stages must not outlive it"
     finally:
         run.kill()
     with JobStore.open(db) as store:

@@ -68,11 +68,13 @@ def run_with_fault(cluster: LocalCluster, requests, fault=lambda cluster: None, 
 def test_a_stage_killed_before_it_registers_is_restarted_and_the_run_has_every_stage(model_dir, requests, unfaulted,
                                                                                    tmp_path):
     cluster = LocalCluster(BrokerConfig(str(model_dir), 3, **CONFIG),
-                           LocalStageOptions(threads_per_stage=1, log_dir=tmp_path, max_restarts=2))
+                           LocalStageOptions(threads_per_stage=1, log_dir=tmp_path, max_restarts=2, fork=False))
     killed = []
 
     def kill_stage_1(cluster):
-        killed.append(cluster.processes[1].pid)  # just started: it has not even imported torch
+        # A fresh interpreter (fork=False), just started: it has not even imported torch, so the kill
+        # lands before it registers (a stage forked from the launcher registers within milliseconds).
+        killed.append(cluster.processes[1].pid)
         os.kill(killed[0], signal.SIGKILL)
 
     run = run_with_fault(cluster, requests, kill_stage_1)
@@ -87,7 +89,7 @@ def test_a_stage_killed_before_it_registers_is_restarted_and_the_run_has_every_s
 def test_a_stage_that_cannot_come_back_is_left_out_without_waiting_for_the_register_timeout(model_dir, requests,
                                                                                           unfaulted, tmp_path):
     cluster = LocalCluster(BrokerConfig(str(model_dir), 3, **CONFIG),
-                           LocalStageOptions(threads_per_stage=1, log_dir=tmp_path, max_restarts=0))
+                           LocalStageOptions(threads_per_stage=1, log_dir=tmp_path, max_restarts=0, fork=False))
     run = run_with_fault(cluster, requests, lambda cluster: os.kill(cluster.processes[1].pid, signal.SIGKILL))
     events = run["events"]
     assert [kind for kind, _ in events] == ["stage_exited", "placed_fewer"]
