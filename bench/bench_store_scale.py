@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from layerbus.storage.records import JobSettings, NewItem
-from layerbus.storage.sqlite_status import read_job_status, read_recent_jobs
+from layerbus.storage.direct_status import read_job_status, read_recent_jobs
 from layerbus.storage.store import JobStore
 
 RESULTS_PATH = Path(__file__).resolve().parent / "results" / "bench_store_scale.json"

@@ -2,7 +2,7 @@
 finished jobs.
 
 The store's names are re-exported here, resolved on first use (PEP 562): `import storage.locations`
-or `storage.sqlite_status` then costs no SQLAlchemy import, which is most of `layerbus status`'s
+or `storage.direct_status` then costs no SQLAlchemy import, which is most of `layerbus status`'s
 time. Results live in storage.results (importing it loads pyarrow).
 """
 

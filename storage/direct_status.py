@@ -1,22 +1,22 @@
-"""`job_status`, `list_jobs`, `job_events` and `stage_snapshots` for a SQLite store on the standard library's
-sqlite3, read-only.
+"""`job_status`, `list_jobs`, `job_events` and `stage_snapshots` through the store's driver alone (sqlite3 or
+psycopg, storage/direct_db.py), read-only.
 
-`layerbus status` is what people poll while a job runs. Its query takes about 2 ms; importing
-SQLAlchemy takes about 240 ms. This module reads the same two things JobStore reads (the job row
-and its item counters) and builds the JobStatus with the same pure function, so both paths
-agree by construction (and a contract test holds them to it). Anything unusual (not a plain SQLite
-file URL, a missing file, a schema it does not know) returns None and the caller uses JobStore;
-a store made before the job_events (or stage_snapshots) table existed has no events (or stages) to show,
-which is not unusual.
+`layerbus status` is what people poll while a job runs. Its query takes about 1 ms on SQLite and a few on
+PostgreSQL; importing SQLAlchemy takes 130-240 ms. This module reads the same two things JobStore reads
+(the job row and its item counters) and builds the JobStatus with the same pure function, so both paths
+agree by construction (and a contract test holds them to it, on SQLite and PostgreSQL). Anything unusual
+(a URL direct_db does not take, a missing file, a schema it does not know) returns None and the caller
+uses JobStore; a store made before the job_events (or stage_snapshots) table existed has no events (or
+stages) to show, which is not unusual. PostgreSQL connection failures raise StoreError, worded as the
+full store words them (trying again through it would only wait out the same timeout twice).
 """
 
 from __future__ import annotations
 
-import sqlite3
+from contextlib import closing
 from datetime import datetime, timezone
-from pathlib import Path
-from urllib.parse import unquote
 
+from layerbus.storage.direct_db import DirectDb, direct_db, sqlite_file, utc_from_db  # noqa: F401 (re-exported)
 from layerbus.storage.events import DEFAULT_EVENT_LIMIT, events_oldest_first
 from layerbus.storage.records import JobEvent, JobStatus
 from layerbus.storage.snapshot_records import SNAPSHOT_FIELDS, StageSnapshot, snapshot_from_row, snapshot_order
@@ -25,24 +25,12 @@ from layerbus.storage.status import StateAggregate, build_job_status
 
 _JOB_COLUMNS = ("id", "name", "task", "model", "status", "total_count", "results_path", "error", *TIMESTAMP_COLUMNS)
 # The item counters (storage/item_counts.py): five rows per job, whatever its size. A store from before
-# them has no such table: sqlite3 raises, and JobStore.open fills them in.
+# them has no such table: the driver raises, and JobStore.open fills them in.
 _AGGREGATES = """
     SELECT job_id, status, items, ran, prompt_tokens, completion_tokens
     FROM item_counts WHERE job_id IN ({marks})"""
 _EVENTS = "SELECT at, kind, message, duration_s FROM job_events WHERE job_id = ? ORDER BY id DESC LIMIT ?"
-_HAS_TABLE = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
 _SNAPSHOTS = f"SELECT {', '.join(SNAPSHOT_FIELDS)} FROM stage_snapshots WHERE job_id = ?"
-
-
-def sqlite_file(url: str) -> Path | None:
-    """The database file of a plain `sqlite:///path` URL (no driver, no query string), else None."""
-    prefix = "sqlite:///"
-    if not url.startswith(prefix) or "?" in url:
-        return None
-    path = unquote(url[len(prefix):])
-    if not path or path == ":memory:":
-        return None
-    return Path(path).expanduser()
 
 
 def read_job_status(url: str, job_id: str, now: datetime | None = None) -> JobStatus | None:
@@ -58,87 +46,72 @@ def read_recent_jobs(url: str, limit: int, now: datetime | None = None) -> list[
 def read_job_events(url: str, job_id: str, limit: int = DEFAULT_EVENT_LIMIT) -> list[JobEvent] | None:
     """The job's last `limit` events, oldest first, as JobStore.job_events returns them; None when this
     path cannot answer. Call it for a job read_job_status found: an unknown job just has no events here."""
-    connect = read_only_connect(url)
-    if connect is None:
+    db = direct_db(url)
+    if db is None:
         return None
     try:
-        with connect() as conn:
-            if conn.execute(_HAS_TABLE, ("job_events",)).fetchone() is None:
+        with closing(db.connect()) as conn:
+            if not db.has_table(conn, "job_events"):
                 return []  # a store older than the table; JobStore.open adds it
-            rows = conn.execute(_EVENTS, (job_id, limit)).fetchall()
-    except sqlite3.Error:
+            rows = conn.execute(db.sql(_EVENTS), (job_id, limit)).fetchall()
+    except db.error:
         return None
-    return events_oldest_first((utc_from_text(at), kind, message, duration) for at, kind, message, duration in rows)
+    return events_oldest_first((utc_from_db(at), kind, message, duration) for at, kind, message, duration in rows)
 
 
 def read_stage_snapshots(url: str, job_id: str) -> list[StageSnapshot] | None:
     """The job's stage snapshots as JobStore.stage_snapshots returns them; None when this path cannot answer."""
-    connect = read_only_connect(url)
-    if connect is None:
+    db = direct_db(url)
+    if db is None:
         return None
     try:
-        with connect() as conn:
-            if conn.execute(_HAS_TABLE, ("stage_snapshots",)).fetchone() is None:
+        with closing(db.connect()) as conn:
+            if not db.has_table(conn, "stage_snapshots"):
                 return []  # a store older than the table; a broker's JobStore.open adds it
-            rows = [dict(zip(SNAPSHOT_FIELDS, row)) for row in conn.execute(_SNAPSHOTS, (job_id,))]
-    except sqlite3.Error:
+            rows = [dict(zip(SNAPSHOT_FIELDS, row)) for row in conn.execute(db.sql(_SNAPSHOTS), (job_id,))]
+    except db.error:
         return None
     for row in rows:
-        row["updated_at"] = utc_from_text(row["updated_at"])
+        row["updated_at"] = utc_from_db(row["updated_at"])
     return sorted((snapshot_from_row(row) for row in rows), key=snapshot_order)
 
 
 def read_latest_job_ids(url: str, status: str | None = None, limit: int = 1) -> list[str] | None:
     """The ids of the newest `limit` jobs (of those in `status`, if given), newest first, as
     JobStore.latest_job_id orders them ([]: there are none); None when this path cannot answer."""
-    connect = read_only_connect(url)
-    if connect is None:
+    db = direct_db(url)
+    if db is None:
         return None
     where, params = ("WHERE status = ? ", (status, limit)) if status is not None else ("", (limit,))
     try:
-        with connect() as conn:
-            rows = conn.execute(f"SELECT id FROM jobs {where}ORDER BY created_at DESC, id DESC LIMIT ?", params)
+        with closing(db.connect()) as conn:
+            rows = conn.execute(db.sql(f"SELECT id FROM jobs {where}ORDER BY created_at DESC, id DESC LIMIT ?"),
+                                params)
             return [row[0] for row in rows]
-    except sqlite3.Error:
+    except db.error:
         return None
-
-
-def read_only_connect(url: str):
-    """A function opening the store read-only, or None when `url` is not an existing SQLite file."""
-    path = sqlite_file(url)
-    if path is None or not path.is_file():
-        return None
-    return lambda: sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
 
 
 def _read(url: str, query: str, params: tuple, now: datetime | None, allow_empty: bool = False):
-    connect = read_only_connect(url)
-    if connect is None:
+    db = direct_db(url)
+    if db is None:
         return None
     try:
-        with connect() as conn:
-            rows = [dict(zip(_JOB_COLUMNS, row)) for row in conn.execute(query, params)]
+        with closing(db.connect()) as conn:
+            rows = [dict(zip(_JOB_COLUMNS, row)) for row in conn.execute(db.sql(query), params)]
             if not rows:
                 return [] if allow_empty else None
             ids = [row["id"] for row in rows]
             aggregates: dict[str, list[StateAggregate]] = {}
             marks = ", ".join("?" * len(ids))
-            for job_id, status, count, ran, prompt, completion in conn.execute(_AGGREGATES.format(marks=marks), ids):
+            for job_id, status, count, ran, prompt, completion in conn.execute(
+                    db.sql(_AGGREGATES.format(marks=marks)), ids):
                 aggregates.setdefault(job_id, []).append(
                     StateAggregate(status, int(count), int(ran), int(prompt), int(completion)))
-    except sqlite3.Error:  # locked beyond the timeout, another schema, not a database: the full store decides
+    except db.error:  # locked beyond the timeout, another schema, not a database: the full store decides
         return None
     clock = now or datetime.now(timezone.utc)
     for row in rows:
         for column in TIMESTAMP_COLUMNS:
-            row[column] = utc_from_text(row[column])
+            row[column] = utc_from_db(row[column])
     return [build_job_status(row, aggregates.get(row["id"], []), clock) for row in rows]
-
-
-def utc_from_text(value: str | None) -> datetime | None:
-    """An aware UTC datetime from a timestamp column's text (storage/sqlite_evals reads them too)."""
-    # Stored as naive UTC text by storage.schema.UtcDateTime ("YYYY-MM-DD HH:MM:SS[.ffffff]").
-    if value is None:
-        return None
-    parsed = datetime.fromisoformat(value)
-    return parsed.replace(tzinfo=timezone.utc) if parsed.tzinfo is None else parsed.astimezone(timezone.utc)
