@@ -67,8 +67,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 class TopReader:
-    """The job's status and stage snapshots from the store: the standard library's sqlite3 on a SQLite file
-    (storage/direct_status.py), else one JobStore kept open across frames."""
+    """The job's status and stage snapshots from the store: through its driver alone (sqlite3 or psycopg,
+    storage/direct_status.py) where it can answer, else one JobStore kept open across frames."""
 
     def __init__(self, url: str | None):
         from layerbus.storage.locations import default_db_url
