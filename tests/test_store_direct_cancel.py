@@ -146,7 +146,7 @@ print("RESULT " + json.dumps([code, heavy]))
 
 
 def test_light_commands_import_no_sqlalchemy_nor_pyarrow(store_url: str, tmp_path: Path) -> None:
-    """status, status JOB, results JOB (no file yet) and cancel JOB answer through the driver alone."""
+    """status, status JOB, results JOB (no file yet), top JOB --once and cancel JOB answer through the driver alone."""
     import json
     import subprocess
     import sys
@@ -155,7 +155,8 @@ def test_light_commands_import_no_sqlalchemy_nor_pyarrow(store_url: str, tmp_pat
         job_id = store.create_job(SETTINGS, items(3), now=T0)
     env = {"LAYERBUS_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"}
     for args, exit_code in ((["status"], 0), (["status", job_id], 0), (["results", job_id], 1),
-                            (["cancel", job_id], 0), (["status", job_id, "--json"], 0)):
+                            (["top", job_id, "--once"], 0), (["cancel", job_id], 0),
+                            (["status", job_id, "--json"], 0)):
         done = subprocess.run([sys.executable, "-c", LIGHT_RUN, json.dumps([*args, "--db", store_url])],
                               capture_output=True, text=True, env=env, timeout=120)
         code, heavy = json.loads(done.stdout.splitlines()[-1].removeprefix("RESULT "))
