@@ -15,13 +15,16 @@ from __future__ import annotations
 
 from contextlib import closing
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING
 
 from layerbus.storage.direct_db import DirectDb, direct_db, sqlite_file, utc_from_db  # noqa: F401 (re-exported)
 from layerbus.storage.events import DEFAULT_EVENT_LIMIT, events_oldest_first
-from layerbus.storage.records import JobEvent, JobStatus
-from layerbus.storage.snapshot_records import SNAPSHOT_FIELDS, StageSnapshot, snapshot_from_row, snapshot_order
 from layerbus.storage.states import TIMESTAMP_COLUMNS
 from layerbus.storage.status import StateAggregate, build_job_status
+from layerbus.storage.status_records import JobEvent, JobStatus
+
+if TYPE_CHECKING:
+    from layerbus.storage.snapshot_records import StageSnapshot
 
 _JOB_COLUMNS = ("id", "name", "task", "model", "status", "total_count", "results_path", "error", *TIMESTAMP_COLUMNS)
 # The item counters (storage/item_counts.py): five rows per job, whatever its size. A store from before
@@ -30,7 +33,6 @@ _AGGREGATES = """
     SELECT job_id, status, items, ran, prompt_tokens, completion_tokens
     FROM item_counts WHERE job_id IN ({marks})"""
 _EVENTS = "SELECT at, kind, message, duration_s FROM job_events WHERE job_id = ? ORDER BY id DESC LIMIT ?"
-_SNAPSHOTS = f"SELECT {', '.join(SNAPSHOT_FIELDS)} FROM stage_snapshots WHERE job_id = ?"
 
 
 def read_job_status(url: str, job_id: str, now: datetime | None = None) -> JobStatus | None:
@@ -61,6 +63,9 @@ def read_job_events(url: str, job_id: str, limit: int = DEFAULT_EVENT_LIMIT) -> 
 
 def read_stage_snapshots(url: str, job_id: str) -> list[StageSnapshot] | None:
     """The job's stage snapshots as JobStore.stage_snapshots returns them; None when this path cannot answer."""
+    # Here, not at the top: only `top` reads snapshots, and their records cost `status` 1-2 ms to import.
+    from layerbus.storage.snapshot_records import SNAPSHOT_FIELDS, snapshot_from_row, snapshot_order
+
     db = direct_db(url)
     if db is None:
         return None
@@ -68,7 +73,8 @@ def read_stage_snapshots(url: str, job_id: str) -> list[StageSnapshot] | None:
         with closing(db.connect()) as conn:
             if not db.has_table(conn, "stage_snapshots"):
                 return []  # a store older than the table; a broker's JobStore.open adds it
-            rows = [dict(zip(SNAPSHOT_FIELDS, row)) for row in conn.execute(db.sql(_SNAPSHOTS), (job_id,))]
+            query = f"SELECT {', '.join(SNAPSHOT_FIELDS)} FROM stage_snapshots WHERE job_id = ?"
+            rows = [dict(zip(SNAPSHOT_FIELDS, row)) for row in conn.execute(db.sql(query), (job_id,))]
     except db.error:
         return None
     for row in rows:
