@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from layerbus.storage.records import JobSettings, NewItem
-from layerbus.storage.sqlite_status import read_job_status, read_recent_jobs
+from layerbus.storage.direct_status import read_job_status, read_recent_jobs
 from layerbus.storage.store import JobStore
 
 RESULTS_PATH = Path(__file__).resolve().parent / "results" / "bench_store_scale.json"
@@ -99,9 +99,9 @@ def run_scale_bench(url: str, count: int, folder: Path, db_path: Path | None) ->
     with JobStore.open(url) as store:
         result["status_store_ms"] = median_ms(lambda: store.list_jobs())
         result["status_job_store_ms"] = median_ms(lambda: store.job_status(job_id))
-        if db_path is not None:  # the standard-library path `layerbus status` takes on SQLite
-            result["status_sqlite_read_ms"] = median_ms(lambda: read_recent_jobs(url, 20))
-            result["status_job_sqlite_read_ms"] = median_ms(lambda: read_job_status(url, job_id))
+        # The path `layerbus status` takes: the driver alone (sqlite3 or psycopg), a fresh connection per call.
+        result["status_direct_read_ms"] = median_ms(lambda: read_recent_jobs(url, 20))
+        result["status_job_direct_read_ms"] = median_ms(lambda: read_job_status(url, job_id))
         result["cancel_command_s"] = layerbus("cancel", job_id, "--db", url, env=env)[0]
         # The same command on a one-item job in the same store: "about as fast as cancelling a small one".
         small = store.create_job(JobSettings(task="summarize", model="bench-model", name="small"),
@@ -146,12 +146,15 @@ def print_scale_table(r: dict[str, Any]) -> None:
         ("store size", f"{r['store_mb']:.0f} MB" if r["store_mb"] is not None else "n/a"),
     ]
     for name, key in (("status", "status"), ("status JOB", "status_job")):
-        query = r.get(f"{key}_sqlite_read_ms", r[f"{key}_store_ms"])
+        query = r.get(f"{key}_direct_read_ms", r[f"{key}_store_ms"])
+        command = r[f"{key}_command_ms"]
         rows.append((f"{name}", f"{query:.1f} ms query (target < {STATUS_MS_TARGET}: "
-                                f"{verdict(query < STATUS_MS_TARGET)}), {r[f'{key}_command_ms']:.0f} ms whole command"))
+                                f"{verdict(query < STATUS_MS_TARGET)}), {command:.0f} ms whole command "
+                                f"(target < {STATUS_MS_TARGET}: {verdict(command < STATUS_MS_TARGET)})"))
     rows += [
         ("status, empty SQLite store", f"{r['status_command_empty_store_ms']:.0f} ms whole command (Python, imports)"),
-        ("results JOB (whole command)", f"{r['results_command_ms']:.0f} ms"),
+        ("results JOB (whole command)", f"{r['results_command_ms']:.0f} ms (target < {STATUS_MS_TARGET}: "
+                                        f"{verdict(r['results_command_ms'] < STATUS_MS_TARGET)})"),
         ("cancel (whole command)", f"{r['cancel_command_s']:.2f} s (target < {CANCEL_S_TARGET:g}: "
                                    f"{verdict(r['cancel_command_s'] < CANCEL_S_TARGET)}); a one-item job: "
                                    f"{r['cancel_small_job_command_s']:.2f} s"),

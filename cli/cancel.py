@@ -21,8 +21,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    with open_store(args.db) as store:
-        new_status = store.cancel_job(args.job)
+    from layerbus.storage.direct_cancel import cancel_job_directly
+    from layerbus.storage.locations import default_db_url
+
+    # Through the store's driver alone where it can (no SQLAlchemy import: most of this command's time);
+    # otherwise, and for every error's wording, the full store.
+    new_status = cancel_job_directly(args.db or default_db_url(), args.job)
+    if new_status is None:
+        with open_store(args.db) as store:
+            new_status = store.cancel_job(args.job)
     print(new_status)
     if new_status == "cancelling":
         print(f"layerbus: {args.job} stops once its items in flight finish; follow with "

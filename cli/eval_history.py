@@ -64,9 +64,9 @@ def main(args: argparse.Namespace) -> int:
 
 def _read(args: argparse.Namespace) -> tuple[list[tuple[EvalRun, list[EvalMetric]]], str]:
     """The history and the store's URL for messages; from sqlite3 when the store is a SQLite file."""
+    from layerbus.storage.direct_db import sqlite_file
     from layerbus.storage.locations import default_db_url
     from layerbus.storage.sqlite_evals import read_eval_history
-    from layerbus.storage.sqlite_status import sqlite_file
 
     url = args.db or default_db_url()
     found = read_eval_history(url, args.suite, args.metric, args.limit)

@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from layerbus.cli.errors import EXIT_OK, RunFailed
 from layerbus.cli.options import add_db, add_verbose, non_negative_int, open_store
+
+if TYPE_CHECKING:
+    from layerbus.storage import JobStatus
 
 # Columns shown by --head, in order; output is last because it takes what width is left.
 HEAD_COLUMNS = ("custom_id", "status", "finish_reason", "completion_tokens", "output")
@@ -25,8 +29,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    with open_store(args.db) as store:
-        status = store.job_status(args.job)
+    status = _job_status(args.db, args.job)
     if status.results_path is None:
         done = status.completed + status.failed + status.cancelled
         raise RunFailed(f"job {status.job_id} is {status.status} ({done} of {status.total} items finished) and has "
@@ -38,6 +41,19 @@ def main(args: argparse.Namespace) -> int:
     if args.head:
         print(head_table(path, args.head))
     return EXIT_OK
+
+
+def _job_status(url: str | None, job_id: str) -> JobStatus:
+    """The job's status through the store's driver alone when it can answer (no SQLAlchemy: most of this
+    command's time), else from the full store, which also words the errors."""
+    from layerbus.storage.direct_status import read_job_status
+    from layerbus.storage.locations import default_db_url
+
+    status = read_job_status(url or default_db_url(), job_id)
+    if status is not None:
+        return status
+    with open_store(url) as store:
+        return store.job_status(job_id)
 
 
 def head_table(path: Path, rows: int) -> str:

@@ -38,7 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if not args.watch and _print_from_sqlite(args):
+    if not args.watch and _print_directly(args):
         return EXIT_OK
     with open_store(args.db) as store:
         if args.watch:
@@ -52,11 +52,11 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_OK
 
 
-def _print_from_sqlite(args: argparse.Namespace) -> bool:
-    """Answer from a SQLite store without importing SQLAlchemy (most of this command's time);
-    False when that path cannot answer, and the full store (with its error messages) takes over."""
+def _print_directly(args: argparse.Namespace) -> bool:
+    """Answer through the store's driver alone (sqlite3, psycopg), without importing SQLAlchemy (most of this
+    command's time); False when that path cannot answer, and the full store (with its error messages) takes over."""
+    from layerbus.storage.direct_status import read_job_events, read_job_status, read_recent_jobs
     from layerbus.storage.locations import default_db_url
-    from layerbus.storage.sqlite_status import read_job_events, read_job_status, read_recent_jobs
 
     url = args.db or default_db_url()
     if args.job is None:

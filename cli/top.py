@@ -67,8 +67,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 class TopReader:
-    """The job's status and stage snapshots from the store: the standard library's sqlite3 on a SQLite file
-    (storage/sqlite_status.py), else one JobStore kept open across frames."""
+    """The job's status and stage snapshots from the store: through its driver alone (sqlite3 or psycopg,
+    storage/direct_status.py) where it can answer, else one JobStore kept open across frames."""
 
     def __init__(self, url: str | None):
         from layerbus.storage.locations import default_db_url
@@ -84,7 +84,7 @@ class TopReader:
         return job_id
 
     def _latest(self, status: str | None) -> str | None:
-        from layerbus.storage.sqlite_status import read_latest_job_ids
+        from layerbus.storage.direct_status import read_latest_job_ids
 
         found = read_latest_job_ids(self.url, status)
         if found is None:
@@ -97,7 +97,7 @@ class TopReader:
         return status, top_frame(status, snapshots, datetime.now(timezone.utc), stale_after_s, width)
 
     def read(self, job_id: str) -> tuple[JobStatus, list[StageSnapshot]]:
-        from layerbus.storage.sqlite_status import read_job_status, read_stage_snapshots
+        from layerbus.storage.direct_status import read_job_status, read_stage_snapshots
 
         status = read_job_status(self.url, job_id)
         snapshots = read_stage_snapshots(self.url, job_id) if status is not None else None

@@ -9,7 +9,7 @@ from datetime import datetime
 from itertools import groupby
 
 from layerbus.cli.status import duration_text
-from layerbus.storage.records import JobStatus
+from layerbus.storage.status_records import JobStatus
 from layerbus.storage.snapshot_records import StageSnapshot
 
 # A broker's snapshot older than this is shown as stale: its broker stopped writing (killed, cut off, done).

@@ -2,7 +2,7 @@
 finished jobs.
 
 The store's names are re-exported here, resolved on first use (PEP 562): `import storage.locations`
-or `storage.sqlite_status` then costs no SQLAlchemy import, which is most of `layerbus status`'s
+or `storage.direct_status` then costs no SQLAlchemy import, which is most of `layerbus status`'s
 time. Results live in storage.results (importing it loads pyarrow).
 """
 
@@ -18,9 +18,9 @@ _EXPORTS = {
     "canonical_fingerprint": "layerbus.storage.eval_records",
     "InvalidItem": "layerbus.storage.records",
     "ItemResult": "layerbus.storage.records",
-    "JobEvent": "layerbus.storage.records",
+    "JobEvent": "layerbus.storage.status_records",
     "JobSettings": "layerbus.storage.records",
-    "JobStatus": "layerbus.storage.records",
+    "JobStatus": "layerbus.storage.status_records",
     "Lease": "layerbus.storage.records",
     "NewItem": "layerbus.storage.records",
     "StoreError": "layerbus.storage.errors",

@@ -9,15 +9,12 @@ from sqlalchemy import Column, Connection, Engine, Table, create_engine, event, 
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 
+from layerbus.storage.direct_db import POSTGRES_CONNECT_TIMEOUT_S, SQLITE_BUSY_TIMEOUT_MS, postgres_connect_message
 from layerbus.storage.errors import StoreError, mask_url
 from layerbus.storage.locations import default_db_url, default_results_dir, layerbus_home  # noqa: F401 (re-exported)
 from layerbus.storage.item_counts import fill_missing_counts
 from layerbus.storage.schema import Base
 
-# How long a SQLite writer waits for another process's write transaction before giving up.
-SQLITE_BUSY_TIMEOUT_MS = 30_000
-# How long connecting to a PostgreSQL server may take before the URL is reported unreachable.
-POSTGRES_CONNECT_TIMEOUT_S = 10
 # Execution option marking a transaction that only reads: on SQLite it begins DEFERRED, not IMMEDIATE.
 READ_ONLY_OPTION = "layerbus_read_only"
 # Arbitrary constant: the advisory lock that serializes concurrent table creation on PostgreSQL.
@@ -139,10 +136,7 @@ def _connect_error(engine: Engine, url: str, exc: DBAPIError) -> StoreError:
             "(not a folder) in a writable folder, or omit the database URL to use the default store "
             "under $LAYERBUS_HOME"
         )
-    return StoreError(
-        f"cannot connect to {mask_url(url)!r}: {reason}; check that the server is running and reachable "
-        "at that host and port, and that the user, password and database exist"
-    )
+    return StoreError(postgres_connect_message(url, reason))
 
 
 def _use_sqlite_transactions(engine: Engine) -> None:

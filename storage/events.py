@@ -7,7 +7,7 @@ import math
 from collections.abc import Iterable
 from datetime import datetime
 
-from layerbus.storage.records import JobEvent
+from layerbus.storage.status_records import JobEvent
 
 # Events `layerbus status` shows and JobStore.job_events returns by default: the most recent ones.
 DEFAULT_EVENT_LIMIT = 50

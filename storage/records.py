@@ -8,6 +8,10 @@ from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime
 from typing import Any
 
+# What status shows lives apart, so `layerbus status` builds it without the six records above (their
+# dataclasses take most of this module's import time); re-exported here for everything else.
+from layerbus.storage.status_records import JobEvent, JobStatus  # noqa: F401
+
 
 @dataclass(frozen=True)
 class JobSettings:
@@ -141,64 +145,3 @@ class ItemResult:
     def status(self) -> str:
         """The item state this result leaves the item in."""
         return "failed" if self.error is not None else "completed"
-
-
-@dataclass(frozen=True)
-class JobStatus:
-    """A job's state and progress, as `layerbus status` shows it."""
-
-    # jobs.id, e.g. "job_0123456789ab".
-    job_id: str
-    # Human name given at submit; may be empty.
-    name: str
-    # Task of the job.
-    task: str
-    # Model of the job.
-    model: str
-    # One of storage.states.JOB_STATES.
-    status: str
-    # When the job entered each state: keys are the jobs timestamp columns (created_at, queued_at, ...),
-    # values UTC datetimes, or None for states not reached.
-    timestamps: dict[str, datetime | None]
-    # Number of items, invalid ones included.
-    total: int
-    # Items per item state; every state of storage.states.ITEM_STATES is a key.
-    counts: dict[str, int]
-    # Items finished with an output.
-    completed: int
-    # Items that failed (at submit or while running).
-    failed: int
-    # Items cancelled before running.
-    cancelled: int
-    # Items waiting to be claimed.
-    queued: int
-    # Items claimed by a worker and not yet reported.
-    in_progress: int
-    # Prompt tokens over all finished items.
-    prompt_tokens: int
-    # Generated tokens over all finished items.
-    completion_tokens: int
-    # completion_tokens per second since the job went in_progress (until it left in_progress, if it has);
-    # None before any item ran.
-    tokens_per_s: float | None
-    # Seconds to finish the queued and in-progress items at the rate items have finished so far;
-    # None unless the job is in_progress and at least one item has finished running.
-    eta_s: float | None
-    # Final Parquet file, once written.
-    results_path: str | None
-    # Why the job failed, when it did.
-    error: str | None
-
-
-@dataclass(frozen=True)
-class JobEvent:
-    """One thing that happened to a job while it ran (a stage lost, a re-plan, a recovery), as status shows it."""
-
-    # When it happened, UTC; for a span of time (a recovery), when it ended.
-    at: datetime
-    # What kind of event: stage_lost, waiting, recovered, first_token, load_failed, replanned, resumed, ...
-    kind: str
-    # What happened, in words.
-    message: str
-    # How long it took, in seconds, when the event is a span of time; None otherwise.
-    duration_s: float | None

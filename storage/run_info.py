@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from layerbus.storage.locations import layerbus_home
-from layerbus.wire.spans import format_chain
 
 
 def run_info_path(job_id: str, home: Path | None = None) -> Path:
@@ -45,6 +44,11 @@ def chain_line(info: dict[str, Any] | None) -> str | None:
     "stage-0 [0, 3) -int8-> stage-1 [3, 6)", or None without run info."""
     info = info or {}
     stages, links = info.get("stages"), info.get("wire")
+    if not (isinstance(stages, list) and stages) and not (isinstance(links, list) and links):
+        return None
+    # Here, not at the top: `layerbus status` of a job never run on this machine has no chain to format.
+    from layerbus.wire.spans import format_chain
+
     try:
         if isinstance(stages, list) and stages:
             codecs = [link["codec"] for link in links] if isinstance(links, list) else []

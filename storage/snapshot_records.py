@@ -2,7 +2,7 @@
 
 The broker replaces its rows for a job every few seconds (jobs/snapshot_keeper.py), so a reader on any
 machine that reaches the store sees each stage's span, load, memory and link without reaching the
-broker. No SQLAlchemy here: the standard-library read path (storage/sqlite_status.py) builds these too.
+broker. No SQLAlchemy here: the standard-library read path (storage/direct_status.py) builds these too.
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ older than the eval tables): the caller then opens the JobStore, whose messages 
 from __future__ import annotations
 
 import sqlite3
+from contextlib import closing
 
+from layerbus.storage.direct_db import direct_db, utc_from_db
 from layerbus.storage.eval_records import DEFAULT_EVAL_LIMIT, EvalMetric, EvalRun, metric_from_row, metric_order
-from layerbus.storage.sqlite_status import read_only_connect, utc_from_text
 
 _RUN_COLUMNS = ("job_id", "suite", "model", "fingerprint_hash", "fingerprint_json", "settings_json", "created_at",
                 "samples_path", "results_path", "finished_at")  # fmt: skip
@@ -28,11 +29,11 @@ def read_eval_history(url: str, suite: str, metric: str | None = None,
     """What JobStore.eval_history(suite, metric, limit) returns, or None when this path cannot answer."""
     if limit < 1:
         raise ValueError(f"eval_history needs limit >= 1, got {limit=}")
-    connect = read_only_connect(url)
-    if connect is None:
+    db = direct_db(url)
+    if db is None or db.kind != "sqlite":  # this path reads SQLite only; PostgreSQL goes through the JobStore
         return None
     try:
-        with connect() as conn:
+        with closing(db.connect()) as conn:
             runs = [_run(row) for row in conn.execute(_RUNS, (suite, limit))]
             runs.reverse()
             per_run: dict[str, list[EvalMetric]] = {run.job_id: [] for run in runs}
@@ -51,6 +52,6 @@ def read_eval_history(url: str, suite: str, metric: str | None = None,
 
 def _run(row: tuple) -> EvalRun:
     fields = dict(zip(_RUN_COLUMNS, row))
-    fields["created_at"] = utc_from_text(fields["created_at"])
-    fields["finished_at"] = utc_from_text(fields["finished_at"])
+    fields["created_at"] = utc_from_db(fields["created_at"])
+    fields["finished_at"] = utc_from_db(fields["finished_at"])
     return EvalRun(**fields)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from layerbus.storage.records import JobStatus
+from layerbus.storage.status_records import JobStatus
 from layerbus.storage.states import ITEM_STATES, TIMESTAMP_COLUMNS
 
 # Timestamps that end the in_progress phase; throughput is measured up to the first one set.

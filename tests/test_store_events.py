@@ -16,7 +16,7 @@ from layerbus.storage.errors import StoreError
 from layerbus.storage.events import MAX_EVENT_MESSAGE_CHARS
 from layerbus.storage.records import JobEvent
 from layerbus.storage.schema import jobs as jobs_table
-from layerbus.storage.sqlite_status import read_job_events, read_job_status
+from layerbus.storage.direct_status import read_job_events, read_job_status
 from layerbus.storage.store import JobStore
 from tests.test_cli_helpers import layerbus
 from tests.test_store_contract import SETTINGS, T0, new_items, ok, store, store_url  # noqa: F401 (fixtures)
@@ -129,7 +129,7 @@ def test_sqlite_path_reads_events_like_the_store_and_tolerates_old_stores(tmp_pa
         for limit in (1, 2, 50):
             assert read_job_events(url, job_id, limit) == store.job_events(job_id, limit)
     assert read_job_events(url, "job_missing") == []
-    assert read_job_events("postgresql+psycopg://u@h/db", job_id) is None
+    assert read_job_events("postgresql://u@h/db", job_id) is None  # psycopg2 per SQLAlchemy: not taken
     assert read_job_events(f"sqlite:///{tmp_path / 'absent.db'}", job_id) is None
 
     with sqlite3.connect(tmp_path / "jobs.db") as conn:

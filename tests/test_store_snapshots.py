@@ -15,7 +15,7 @@ from layerbus.storage.engine import open_engine
 from layerbus.storage.errors import StoreError
 from layerbus.storage.schema import jobs as jobs_table
 from layerbus.storage.snapshot_records import StageSnapshot
-from layerbus.storage.sqlite_status import read_latest_job_ids, read_stage_snapshots
+from layerbus.storage.direct_status import read_latest_job_ids, read_stage_snapshots
 from layerbus.storage.store import JobStore
 from tests.test_store_contract import SETTINGS, T0, new_items, store, store_url  # noqa: F401 (fixtures)
 
@@ -119,12 +119,12 @@ def test_sqlite_path_reads_snapshots_like_the_store_and_tolerates_old_stores(tmp
     assert [s.stage for s in expected] == ["a0", "a1", "spare", "b0"]
     assert read_stage_snapshots(url, job_id) == expected
     assert read_stage_snapshots(url, "job_missing") == []
-    assert read_stage_snapshots("postgresql+psycopg://u@h/db", job_id) is None
+    assert read_stage_snapshots("postgresql://u@h/db", job_id) is None  # psycopg2 per SQLAlchemy: not taken
     assert read_stage_snapshots(f"sqlite:///{tmp_path / 'absent.db'}", job_id) is None
     assert read_latest_job_ids(url) == [newer]
     assert read_latest_job_ids(url, "in_progress") == [job_id]
     assert read_latest_job_ids(url, "failed") == []
-    assert read_latest_job_ids("postgresql+psycopg://u@h/db") is None
+    assert read_latest_job_ids("postgresql://u@h/db") is None
 
     with sqlite3.connect(tmp_path / "jobs.db") as conn:
         conn.execute("DROP TABLE stage_snapshots")

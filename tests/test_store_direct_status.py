@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from layerbus.storage import InvalidItem, ItemResult, JobSettings, JobStore, NewItem
-from layerbus.storage.sqlite_status import read_job_events, read_job_status, read_recent_jobs, sqlite_file
+from layerbus.storage.direct_status import read_job_events, read_job_status, read_recent_jobs, sqlite_file
 
 T0 = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc)
 

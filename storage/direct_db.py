@@ -1,0 +1,131 @@
+"""The store reached through its DB-API driver alone (sqlite3, psycopg), without SQLAlchemy.
+
+The light commands (`status`, `results`, `top`, `cancel`) answer in a few milliseconds of SQL, but
+importing SQLAlchemy takes 130-240 ms here, ten times the rest of such a command. They use a DirectDb
+where `direct_db` gives one, and the full JobStore otherwise: an unusual URL (a driver other than
+psycopg, query options on a SQLite URL, an in-memory database), a missing SQLite file, or a missing
+driver. What goes wrong past the connection (a store older than a table, a locked database) is for
+the caller to answer from the full store, whose messages and migrations apply.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from urllib.parse import unquote
+
+from layerbus.storage.errors import StoreError, mask_url
+
+# How long a SQLite writer waits for another process's write transaction before giving up (both paths:
+# storage.engine sets it on the full store's connections).
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+# How long connecting to a PostgreSQL server may take before the URL is reported unreachable (both paths).
+POSTGRES_CONNECT_TIMEOUT_S = 10
+# The one driver a PostgreSQL URL may name for this path: SQLAlchemy's plain postgresql:// means psycopg2.
+_POSTGRES_PREFIX = "postgresql+psycopg://"
+
+
+def sqlite_file(url: str) -> Path | None:
+    """The database file of a plain `sqlite:///path` URL (no driver, no query string), else None."""
+    prefix = "sqlite:///"
+    if not url.startswith(prefix) or "?" in url:
+        return None
+    path = unquote(url[len(prefix):])
+    if not path or path == ":memory:":
+        return None
+    return Path(path).expanduser()
+
+
+@dataclass(frozen=True)
+class DirectDb:
+    """One store as its driver reaches it. Queries are written with `?` marks; `sql` adapts them."""
+
+    url: str
+    # "sqlite" or "postgresql".
+    kind: str
+    # The SQLite file, or the libpq connection URI.
+    target: str
+
+    @property
+    def error(self) -> type[Exception]:
+        """The driver's base error class (what a query may raise)."""
+        if self.kind == "sqlite":
+            return sqlite3.Error
+        import psycopg
+
+        return psycopg.Error
+
+    def sql(self, query: str) -> str:
+        # psycopg's placeholder is %s; no query of this path holds a literal ? or %.
+        return query if self.kind == "sqlite" else query.replace("?", "%s")
+
+    def connect(self, write: bool = False):  # type: ignore[no-untyped-def]
+        """A connection in autocommit mode (transactions are begun explicitly); read-only unless `write`.
+
+        Closing it is the caller's (contextlib.closing): sqlite3's own `with` does not close.
+        PostgreSQL connection failures raise StoreError worded as the full store words them.
+        """
+        if self.kind == "sqlite":
+            mode = "rw" if write else "ro"
+            conn = sqlite3.connect(f"file:{self.target}?mode={mode}", uri=True, timeout=SQLITE_BUSY_TIMEOUT_MS / 1000,
+                                   isolation_level=None)
+            if write:
+                conn.execute("PRAGMA foreign_keys = ON")  # as the full store's connections
+            return conn
+        import psycopg
+
+        try:
+            return psycopg.connect(self.target, autocommit=True, connect_timeout=POSTGRES_CONNECT_TIMEOUT_S)
+        except psycopg.OperationalError as exc:
+            raise StoreError(postgres_connect_message(self.url, exc)) from exc
+
+    def has_table(self, conn, name: str) -> bool:  # type: ignore[no-untyped-def]
+        if self.kind == "sqlite":
+            query = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
+        else:
+            query = "SELECT 1 FROM information_schema.tables WHERE table_schema = current_schema() AND table_name = ?"
+        return conn.execute(self.sql(query), (name,)).fetchone() is not None
+
+    def timestamp(self, value: datetime) -> datetime | str:
+        """An aware datetime as a timestamp column stores it: naive UTC text on SQLite (as storage.schema's
+        UtcDateTime writes it through SQLAlchemy, microseconds always shown), timestamptz on PostgreSQL."""
+        value = value.astimezone(timezone.utc)
+        if self.kind == "sqlite":
+            return value.replace(tzinfo=None).strftime("%Y-%m-%d %H:%M:%S.%f")
+        return value
+
+
+def direct_db(url: str) -> DirectDb | None:
+    """The DirectDb of `url`, or None when this path does not take it (the full JobStore does)."""
+    path = sqlite_file(url)
+    if path is not None:
+        return DirectDb(url, "sqlite", str(path)) if path.is_file() else None
+    if not url.startswith(_POSTGRES_PREFIX):
+        return None
+    try:
+        import psycopg  # noqa: F401  (the postgres extra; without it the full store says what to install)
+    except ImportError:
+        return None
+    # SQLAlchemy passes the URL's parts and query options to psycopg; libpq reads the same URI directly.
+    return DirectDb(url, "postgresql", "postgresql://" + url[len(_POSTGRES_PREFIX):])
+
+
+def postgres_connect_message(url: str, reason: object) -> str:
+    """What a failed PostgreSQL connection says, on either path; `reason` is the driver's error (its first line
+    is shown)."""
+    lines = str(reason).strip().splitlines()
+    reason = lines[0] if lines else "the driver gave no reason"
+    return (f"cannot connect to {mask_url(url)!r}: {reason}; check that the server is running and reachable "
+            "at that host and port, and that the user, password and database exist")
+
+
+def utc_from_db(value: str | datetime | None) -> datetime | None:
+    """An aware UTC datetime from a timestamp column as the driver returns it: text on SQLite
+    ("YYYY-MM-DD HH:MM:SS[.ffffff]", naive UTC, as storage.schema.UtcDateTime stores it), a datetime on
+    PostgreSQL."""
+    if value is None:
+        return None
+    parsed = datetime.fromisoformat(value) if isinstance(value, str) else value
+    return parsed.replace(tzinfo=timezone.utc) if parsed.tzinfo is None else parsed.astimezone(timezone.utc)
