@@ -224,3 +224,45 @@ def test_layerbus_run_writes_the_measured_matrix_into_the_jobs_events(tiny_model
     assert "(measured)" in message and "round trip" in message and _lists(message, "broker", "stage-0")
     # The chain's stages (the planner may leave one out of so small a model), each with its host.
     assert status["stages"] and all(s["host"] == socket.gethostname() for s in status["stages"]), status["stages"]
+
+
+@pytest.mark.cluster
+def test_a_replan_keeps_the_survivors_pairs_and_times_a_joining_stage(tiny_models, tmp_path) -> None:
+    """stage-2 is killed and stage-new joins: the re-plan keeps stage-0 <-> stage-1 as measured at the
+    start (not timed again), drops stage-2's pairs, times stage-new's, and reports the matrix."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from layerbus.broker.control import StageLost
+
+    model_dir = tiny_models("llama", num_hidden_layers=6, hidden_size=64, intermediate_size=128)
+    config = BrokerConfig(str(model_dir), 3, batching=BatchingConfig(num_slots=6, max_context=64),
+                          plan_options=PlanOptions(allow_drop=False))
+    options = LocalStageOptions(threads_per_stage=1, env={"LAYERBUS_HOME": str(tmp_path)}, secure=False)
+    joined = None
+    with LocalCluster(config, options) as cluster:
+        broker = cluster.broker
+        before = dict(broker.measured_links)
+        assert set(before) == _pairs(["stage-0", "stage-1", "stage-2"])
+        joined = subprocess.Popen([sys.executable, "-m", "layerbus.stages", "--broker", broker.address,
+                                   "--name", "stage-new", "--threads", "1"],
+                                  env=dict(os.environ, LAYERBUS_HOME=str(tmp_path)),
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            broker.control.wait_for_stages(4, 120.0)
+            gone = broker.control.stage("stage-2")
+            os.kill(cluster.processes[2].pid, signal.SIGKILL)
+            events = []
+            broker.recover(StageLost(gone, "killed by the test"), report=lambda kind, message, **_: events.append((kind, message)))
+            after = broker.measured_links
+            assert set(after) == _pairs(["stage-0", "stage-1", "stage-new"])
+            assert after[("stage-0", "stage-1")] is before[("stage-0", "stage-1")]  # kept, not timed again
+            assert after[("stage-1", "stage-0")] is before[("stage-1", "stage-0")]
+            assert {pair for pair in broker.plan.network.links if BROKER not in pair} == set(after)
+            links = [message for kind, message in events if kind == "links"]
+            assert len(links) == 1 and _lists(links[0], "stage-new", "stage-0") and "stage-2" not in links[0], events
+        finally:
+            joined.terminate()
+            joined.wait(10)
