@@ -222,7 +222,7 @@ class Broker:
                                     inputs.memory, rows, requested.max_step_tokens or 256,
                                     self.max_context, self.config.profiling) if missing else []
         self.profiles = tuple(profiles_of(names, self.profiles + tuple(measured)))  # in chain-name order
-        self._time_links(stages)
+        self.time_links(stages)
         plan = None
         if measured and self.placement is None and self.requested_batching.chosen_by_broker:
             # Chosen once, with the first profiles: the stages size their KV caches for these slots.
@@ -248,7 +248,7 @@ class Broker:
         self.batching, self.batching_reasons = sizing.batching, sizing.reasons
         return plan
 
-    def _time_links(self, stages: list[StageInfo]) -> None:
+    def time_links(self, stages: list[StageInfo]) -> None:
         """Have the stages time the links between them that are not measured yet (a new stage's)."""
         if not self.config.link_probe.enabled or len(stages) < 2:
             return

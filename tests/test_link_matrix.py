@@ -266,3 +266,14 @@ def test_a_replan_keeps_the_survivors_pairs_and_times_a_joining_stage(tiny_model
         finally:
             joined.terminate()
             joined.wait(10)
+
+
+@pytest.mark.cluster
+def test_plan_explain_on_local_stages_says_each_link_was_measured(tiny_models, tmp_path) -> None:
+    from tests.test_cli_helpers import layerbus
+
+    result = layerbus(tmp_path / "home", "plan", "--model", tiny_models("llama"), "--stages", "2", "--threads-per-stage",
+                      "1", "--max-context", "128", "--keep-all", "--explain", timeout=180)
+    assert result.returncode == 0, result.stderr
+    hop = re.search(r"^  (stage-\d)( \[[^]]*\])? -> (stage-\d)( \[[^]]*\])?: .* \((measured)\)$", result.stdout, re.M)
+    assert hop is not None and hop.group(1) != hop.group(3), result.stdout
