@@ -277,3 +277,20 @@ def test_plan_explain_on_local_stages_says_each_link_was_measured(tiny_models, t
     assert result.returncode == 0, result.stderr
     hop = re.search(r"^  (stage-\d)( \[[^]]*\])? -> (stage-\d)( \[[^]]*\])?: .* \((measured)\)$", result.stdout, re.M)
     assert hop is not None and hop.group(1) != hop.group(3), result.stdout
+
+
+def test_a_network_file_covers_only_the_pairs_it_describes(tmp_path) -> None:
+    """[[links]] covers its host pair; [network] bandwidth the other host pairs, host_bandwidth the pairs
+    within a host: whatever the file leaves out stays to be measured."""
+    from layerbus.broker.cluster_file import read_network_file
+
+    hosts = {"a0": "boxA", "a1": "boxA", "b0": "boxB", "c0": "boxC"}
+    links_only = tmp_path / "links.toml"
+    links_only.write_text('[[links]]\nbetween = ["boxA", "boxB"]\nbandwidth = "12.5MB"\nlatency_ms = 0.5\n')
+    placed = read_network_file(links_only).placing(hosts)
+    assert placed.covering("a0", "b0") == Link(12.5e6, 0.0005)
+    assert placed.covering("a0", "c0") is None and placed.covering("a0", "a1") is None
+    full = tmp_path / "full.toml"
+    full.write_text('[network]\nbandwidth = "125MB"\nhost_latency_ms = 0.02\n')
+    placed = read_network_file(full).placing(hosts)
+    assert placed.covering("a0", "c0") == Link(125e6, 0.0) and placed.covering("a0", "a1") == Link(latency_s=0.00002)
