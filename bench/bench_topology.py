@@ -3,7 +3,8 @@
 Two network namespaces (bench/netns.py) stand for two hosts, two stages in each (loopback between
 them), the namespaces joined by a veth pair that tbf limits to --rate-mbit each way. The broker runs
 here and is told the hosts and the link (BrokerConfig.network, as a cluster file's hosts/[[links]]
-give them to `layerbus plan`). Stage names interleave the hosts (s0a, s1b, s2a, s3b), so keeping
+give them to `layerbus plan`), or with `--links measured` is told nothing: the stages time the links
+between them when they register (broker/link_probing.py) and the planner uses that matrix. Stage names interleave the hosts (s0a, s1b, s2a, s3b), so keeping
 the name order is the worst order: every hop crosses the slow link. Two runs of the same dense job
 (story prompts that run to their token limit), side by side:
 
@@ -15,6 +16,7 @@ Printed: tokens/s of each, their ratio (target >= 1.5x), the plan's prediction a
 measured figure (target within 15%), the chains and spans.
 
     flock /tmp/layerbus-heavy.lock .venv/bin/python bench/bench_topology.py     # about 5 minutes
+    flock /tmp/layerbus-heavy.lock .venv/bin/python bench/bench_topology.py --links measured
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.corpus import tokenized_stories  # noqa: E402
 from bench.netns import StageNamespaces, run_ip, stop_stages, unavailable_reason  # noqa: E402
 from layerbus.broker.broker import Broker, BrokerConfig  # noqa: E402
+from layerbus.broker.link_probing import LinkProbeConfig  # noqa: E402
 from layerbus.broker.network import BROKER, HostLinks, Link  # noqa: E402
 from layerbus.broker.placement import PlanOptions  # noqa: E402
 from layerbus.broker.requests import GenerationRequest  # noqa: E402
@@ -62,7 +65,7 @@ def slow_address(i: int) -> str:
 
 
 def run_chain(model_dir: Path, prompts, max_new_tokens: int, rate_mbit: float, reorder: bool,
-              micro_batch_size: int, profile_cache: str) -> dict:
+              micro_batch_size: int, profile_cache: str, measured: bool = False, probe_burst_s: float = 2.0) -> dict:
     requests = [GenerationRequest(pid, ids, max_new_tokens=max_new_tokens) for pid, ids in prompts]
     key_dir = tempfile.TemporaryDirectory(prefix="layerbus-bench-keys-")
     keys = ClusterKeys(read_keypair(make_keypair(Path(key_dir.name), "bench")[1]))
@@ -71,6 +74,9 @@ def run_chain(model_dir: Path, prompts, max_new_tokens: int, rate_mbit: float, r
     network = HostLinks({**{name: NAMESPACES[ns] for name, ns in STAGES}, BROKER: "bench-host"},
                         {frozenset(NAMESPACES): Link(bandwidth=rate_mbit * 1e6 / 8, latency_s=0.0002)},
                         default=Link(bandwidth=1e9, latency_s=0.00005), within_host=Link(bandwidth=5e9))
+    # Measured: no description at all; the stages time every pair (bursts of probe_burst_s: tbf lets its
+    # 32 KB bucket through at line speed, which a shorter burst would take for the link's rate).
+    link_probe = LinkProbeConfig(burst_s=probe_burst_s) if measured else LinkProbeConfig(enabled=False)
     log_dir = Path(tempfile.mkdtemp(prefix=f"layerbus-bench-topology-{'planner' if reorder else 'worst'}-"))
     print(f"stage logs: {log_dir}", file=sys.stderr)
     with key_dir, StageNamespaces(NAMESPACES, rate_mbit) as net:
@@ -80,7 +86,7 @@ def run_chain(model_dir: Path, prompts, max_new_tokens: int, rate_mbit: float, r
                               plan_options=PlanOptions(allow_reorder=reorder, allow_drop=False),
                               batching=BatchingConfig(micro_batch_size=micro_batch_size, max_context=1024),
                               workload=Workload.of([len(ids) for _, ids in prompts], max_new_tokens),
-                              network=network)
+                              network=None if measured else network, link_probe=link_probe)
         broker = Broker(config)
         port = broker.control.address.rsplit(":", 1)[1]
         env = dict(os.environ, PYTHONPATH=str(REPO), LAYERBUS_PROFILE_CACHE=profile_cache)
@@ -97,6 +103,11 @@ def run_chain(model_dir: Path, prompts, max_new_tokens: int, rate_mbit: float, r
             broker.start()
             results, stats = broker.generate(requests)
             plan, prediction = broker.plan, broker.last_prediction
+            profiles = {p.name: {"layer_decode_ms": p.layer_decode_s * 1e3, "head_ms": p.head_s * 1e3,
+                                 "corun_factor": p.corun_factor, "link_mbit_per_s": p.link_bandwidth * 8 / 1e6}
+                        for p in broker.profiles}
+            links = {f"{a} -> {b}": {"mbit_per_s": m.bytes_per_s * 8 / 1e6, "round_trip_ms": m.round_trip_s * 1e3}
+                     for (a, b), m in sorted(broker.measured_links.items())}
         finally:
             broker.close()
             stop_stages(processes)
@@ -109,7 +120,7 @@ def run_chain(model_dir: Path, prompts, max_new_tokens: int, rate_mbit: float, r
             "new_tokens": new_tokens, "wall_s": stats.wall_s, "tokens_per_s": new_tokens / stats.wall_s,
             "predicted_tokens_per_s": plan.tokens_per_s,
             "predicted_for_produced_lengths": (prediction or {}).get("tok_s_for_produced_lengths"),
-            "token_ids": [r.token_ids for r in results]}
+            "profiles": profiles, "measured_links": links, "token_ids": [r.token_ids for r in results]}
 
 
 def main() -> None:
@@ -119,8 +130,16 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--rate-mbit", type=float, default=1.0, help="the slow link, each way (default 1 Mbit/s)")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bench_topology.json")
+    parser.add_argument("--links", choices=("described", "measured"), default="described",
+                        help="described: the broker is told the hosts and links (a network file); measured: the "
+                             "stages time the links between them, nothing is described (default: described)")
+    parser.add_argument("--probe-burst-s", type=float, default=2.0,
+                        help="measured: each pair's bandwidth from a burst at least this long (default 2)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: bench/results/bench_topology.json (described) or bench_topology_measured.json")
     args = parser.parse_args()
+    measured = args.links == "measured"
+    args.out = args.out or RESULTS_DIR / ("bench_topology_measured.json" if measured else "bench_topology.json")
     reason = unavailable_reason()
     if reason is not None:
         raise SystemExit(f"bench_topology needs network namespaces: {reason}")
@@ -131,12 +150,17 @@ def main() -> None:
     prompts = tokenized_stories(load_tokenizer(model_dir), args.prompts)
     with tempfile.TemporaryDirectory(prefix="layerbus-bench-profiles-") as profile_cache:  # both runs, one profile
         runs = {label: run_chain(model_dir, prompts, args.max_new_tokens, args.rate_mbit, reorder,
-                                 args.micro_batch_size, profile_cache)
+                                 args.micro_batch_size, profile_cache, measured, args.probe_burst_s)
                 for label, reorder in (("planner", True), ("worst", False))}
     same = runs["planner"].pop("token_ids") == runs["worst"].pop("token_ids")
     ratio = runs["planner"]["tokens_per_s"] / runs["worst"]["tokens_per_s"]
     print(f"\n4 stages on 2 namespaces, slow link tbf {args.rate_mbit} Mbit/s each way, {len(prompts)} story prompts, "
-          f"{args.max_new_tokens} new tokens, micro-batches of {args.micro_batch_size}")
+          f"{args.max_new_tokens} new tokens, micro-batches of {args.micro_batch_size}, links {args.links}"
+          + (f" (bursts of {args.probe_burst_s:g} s)" if measured else ""))
+    if measured:
+        print("links the stages timed (planner's run):")
+        for pair, link in runs["planner"]["measured_links"].items():
+            print(f"  {pair}: {link['mbit_per_s']:.2f} Mbit/s, round trip {link['round_trip_ms']:.2f} ms")
     print("| chain | order | spans | slow crossings | tok/s | predicted | error |\n|---|---|---|---|---|---|---|")
     for label, run in runs.items():
         error = run["predicted_tokens_per_s"] / run["tokens_per_s"] - 1
@@ -145,7 +169,8 @@ def main() -> None:
               f"{run['tokens_per_s']:.1f} | {run['predicted_tokens_per_s']:.1f} | {error:+.0%} |")
     print(f"\nplanner / worst: {ratio:.2f}x (target >= 1.5x); outputs identical: {same}; "
           f"prediction error of the planner's chain {runs['planner']['prediction_error']:+.0%} (target within 15%)")
-    report = {"rate_mbit": args.rate_mbit, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+    report = {"links": args.links, "probe_burst_s": args.probe_burst_s if measured else None,
+              "rate_mbit": args.rate_mbit, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
               "micro_batch_size": args.micro_batch_size, "cores": os.cpu_count(), "ratio": ratio,
               "same_outputs": same, **runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@ of broker.planning; the broker measures, loads, logs and reports around them."""
 from __future__ import annotations
 
 import logging
+import socket
 from dataclasses import dataclass, field, replace
 
 import zmq
@@ -14,12 +15,13 @@ from layerbus.broker.control import ClusterError, ControlPlane, StageInfo, Stage
 from layerbus.broker.drift import Work
 from layerbus.broker.detokenizer import IncrementalDetokenizer
 from layerbus.broker.model_memory import model_memory
-from layerbus.broker.network import HostLinks
+from layerbus.broker.link_probing import LinkProbeConfig, MeasuredLink, probe_links
+from layerbus.broker.network import HostLinks, Link, LinkMatrix, live_matrix
 from layerbus.broker.partition import model_cost_from_config
 from layerbus.broker.pipeline import Pipeline, PipelineConfig
 from layerbus.broker.placement import PlacementError, Plan, PlanOptions, StageProfile, estimate_split
 from layerbus.broker.batch_sizing import choose_batching, choose_by_plan
-from layerbus.broker.plan_report import format_plan, format_prediction, prediction_report
+from layerbus.broker.plan_report import format_link_matrix, format_plan, format_prediction, prediction_report
 from layerbus.broker.planning import (
     PlanInputs,
     expected_busy_s,
@@ -85,8 +87,12 @@ class BrokerConfig:
     workload: Workload | None = None
     # What the links between hosts cost (broker.network.HostLinks, as a network file's [[links]] and
     # [network] give them): every plan prices each send by the link it crosses. A stage runs on the host
-    # it registered with unless `hosts` names it. None: each stage's own profiled link.
+    # it registered with unless `hosts` names it. Over the pairs it covers it wins against the stages'
+    # measured links (`link_probe`). None: the measured links, else each stage's own profiled link.
     network: HostLinks | None = None
+    # The stages time the links between them once registered and profiled (broker.link_probing); a
+    # planned partition prices each send by the link it crosses. enabled=False: each stage's own link.
+    link_probe: LinkProbeConfig = field(default_factory=LinkProbeConfig)
 
 
 class Broker:
@@ -118,8 +124,8 @@ class Broker:
         self.results.bind(config.results_bind)
         self.results_address = self._advertised(self.results.getsockopt(zmq.LAST_ENDPOINT).decode())
         # Decode steps dominate a run's hops: a micro-batch's rows of float32 hidden states.
-        rows = max(1, self.batching.num_slots // max(1, self.batching.num_micro_batches))
-        self.step_bytes = rows * self.model.files.config.hidden_size * 4
+        self.step_rows = max(1, self.batching.num_slots // max(1, self.batching.num_micro_batches))
+        self.step_bytes = self.step_rows * self.model.files.config.hidden_size * 4
         # Checked now, so a bad --wire is a usage error before any stage starts; chosen again per chain.
         plan_link_codecs(config.wire, config.num_stages - 1, self.step_bytes, config.model_dir, config.wire_auto)
         self.placement: Placement | None = None  # the chain in use; replaced whole, never changed in place
@@ -135,6 +141,10 @@ class Broker:
         self._exits_noted = 0
         self._stage_view = StageView()  # the stages' load between calls of stage_snapshots
         self.counts = BrokerCounts()  # stages lost, re-plans, failed and resent steps: the metrics' counters
+        # Each ordered pair of live stages -> the link the sender timed to the receiver (broker.link_probing);
+        # kept across re-plans, a lost stage's pairs dropped. `links_timed` counts every pair ever timed.
+        self.measured_links: dict[tuple[str, str], MeasuredLink] = {}
+        self.links_timed = 0
 
     # -- the placement in use, read-only views -------------------------------------------------
     @property
@@ -212,6 +222,7 @@ class Broker:
                                     inputs.memory, rows, requested.max_step_tokens or 256,
                                     self.max_context, self.config.profiling) if missing else []
         self.profiles = tuple(profiles_of(names, self.profiles + tuple(measured)))  # in chain-name order
+        self.time_links(stages)
         plan = None
         if measured and self.placement is None and self.requested_batching.chosen_by_broker:
             # Chosen once, with the first profiles: the stages size their KV caches for these slots.
@@ -237,16 +248,43 @@ class Broker:
         self.batching, self.batching_reasons = sizing.batching, sizing.reasons
         return plan
 
+    def time_links(self, stages: list[StageInfo]) -> None:
+        """Have the stages time the links between them that are not measured yet (a new stage's)."""
+        if not self.config.link_probe.enabled or len(stages) < 2:
+            return
+        timed = probe_links(self.control, stages, self.measured_links, self.step_bytes, self.step_rows,
+                            self.config.link_probe)
+        self.measured_links.update(timed)
+        self.links_timed += len(timed)
+        if timed:
+            for line in self.link_matrix_report().splitlines():
+                log.info("%s", line)
+
+    def link_matrix(self, stages: list[StageInfo] | None = None) -> LinkMatrix | None:
+        """The links the planner prices over `stages` (default: every live stage): a network file's where
+        it covers a pair, else the stages' measured ones, the broker's probe of each stage between it and
+        the broker. None without a network file and without measured pairs: each stage's own link."""
+        stages = self.control.live_stages() if stages is None else stages
+        hosts = {stage.name: stage.host for stage in stages}
+        measured = {pair: link.link() for pair, link in self.measured_links.items()
+                    if pair[0] in hosts and pair[1] in hosts}
+        if self.config.network is None and not measured:
+            return None
+        broker_links = {p.name: Link(p.link_bandwidth, p.link_latency_s) for p in self.profiles if p.name in hosts}
+        return live_matrix(hosts, measured, broker_links, self.config.network, socket.gethostname())
+
+    def link_matrix_report(self) -> str:
+        """The matrix of the placement in use's stages and the spares, for the job's events ("" without one)."""
+        matrix = self.link_matrix()
+        return format_link_matrix(matrix, [s.name for s in self.control.live_stages()]) if matrix is not None else ""
+
     def _plan_inputs(self, stages: list[StageInfo]) -> PlanInputs:
         dtypes = sorted({stage.dtype for stage in stages})
         if len(dtypes) > 1:
             log.warning("stages run different dtypes %s; memory is planned for %s", dtypes, stages[0].dtype)
         workload = self.config.workload
         job = job_shape(workload, self.batching) if workload is not None and workload.items else None
-        network = None
-        if self.config.network is not None:
-            registered = {stage.name: stage.host for stage in stages}
-            network = self.config.network.placing(registered).matrix(list(registered))
+        network = self.link_matrix(stages)
         return PlanInputs(self.model.path.name, model_memory(self.model.files, stages[0].dtype), self.batching,
                           self.config.plan_options, job, network)
 
@@ -313,6 +351,7 @@ class Broker:
         """A lost stage serves no more; if it registers again it is measured anew."""
         self.control.mark_lost(stage)
         self.profiles = without_stage(self.profiles, stage.name)
+        self.measured_links = {pair: link for pair, link in self.measured_links.items() if stage.name not in pair}
 
     def recover(self, lost: StageLost, should_stop=lambda: False, report=lambda *a, **k: None) -> Placement | None:
         """Re-plan over the stages still alive (spares and stages that registered since included),
@@ -322,6 +361,7 @@ class Broker:
         self._forget(lost.stage)
         self.counts.stages_lost += 1
         waiting_for: str | None = None
+        timed_before = self.links_timed
         while not should_stop():
             candidates = [s for s in self.control.live_stages() if s.state is not StageState.FAILED]
             try:
@@ -339,6 +379,8 @@ class Broker:
             try:
                 self._assign(placement)
                 self.counts.replans_lost += 1
+                if self.links_timed > timed_before:  # a stage joined: its links were timed for this plan
+                    report("links", self.link_matrix_report())
                 return self.placement
             except StageLost as again:
                 self._forget(again.stage)

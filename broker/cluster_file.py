@@ -181,7 +181,9 @@ def host_links(data: dict, hosts: dict[str, str], source: str, known: set[str] |
         if key in between:
             raise ClusterFileError(f"{where}: a second link between {pair[0]} and {pair[1]}: give each pair once")
         between[key] = _link(entry, "bandwidth", "latency_ms", where, default)
-    return HostLinks(hosts, between, default, within)
+    return HostLinks(hosts, between, default, within,
+                     default_given=bool({"bandwidth", "latency_ms"} & set(table)),
+                     within_given=bool({"host_bandwidth", "host_latency_ms"} & set(table)))
 
 
 def link_entry(bandwidth_bytes_per_s: float, latency_s: float, hosts: tuple[str, str] = ("HOST_A", "HOST_B")) -> str:

@@ -220,7 +220,8 @@ class ControlPlane:
         elif kind == protocol.BYE:
             stage.state = StageState.GONE
             return [ControlEvent("bye", stage.name, header)]
-        elif kind in (protocol.PROFILE_RESULT, protocol.PROBE_ECHO):  # read by broker.profiling
+        elif kind in (protocol.PROFILE_RESULT, protocol.PROBE_ECHO,  # read by broker.profiling
+                      protocol.LINK_PROBE_RESULT, protocol.LINK_ADMITTED):  # and broker.link_probing
             return [ControlEvent(kind, stage.name, header)]
         return []
 

@@ -3,7 +3,7 @@ memory unused (`--explain`), and predicted against measured step times once a jo
 
 from __future__ import annotations
 
-from layerbus.broker.network import BROKER
+from layerbus.broker.network import BROKER, LinkMatrix
 from layerbus.broker.placement import Plan, SplitEstimate, StagePlacement
 from layerbus.wire.spans import format_chain
 
@@ -94,7 +94,7 @@ def format_links(plan: Plan) -> list[str]:
             where = f"within {stage.host}" if stage.host and stage.host == after.host else "crosses hosts"
             lines.append(f"  {stage.name}{_at(stage.host)} -> {after.name}{_at(after.host)}: {where}, "
                          f"{rate(stage.link_bandwidth)}, {1000 * stage.send_s:.2f} ms/step sending, "
-                         f"latency {1000 * stage.latency_s:.2f} ms")
+                         f"latency {1000 * stage.latency_s:.2f} ms{_source(network, stage.name, after.name)}")
         else:
             lines.append(f"  {stage.name}{_at(stage.host)} -> broker{_at(broker)}: token ids, latency "
                          f"{1000 * stage.latency_s:.2f} ms")
@@ -110,6 +110,23 @@ def format_links(plan: Plan) -> list[str]:
     return lines
 
 
+def format_link_matrix(matrix: LinkMatrix, names: list[str]) -> str:
+    """Every ordered pair of `names` (and the broker's links) with its bandwidth, round trip and where
+    the figures came from, for the job's events and the log."""
+    lines = [f"links between {len(names)} stages (sender -> receiver: bandwidth, round trip, source):"]
+    for sender in [BROKER, *names]:
+        for receiver in [*names, BROKER]:
+            link = matrix.link(sender, receiver)
+            if sender == receiver or link is None:
+                continue
+            lines.append(f"  {sender}{_at(matrix.host(sender))} -> {receiver}{_at(matrix.host(receiver))}: "
+                         f"{rate(link.bandwidth)}, round trip {2000 * link.latency_s:.2f} ms ({matrix.source(sender, receiver)})")
+    missing = [f"{a} -> {b}" for a in names for b in names if a != b and matrix.link(a, b) is None]
+    if missing:
+        lines.append(f"  not timed, priced by the sender's own link: {', '.join(missing)}")
+    return "\n".join(lines)
+
+
 def rate(bytes_per_s: float) -> str:
     """Bytes/s as people write link speeds: "125.0 MB/s (1000 Mbit/s)"; inf as unlimited."""
     if bytes_per_s == float("inf"):
@@ -118,6 +135,12 @@ def rate(bytes_per_s: float) -> str:
         if bytes_per_s >= scale:
             return f"{bytes_per_s / scale:.1f} {unit} ({bytes_per_s * 8 / 1e6:g} Mbit/s)"
     return f"{bytes_per_s:.0f} B/s"
+
+
+def _source(network: LinkMatrix | None, sender: str, receiver: str) -> str:
+    """" (measured)", " (network file)", ...: where a live matrix's figure came from; "" for a cluster file's."""
+    source = network.source(sender, receiver) if network is not None else ""
+    return f" ({source})" if source else ""
 
 
 def _at(host: str) -> str:

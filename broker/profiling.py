@@ -4,8 +4,8 @@ link with echoed probes, and turn the answers into `StageProfile`s for the plann
 Stages are profiled one after another, not at once: stages sharing a machine would otherwise slow
 each other down and each would measure a device busier than it will be. A stage's link is timed
 between the broker and the stage (a probe of one step's activations against an empty one); that
-stands in for its link to the next stage, which is exact on one machine or one switch and an
-approximation across a routed network. CPU stages sharing a machine are then probed for what sharing
+prices the links between it and the broker, and stands in for its link to the next stage where the
+stages could not time that one themselves (broker.link_probing). CPU stages sharing a machine are then probed for what sharing
 costs them (`measure_sharing`); those factors are cached beside the stages' profiles.
 """
 

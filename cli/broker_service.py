@@ -20,6 +20,7 @@ from layerbus.cli.options import (
     add_model,
     add_verbose,
     model_for_stages,
+    link_probe_from_args,
     wire_from_args,
     open_store,
     leases_from_args,
@@ -112,7 +113,8 @@ def main(args: argparse.Namespace) -> int:
                           results_bind=results_bind, advertise_host=args.advertise, partition=args.partition,
                           batching=batching_from_args(args), pipeline=pipeline_from_args(args),
                           **wire_from_args(args), weights=args.weights,
-                          register_timeout_s=args.register_timeout, trace=args.trace, network=network)
+                          register_timeout_s=args.register_timeout, trace=args.trace, network=network,
+                          link_probe=link_probe_from_args(args))
     with open_store(args.db) as store:
         if args.job:
             store.job_status(args.job)  # StoreError names a job that does not exist

@@ -104,6 +104,12 @@ def add_cluster_options(parser: argparse.ArgumentParser, partition: bool = True)
         parser.add_argument("--partition", choices=("planned", "balanced", "equal"), default="planned",
                             help="planned: the stages profile themselves and layers follow their speed and memory "
                                  "(see `layerbus plan`); balanced: by FLOPs; equal: by count (default: planned)")
+        parser.add_argument("--no-link-probe", action="store_true",
+                            help="planned: do not have the stages time the links between them when they register "
+                                 "(each stage's link to the broker then prices its sends; a --network file still counts)")
+        parser.add_argument("--link-probe-seconds", metavar="S", type=positive_float, default=0.05,
+                            help="planned: each link between two stages is timed with bursts of step-sized messages "
+                                 "that grow until one lasts S seconds (default: 0.05; longer on slow or shaped links)")
     parser.add_argument("--liveness-window", metavar="S", type=positive_float, default=5.0,
                         help="a stage silent this many seconds is lost: the broker re-plans without it and the "
                              "job goes on (default: 5; stages heartbeat every 0.5 s, even mid-step)")
@@ -227,6 +233,14 @@ def wire_from_args(args: argparse.Namespace) -> dict:
     auto = AutoWireInputs(quality_table=args.wire_quality,
                           link_bandwidth=tuple(mbps * 1e6 / 8 for mbps in args.link_mbps))
     return {"wire": args.wire, "wire_auto": auto}
+
+
+def link_probe_from_args(args: argparse.Namespace):
+    """BrokerConfig's link_probe from --no-link-probe and --link-probe-seconds (defaults where a command has none)."""
+    from layerbus.broker.link_probing import LinkProbeConfig
+
+    return LinkProbeConfig(enabled=not getattr(args, "no_link_probe", False),
+                           burst_s=getattr(args, "link_probe_seconds", LinkProbeConfig.burst_s))
 
 
 def batching_from_args(args: argparse.Namespace):

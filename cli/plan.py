@@ -84,7 +84,7 @@ def main(args: argparse.Namespace) -> int:
         profiles, network = cluster.profiles, cluster.network
     else:
         count = args.stages
-        profiles = _local_profiles(model_dir, memory, batching, args)
+        profiles, network = _local_profiles(model_dir, memory, batching, args)
     # Sizes left at 0 are chosen from the profiles, as the broker chooses them (no job: no item cap).
     sizing, plan = choose_by_plan(
         batching, count, profiles, memory,
@@ -141,7 +141,10 @@ def _local_profiles(model_dir, memory, batching, args):
         profiles = collect_profiles(broker.control, stages, str(model_dir), memory,
                                     broker.batching.micro_batch_size, broker.batching.max_step_tokens,
                                     broker.max_context)
-        return profiles
+        # The links between the stages, as a broker times them (`--explain` says each figure is measured).
+        broker.profiles = tuple(profiles)
+        broker.time_links(stages)
+        return profiles, broker.link_matrix(stages)
     finally:
         cluster.close()
 

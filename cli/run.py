@@ -18,6 +18,7 @@ from layerbus.cli.options import (
     add_job_options,
     add_verbose,
     model_for_stages,
+    link_probe_from_args,
     wire_from_args,
     non_negative_int,
     open_store,
@@ -118,7 +119,8 @@ def run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.Na
                            max_step_tokens=batching.max_step_tokens or 256)
     config = BrokerConfig(str(model_dir), args.stages, partition=args.partition,
                           batching=batching, pipeline=pipeline_from_args(args),
-                          workload=workload, **wire_from_args(args), weights=args.weights, trace=trace)
+                          workload=workload, **wire_from_args(args), weights=args.weights, trace=trace,
+                          link_probe=link_probe_from_args(args))
     options = LocalStageOptions(threads_per_stage=args.threads_per_stage, log_dir=log_dir)
     print(f"layerbus: running {job_id} on {args.stages} local stage(s); stage logs in {log_dir}", file=sys.stderr)
     if metrics is not None:

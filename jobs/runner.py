@@ -236,6 +236,10 @@ def run_job(store: JobStore, job_id: str, broker: Runner, results_dir: Path, pro
     describe = getattr(broker, "placement_summary", None)
     if callable(describe) and status.status != "finalizing":
         store.add_job_event(job_id, "placed", describe())
+        links = getattr(broker, "link_matrix_report", None)
+        report = links() if callable(links) else ""
+        if report:  # the links the plan priced: measured between the stages, or from a network file
+            store.add_job_event(job_id, "links", report)
     try:
         if status.status != "finalizing":  # stopped while writing its results: only that is left to do
             with LeaseKeeper(store, job_id, worker_name, leases), \

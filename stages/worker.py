@@ -30,13 +30,15 @@ from layerbus.stages.forward import run_step
 from layerbus.stages.heartbeat import HeartbeatThread, busy_for
 from layerbus.stages.host import check_device, current_rss_bytes, device_memory_bytes, peak_rss_bytes, reset_peak_rss
 from layerbus.stages.kv_cache import KVArena
+from layerbus.stages.peer_links import PeerProbeRequest, PeerProber, is_link_probe, proven_key
 from layerbus.stages.sampling import last_stage_outputs
 from layerbus.stages.shard import ShardSpec, StageShard, load_shard
 from layerbus.stages.step_validation import StepExpectations, validate_step
 from layerbus.stages.tracing import StageTracer, untraced_flush
 from layerbus.wire import codecs, protocol
-from layerbus.wire.curve import CurveGate, StageKeys, handshake_failure, secure_client, watch_handshakes
+from layerbus.wire.curve import CurveGate, StageKeys, handshake_failure, secure_client, secure_server, watch_handshakes
 from layerbus.wire.frames import DEFAULT_MAX_MESSAGE_BYTES, Message, WireError, decode, encode
+from layerbus.wire.link_probe import EchoPeer
 from layerbus.wire.protocol import StepRow
 from layerbus.wire.spans import LayerRange
 from layerbus.wire.weight_formats import choose_weights
@@ -133,6 +135,9 @@ class StageWorker:
         if self.gate is not None:
             self.gate.guard(self.data_in)
         self.refusals_seen: set[str] = set()
+        self.data_port_keys: list[bytes] = []  # secured: the client keys the last assignment admitted (its hop before)
+        # Other stages' link probes arriving on the data port are answered here (stages/peer_links.py).
+        self.echo_peer = EchoPeer(self.context, secure_reply=self._secure_answer if self.gate is not None else None)
         self.data_out: zmq.Socket | None = None  # connected at the first send after an assignment
         self.next_hop: tuple[str, str | None] | None = None  # (address, CURVE server key) of the next hop
         self.busy_since: float | None = None  # when the running step or load began (None: idle)
@@ -153,6 +158,8 @@ class StageWorker:
         data_address = self.config.advertise or self.data_in.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.control.connect(self.config.broker)
         self.data_address = data_address
+        self.prober = PeerProber(self.context, self.data_in.getsockopt(zmq.LAST_ENDPOINT).decode(), data_address,
+                                 *((self._secure_peer, self._secure_answers) if self.gate is not None else ()))
         # What this process holds before any weight: interpreter, torch, libraries, sockets. A
         # --memory-budget counts it (stages/profile.py memory_figures), as the process's VmHWM does.
         self.runtime_bytes = current_rss_bytes()
@@ -179,6 +186,7 @@ class StageWorker:
                                         flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             pass
+        self.echo_peer.close()
         if self.gate is not None:
             self.gate.close()
         self.context.destroy(linger=0)
@@ -299,6 +307,10 @@ class StageWorker:
                 self._send_control(protocol.PROFILE_RESULT, **self._profile(message.header))
             elif message.kind == protocol.PROBE:
                 self._send_control(protocol.PROBE_ECHO, seq=message.header.get("seq"))
+            elif message.kind == protocol.LINK_ADMIT:
+                self._link_admit(message.header)
+            elif message.kind == protocol.LINK_PROBE:
+                self._send_control(protocol.LINK_PROBE_RESULT, **self._link_probe(message.header))
             elif message.kind == protocol.SHUTDOWN:
                 log.info("stage %s: shutdown requested by the broker", self.name)
                 self.stopping = True
@@ -379,8 +391,41 @@ class StageWorker:
         if any(len(key) != 40 for key in keys):
             raise WireError(f"assign's next_key and prev_key must be 40-character Z85 CURVE keys, got "
                             f"{header['next_key']!r:.50} and {header['prev_key']!r:.50}")
-        self.gate.admit([keys[1]])
+        self.data_port_keys = [keys[1]]
+        self.gate.admit(self.data_port_keys)
         return header["next_key"]
+
+    # -- link probes (stages/peer_links.py) ------------------------------------------------------
+    def _link_admit(self, header: dict) -> None:
+        """Secured: admit the probing stages' keys to the data port too, until the next assignment."""
+        keys = header.get("keys")
+        if self.gate is not None and isinstance(keys, list) and all(isinstance(k, str) and len(k) == 40 for k in keys):
+            self.gate.admit(self.data_port_keys + [key.encode() for key in keys])
+        self._send_control(protocol.LINK_ADMITTED)
+
+    def _link_probe(self, header: dict) -> dict:
+        try:
+            request = PeerProbeRequest.from_header(header)
+        except WireError as error:
+            log.error("stage %s: bad link_probe request: %s", self.name, error)
+            return {"error": str(error)}
+        links = self.prober.probe(request)
+        for link in links:
+            if "error" in link:
+                log.warning("stage %s: could not time the link to %s: %s", self.name, link["peer"], link["error"])
+        return {"links": links}
+
+    def _secure_peer(self, socket: zmq.Socket, peer_key: bytes) -> None:
+        secure_client(socket, self.config.keys.keypair, peer_key)
+
+    def _secure_answers(self, socket: zmq.Socket) -> None:
+        secure_server(socket, self.config.keys.keypair)
+
+    def _secure_answer(self, socket: zmq.Socket, probe_frame) -> None:
+        """A probe's answers go back as a CURVE client of the key the probe's handshake proved."""
+        key = proven_key(probe_frame)
+        if key is not None:
+            secure_client(socket, self.config.keys.keypair, key)
 
     def _next_hop(self, address: str, key: str | None) -> None:
         """Send to this hop from now on. The socket connects at the first send: steps come only once every
@@ -407,6 +452,9 @@ class StageWorker:
     # -- data plane -----------------------------------------------------------------------------
     def _serve_one(self) -> None:
         frames = self.data_in.recv_multipart(copy=False)
+        if is_link_probe(frames):  # another stage timing its link to this one: not a step
+            self.echo_peer.handle(frames)
+            return
         started = self.busy_since = time.monotonic()
         self.stats.bytes_in += sum(memoryview(frame).nbytes for frame in frames[1:])
         try:

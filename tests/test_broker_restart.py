@@ -118,5 +118,6 @@ def test_kill_9_of_the_broker_then_resume_gives_the_unfaulted_outputs(tmp_path, 
     assert outputs(status["results_path"]) == expected
     assert watcher.reads > 0 and watcher.errors == []
     with JobStore.open(db) as store:
-        # The killed run and the resumed one each record where the layers went; the second one resumed.
-        assert [event.kind for event in store.job_events(job_id)] == ["placed", "resumed", "placed"]
+        # The killed run and the resumed one each record where the layers went and the links their stages
+        # timed; the second one resumed.
+        assert [event.kind for event in store.job_events(job_id)] == ["placed", "links", "resumed", "placed", "links"]

@@ -191,9 +191,13 @@ class EchoPeer:
     """Answers probes arriving on a PULL socket: echoes at once, counts bursts, acknowledges their
     last message. Reply sockets are opened on first use per answer address, at most `max_peers`."""
 
-    def __init__(self, context: zmq.Context, max_peers: int = 32):
+    def __init__(self, context: zmq.Context, max_peers: int = 32,
+                 secure_reply: Callable[[zmq.Socket, Any], None] | None = None):
         self.context = context
         self.max_peers = max_peers
+        # Secured (a stage's data port): makes an answer socket, before it connects, a CURVE client of the
+        # prober, given the probe's first frame (whose handshake proved the prober's key).
+        self.secure_reply = secure_reply
         self.replies: OrderedDict[str, zmq.Socket] = OrderedDict()
         self.counts: dict[str, tuple[int, int, int]] = {}  # reply -> (burst, messages, bytes) of its current burst
 
@@ -208,7 +212,7 @@ class EchoPeer:
             return
         kind = header["kind"]
         if kind == ECHO:
-            self._answer(reply, header_frame(ECHO, seq=header.get("seq")))
+            self._answer(reply, header_frame(ECHO, seq=header.get("seq")), frames[0])
         elif kind == DATA:
             burst, messages, received = self.counts.get(reply, (None, 0, 0))
             if header.get("burst") != burst:
@@ -216,7 +220,7 @@ class EchoPeer:
             messages, received = messages + 1, received + sum(len(frame) for frame in frames)
             self.counts[reply] = (burst, messages, received)
             if header.get("last") is True:
-                self._answer(reply, header_frame(RECEIVED, burst=burst, messages=messages, bytes=received))
+                self._answer(reply, header_frame(RECEIVED, burst=burst, messages=messages, bytes=received), frames[0])
                 del self.counts[reply]
         elif kind == BYE:
             self.counts.pop(reply, None)
@@ -226,13 +230,15 @@ class EchoPeer:
         else:
             log.warning("probe of unknown kind %r ignored", kind)
 
-    def _answer(self, reply: str, header: bytes) -> None:
+    def _answer(self, reply: str, header: bytes, probe_frame: Any = None) -> None:
         socket = self.replies.get(reply)
         if socket is None:
             if len(self.replies) >= self.max_peers:  # a prober that left without a goodbye
                 _, oldest = self.replies.popitem(last=False)
                 oldest.close(linger=0)
             socket = self.replies[reply] = self.context.socket(zmq.PUSH)
+            if self.secure_reply is not None:
+                self.secure_reply(socket, probe_frame)
             socket.connect(reply)
         self.replies.move_to_end(reply)
         try:

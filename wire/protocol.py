@@ -22,6 +22,9 @@ Control plane (DEALER at each stage, ROUTER at the broker), headers only:
                    profile_result {layer_decode_s, layer_prefill_s, embed_s, head_s, step_overhead_s,
                    memory_budget, micro_batch_size, prefill_tokens, cached} or {error}
                    probe_echo {seq}
+                   link_admitted {} (the answer to link_admit)
+                   link_probe_result {links: [{peer, round_trip_s, bytes_per_s, bursts, burst_s} or
+                   {peer, error}, ...]} or {error}
                    trace {trace: {sent_us, down_min_us, dropped, chunk?, records?, final, chunks}, stats}
                    (the answer to trace_flush)
   broker -> stage: assign {epoch, model_dir, layers, is_first, is_last, next_address, num_slots,
@@ -34,7 +37,14 @@ Control plane (DEALER at each stage, ROUTER at the broker), headers only:
                    reset {} (you were presumed dead: drop your span and register again)
                    profile {model_dir, micro_batch_size, kv_length, prefill_tokens}
                    probe {seq} + tensor "payload" (link probe: echoed at once)
+                   link_admit {keys} (secured: the data port admits these stage keys too, until the next
+                   assign, so that they can probe it)
+                   link_probe {peers: [{name, address, key?}], step_bytes, rows, echoes, burst_s,
+                   connect_timeout_s} (time the link to each peer: stages/peer_links.py)
                    trace_flush {id} (ship every step record left, then say so with `final: id`)
+
+Link probes (wire/link_probe.py's netprobe_* kinds) travel on the data plane between stages: a stage
+answers them on its data port and never takes them for steps.
 
 Tracing (`--trace`) adds only optional fields and the trace/trace_flush pair: a stage that traces puts
 `trace: {sent_us, down_min_us, dropped, chunk?, records?}` in its heartbeats, and the broker's
@@ -53,6 +63,9 @@ REGISTER, ASSIGN, READY, HEARTBEAT, FAILURE, REJECTED, SHUTDOWN, BYE, RESET = (
     "register", "assign", "ready", "heartbeat", "failure", "rejected", "shutdown", "bye", "reset")
 # Placement: the broker asks each stage to measure itself, and times its link with echoed probes.
 PROFILE, PROFILE_RESULT, PROBE, PROBE_ECHO = "profile", "profile_result", "probe", "probe_echo"
+# The link matrix (issue 21): the broker has each stage time its links to the others (stages/peer_links.py).
+LINK_ADMIT, LINK_ADMITTED, LINK_PROBE, LINK_PROBE_RESULT = (
+    "link_admit", "link_admitted", "link_probe", "link_probe_result")
 # Tracing: the broker asks for the step records a stage has not shipped yet; they come back as TRACE.
 TRACE_FLUSH, TRACE = "trace_flush", "trace"
 # Data-plane kinds.
