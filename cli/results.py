@@ -1,13 +1,16 @@
-"""`layerbus results`: where a job's Parquet file is, and optionally its first rows as a table."""
+"""`layerbus results`: where a job's Parquet file is, and optionally its first rows as a table; with
+--format openai, the job's OpenAI Batch output and error files (JSON Lines) read from the store."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from layerbus.cli.errors import EXIT_OK, RunFailed
+from layerbus.cli.errors import EXIT_OK, RunFailed, UsageError
 from layerbus.cli.options import add_db, add_verbose, non_negative_int, open_store
 
 if TYPE_CHECKING:
@@ -23,6 +26,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                                "with --head N, also its first N rows.")
     parser.add_argument("job", metavar="JOB", help="job id (job_...)")
     parser.add_argument("--head", metavar="N", type=non_negative_int, default=0, help="show the first N rows")
+    parser.add_argument("--format", choices=("parquet", "openai"), default="parquet",
+                        help="parquet (default): print the Parquet file's path; openai: write the OpenAI Batch "
+                             "output JSONL (completed items) and error JSONL (failed and cancelled items)")
+    parser.add_argument("--output", metavar="FILE", default="-",
+                        help="with --format openai: where the output JSONL goes (default: standard output)")
+    parser.add_argument("--errors", metavar="FILE", default=None,
+                        help="with --format openai: where the error JSONL goes (default: not written, only counted)")
     add_db(parser)
     add_verbose(parser)
     parser.set_defaults(handler=main)
@@ -34,6 +44,11 @@ def main(args: argparse.Namespace) -> int:
         done = status.completed + status.failed + status.cancelled
         raise RunFailed(f"job {status.job_id} is {status.status} ({done} of {status.total} items finished) and has "
                         f"no results file yet; wait with `layerbus status {status.job_id} --watch`")
+    if args.format == "openai":
+        return write_openai(args, status)
+    if args.output != "-" or args.errors is not None:
+        raise UsageError("--output and --errors go with --format openai; the Parquet file is at the path printed "
+                         "without them")
     path = Path(status.results_path)
     if not path.is_file():
         raise RunFailed(f"job {status.job_id}'s results file {path} is gone (moved or deleted?)")
@@ -54,6 +69,59 @@ def _job_status(url: str | None, job_id: str) -> JobStatus:
         return status
     with open_store(url) as store:
         return store.job_status(job_id)
+
+
+def write_openai(args: argparse.Namespace, status: JobStatus) -> int:
+    """Stream the job's items from the store (the record of what is done) into the OpenAI files, in
+    submission order. Each file is written under a temporary name and renamed once whole."""
+    from layerbus.jobs.openai_output import OutputJob, join_by_seq, write_openai_files
+
+    if args.head:
+        raise UsageError("--head shows Parquet rows; with --format openai, read the output file (or `| head`)")
+    finished = next((status.timestamps.get(f"{state}_at") for state in ("completed", "failed", "cancelled")
+                     if status.timestamps.get(f"{state}_at") is not None), status.timestamps.get("created_at"))
+    job = OutputJob(job_id=status.job_id, model=status.model, created=int(finished.timestamp()) if finished else 0)
+    with open_store(args.db) as store, _WholeFile(args.output) as output, _WholeFile(args.errors) as errors:
+        items = join_by_seq(store.item_results(status.job_id), store.job_items(status.job_id))
+        counts = write_openai_files(job, items, output, errors)
+    where = "" if args.errors else " (not written: give --errors FILE)"
+    print(f"layerbus: {counts.output} completed item(s) to {_shown(args.output)}, {counts.errors} failed or "
+          f"cancelled item(s) to {_shown(args.errors)}{where}", file=sys.stderr)
+    return EXIT_OK
+
+
+class _WholeFile:
+    """A text file written whole or not at all (FILE.tmp renamed into place on success); "-" is standard
+    output, None is no file."""
+
+    def __init__(self, name: str | None) -> None:
+        self.name = name
+        self._handle = None
+
+    def __enter__(self):  # type: ignore[no-untyped-def]
+        if self.name is None:
+            return None
+        if self.name == "-":
+            return sys.stdout
+        self._tmp = f"{self.name}.tmp"
+        try:
+            self._handle = open(self._tmp, "w", encoding="utf-8")
+        except OSError as error:
+            raise RunFailed(f"cannot write {self.name}: {error.strerror}; choose another path") from None
+        return self._handle
+
+    def __exit__(self, kind, value, traceback) -> None:  # type: ignore[no-untyped-def]
+        if self._handle is None:
+            return
+        self._handle.close()
+        if kind is None:
+            os.replace(self._tmp, self.name)
+        else:
+            os.unlink(self._tmp)
+
+
+def _shown(name: str | None) -> str:
+    return "standard output" if name == "-" else "nowhere" if name is None else name
 
 
 def head_table(path: Path, rows: int) -> str:

@@ -130,7 +130,7 @@ def _preparer(renderer: PromptRenderer, model_dir: Path,
             prompt = renderer.render(record)
         except ValueError as error:
             return str(error)
-        params = item_params(record.params, prompt.add_special_tokens)
+        params = item_params(record.params, prompt.add_special_tokens, record.endpoint)
         return NewItem(record.custom_id, input_text(record), prompt.text, params, record.line)
 
     return prepare

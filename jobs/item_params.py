@@ -11,9 +11,17 @@ ADD_SPECIAL_TOKENS_KEY = "add_special_tokens"
 PROMPT_IDS_KEY = "prompt_ids"
 
 
-def item_params(overrides: dict[str, Any], add_special_tokens: bool) -> dict[str, Any]:
-    """An item's stored params: the user's overrides plus what the job runner needs to rebuild the request.
+# The OpenAI endpoint the input line named, kept so the OpenAI-form output answers in that endpoint's form.
+ENDPOINT_KEY = "endpoint"
+
+
+def item_params(overrides: dict[str, Any], add_special_tokens: bool, endpoint: str | None = None) -> dict[str, Any]:
+    """An item's stored params: the user's overrides plus what the job runner needs to rebuild the request,
+    and the OpenAI endpoint its line named (when it was an OpenAI batch line).
 
     The item's position is not among them: it is the items.seq column (stores made by an older
     layerbus also have it here as "seq", which nothing reads)."""
-    return {**overrides, ADD_SPECIAL_TOKENS_KEY: add_special_tokens}
+    params = {**overrides, ADD_SPECIAL_TOKENS_KEY: add_special_tokens}
+    if endpoint is not None:
+        params[ENDPOINT_KEY] = endpoint
+    return params

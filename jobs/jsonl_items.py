@@ -134,6 +134,8 @@ def _openai_item(item: dict, task: str, source: str, line: int) -> Checked:
     record, record_reasons = make_record(task, custom_id, content, params, source, line)
     if record is not None and isinstance(model, str) and model.strip():
         record = replace(record, model=model.strip())
+    if record is not None:
+        record = replace(record, endpoint=url)
     return custom_id, record, reasons + record_reasons
 
 

@@ -33,6 +33,9 @@ class InputRecord:
     # The model an OpenAI batch line names (body.model); None where the input does not say. A job runs
     # one model: submit refuses a line naming another (models.model_names).
     model: str | None = None
+    # The endpoint an OpenAI batch line asked for ("/v1/chat/completions" or "/v1/completions"); None for
+    # other inputs. `layerbus results --format openai` answers each line in its endpoint's form.
+    endpoint: str | None = None
 
 
 @dataclass(frozen=True)

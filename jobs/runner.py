@@ -363,17 +363,28 @@ def _hand_back(store: JobStore, sink: StoreSink, source: StoreSource) -> None:
 def _finish(store: JobStore, job_id: str, writer: ResultWriter, settings: JobSettings) -> JobStatus:
     status = store.job_status(job_id)
     if status.status == "in_progress" and status.queued == 0 and status.in_progress == 0:
-        # A job whose items all failed is still completed, as in the OpenAI Batch API.
         _try_set_status(store, job_id, "finalizing")
         status = store.job_status(job_id)
     if status.status == "finalizing":  # finalize() may run again after an interrupted one: it loses nothing
         _write_results(store, job_id, writer, settings)
-        store.set_job_status(job_id, "completed")
+        failure = all_failed_message(store.job_status(job_id))
+        # OpenAI's Batch API calls a batch whose every request failed "completed"; users read that as
+        # done (kaapi-backend #723), so such a job ends failed, its results file (the errors) still written.
+        store.set_job_status(job_id, "failed" if failure else "completed", error=failure)
         status = store.job_status(job_id)
     if status.status == "cancelled" and status.results_path is None:
         _write_results(store, job_id, writer, settings)  # the outputs that finished before the cancel
         status = store.job_status(job_id)
     return status
+
+
+def all_failed_message(status: JobStatus) -> str | None:
+    """Why a finished job counts as failed: every one of its items failed; None when any succeeded
+    (or was cancelled: a cancel is the user's choice, not a failure)."""
+    if status.total == 0 or status.failed != status.total:
+        return None
+    return (f"every item failed ({status.failed} of {status.total}); each item's reason is in the error column "
+            f"of the results file, or `layerbus results {status.job_id} --format openai --errors FILE`")
 
 
 def _write_results(store: JobStore, job_id: str, writer: ResultWriter, settings: JobSettings) -> Path:

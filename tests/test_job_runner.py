@@ -248,18 +248,51 @@ def test_a_crash_fails_the_job_and_keeps_finished_outputs(store, tokenizer, tmp_
     assert sum(read_results(p).num_rows for p in parts) == 6
 
 
-def test_a_job_whose_items_all_failed_is_completed(store, tokenizer, tmp_path):
+class FailingBroker(ScriptedBroker):
+    """Answers every request whose index (in claim order) is in `failing` with an error, the rest as usual."""
+
+    def __init__(self, tokenizer, failing=None):
+        super().__init__(tokenizer)
+        self.failing, self._seen = failing, 0
+
+    def run(self, source, sink, should_stop, events=None):
+        while not source.exhausted:
+            results = []
+            for request in source.fetch(2):
+                fails = self.failing is None or self._seen in self.failing
+                results.append(GenerationResult(request.request_id, [], "error", len(request.prompt_ids),
+                                                error="too long") if fails else answer(request, self._tokenizer))
+                self._seen += 1
+            sink.deliver(results)
+
+
+def test_a_job_whose_items_all_failed_finishes_failed_and_says_so(store, tokenizer, tmp_path):
+    # Issue 16 (kaapi-backend #723): OpenAI calls such a batch "completed"; here it must not look done.
     job_id = queue_job(store, 3)
 
-    class FailingBroker(ScriptedBroker):
-        def run(self, source, sink, should_stop, events=None):
-            while not source.exhausted:
-                sink.deliver([GenerationResult(r.request_id, [], "error", len(r.prompt_ids), error="too long")
-                              for r in source.fetch(2)])
+    status = run_job(store, job_id, FailingBroker(tokenizer), tmp_path, poll_cancel_s=0)
+
+    assert (status.status, status.failed, status.completed) == ("failed", 3, 0)
+    assert "every item failed (3 of 3)" in status.error and status.timestamps["failed_at"] is not None
+    assert status.results_path is not None, "the errors are still written out"
+    assert all(r["error"] == "too long" and r["output"] is None for r in final_rows(status.results_path))
+
+
+def test_a_job_with_items_refused_at_submit_and_the_rest_failed_finishes_failed(store, tokenizer, tmp_path):
+    job_id = queue_job(store, 2, invalid=1)
 
     status = run_job(store, job_id, FailingBroker(tokenizer), tmp_path, poll_cancel_s=0)
-    assert (status.status, status.failed, status.completed) == ("completed", 3, 0)
-    assert all(r["error"] == "too long" and r["output"] is None for r in final_rows(status.results_path))
+
+    assert (status.status, status.failed, status.total) == ("failed", 3, 3)
+    assert "every item failed (3 of 3)" in status.error
+
+
+def test_a_job_with_some_failed_items_stays_completed(store, tokenizer, tmp_path):
+    job_id = queue_job(store, 4)
+
+    status = run_job(store, job_id, FailingBroker(tokenizer, failing={1}), tmp_path, poll_cancel_s=0)
+
+    assert (status.status, status.failed, status.completed) == ("completed", 1, 3) and status.error is None
 
 
 def test_finished_jobs_are_left_alone(store, tokenizer, tmp_path):

@@ -1,0 +1,113 @@
+"""The OpenAI Batch output and error lines of a job read back from a real store (a SQLite file, and a real
+PostgreSQL database): completed, failed while running, refused at submit and cancelled items, each in its
+file, in submission order, every custom_id exactly once, and the lines valid against OpenAI's shapes."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from layerbus.jobs.item_params import item_params
+from layerbus.jobs.openai_output import (CANCELLED_CODE, FAILED_CODE, REFUSED_CODE, OutputJob, join_by_seq,
+                                         output_line, write_openai_files)
+from layerbus.storage import InvalidItem, ItemResult, JobSettings, JobStore, NewItem
+from tests.openai_batch_schema import ERROR_LINE, OUTPUT_LINE, check_files
+
+SETTINGS = JobSettings(task="generate", model="tiny-model", max_new_tokens=8)
+JOB = OutputJob(job_id="job_0123456789ab", model="tiny-model", created=1_900_000_000)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def store(request: pytest.FixtureRequest, tmp_path: Path):
+    url = f"sqlite:///{tmp_path / 'store.db'}" if request.param == "sqlite" else request.getfixturevalue(
+        "postgres_fresh_url")
+    with JobStore.open(url) as opened:
+        yield opened
+
+
+def queue(store: JobStore) -> str:
+    """chat-1, text-2 and plain-3 (no endpoint: the simple form) complete; long-4 fails while running;
+    bad-5 was refused at submit; later-6 stays queued until the job is cancelled."""
+    endpoints = {"chat-1": "/v1/chat/completions", "text-2": "/v1/completions", "plain-3": None, "long-4": None,
+                 "later-6": "/v1/chat/completions"}
+    seqs = {"chat-1": 1, "text-2": 2, "plain-3": 3, "long-4": 4, "later-6": 6}
+    items = [NewItem(cid, f"input of {cid}", f"prompt of {cid}", item_params({}, True, endpoint), seqs[cid])
+             for cid, endpoint in endpoints.items()]
+    return store.create_job(SETTINGS, items, [InvalidItem("bad-5", "{oops", "line 5: malformed JSON", seq=5)])
+
+
+def run_four(store: JobStore, job_id: str) -> None:
+    claimed = store.claim_items(job_id, "worker", limit=4)
+    assert [c.custom_id for c in claimed] == ["chat-1", "text-2", "plain-3", "long-4"]
+    results = [ItemResult(c.item_id, f"answer to {c.custom_id}", "stop" if i else "length", 5 + i, 3, 0.1)
+               for i, c in enumerate(claimed[:3])]
+    results.append(ItemResult(claimed[3].item_id, None, "error", 900, 0, 0.0, error="prompt is 900 tokens, over 128"))
+    store.complete_items(results)
+    store.cancel_job(job_id)
+
+
+def lines_of(store: JobStore, job_id: str) -> tuple[str, str]:
+    output, errors = io.StringIO(), io.StringIO()
+    counts = write_openai_files(JOB, join_by_seq(store.item_results(job_id), store.job_items(job_id)), output, errors)
+    assert (counts.output, counts.errors) == (3, 3)
+    return output.getvalue(), errors.getvalue()
+
+
+def test_each_item_lands_in_its_file_in_submission_order(store, tmp_path):
+    job_id = queue(store)
+    run_four(store, job_id)
+
+    output, errors = lines_of(store, job_id)
+    (tmp_path / "out.jsonl").write_text(output)
+    (tmp_path / "err.jsonl").write_text(errors)
+    done, failed = check_files(tmp_path / "out.jsonl", tmp_path / "err.jsonl")
+
+    assert [line["custom_id"] for line in done] == ["chat-1", "text-2", "plain-3"]
+    assert [line["custom_id"] for line in failed] == ["long-4", "bad-5", "later-6"]
+    chat, text, plain = (line["response"]["body"] for line in done)
+    assert (chat["object"], text["object"], plain["object"]) == ("chat.completion", "text_completion",
+                                                                 "chat.completion")
+    assert chat["choices"][0]["message"] == {"role": "assistant", "content": "answer to chat-1", "refusal": None}
+    assert chat["choices"][0]["finish_reason"] == "length" and text["choices"][0]["finish_reason"] == "stop"
+    assert text["choices"][0]["text"] == "answer to text-2"
+    assert chat["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert chat["model"] == "tiny-model" and chat["created"] == JOB.created
+    errors_by_id = {line["custom_id"]: line["error"] for line in failed}
+    assert errors_by_id["long-4"] == {"code": FAILED_CODE, "message": "prompt is 900 tokens, over 128"}
+    assert errors_by_id["bad-5"] == {"code": REFUSED_CODE, "message": "line 5: malformed JSON"}
+    assert errors_by_id["later-6"]["code"] == CANCELLED_CODE
+
+
+def test_the_files_are_the_same_bytes_when_written_again(store):
+    job_id = queue(store)
+    run_four(store, job_id)
+    assert lines_of(store, job_id) == lines_of(store, job_id)
+
+
+def test_the_schema_check_refuses_what_openai_would_not_write():
+    row = {"custom_id": "a", "seq": 1, "status": "completed", "output": "hi", "finish_reason": "stop",
+           "prompt_tokens": 2, "completion_tokens": 1, "prompt": "p"}
+    _, line = output_line(JOB, row, {})
+    jsonschema.validate(line, OUTPUT_LINE)
+    broken = json.loads(json.dumps(line))
+    broken["response"]["body"]["choices"][0]["finish_reason"] = "error"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, OUTPUT_LINE)
+    del broken["response"]["body"]["usage"]["total_tokens"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, OUTPUT_LINE)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(line, ERROR_LINE)
+
+
+def test_a_result_without_its_queued_item_is_named():
+    class Item:
+        seq, prompt, params = 1, "p", {}
+
+    rows = [{"custom_id": "a", "seq": 1}, {"custom_id": "ghost", "seq": 7}]
+    with pytest.raises(ValueError, match="'ghost' \\(seq 7\\)"):
+        list(join_by_seq(rows, [Item()]))
