@@ -23,7 +23,8 @@ HEAD_COLUMNS = ("custom_id", "status", "finish_reason", "completion_tokens", "ou
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("results", help="print the path of a job's Parquet results",
                                    description="Print the path of JOB's Parquet file (one row per custom_id); "
-                                               "with --head N, also its first N rows.")
+                                               "with --head N, also its first N rows. With --format openai, "
+                                               "write the job's OpenAI Batch output and error JSONL instead.")
     parser.add_argument("job", metavar="JOB", help="job id (job_...)")
     parser.add_argument("--head", metavar="N", type=non_negative_int, default=0, help="show the first N rows")
     parser.add_argument("--format", choices=("parquet", "openai"), default="parquet",
@@ -78,6 +79,8 @@ def write_openai(args: argparse.Namespace, status: JobStatus) -> int:
 
     if args.head:
         raise UsageError("--head shows Parquet rows; with --format openai, read the output file (or `| head`)")
+    if args.errors is not None and args.errors == args.output:
+        raise UsageError(f"--output and --errors both name {args.errors}: give the error lines a file of their own")
     finished = next((status.timestamps.get(f"{state}_at") for state in ("completed", "failed", "cancelled")
                      if status.timestamps.get(f"{state}_at") is not None), status.timestamps.get("created_at"))
     job = OutputJob(job_id=status.job_id, model=status.model, created=int(finished.timestamp()) if finished else 0)

@@ -73,6 +73,10 @@ def test_openai_files_of_a_finished_job(home, tmp_path, tiny):
     assert plain.returncode == 0 and plain.stdout.strip().endswith(".parquet"), "without --format: the path"
     misused = layerbus(home, "results", job_id, "--errors", errors, "--db", db)
     assert misused.returncode == 2 and "--format openai" in misused.stderr
+    one_file = layerbus(home, "results", job_id, "--format", "openai", "--output", output, "--errors", output,
+                        "--db", db)
+    assert one_file.returncode == 2 and "a file of their own" in one_file.stderr
+    assert check_files(output, errors)[0] == done, "a refused command leaves the files as they were"
 
 
 def test_a_job_whose_every_item_failed_ends_failed(home, tmp_path, tiny):
