@@ -10,6 +10,8 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
 
 from layerbus.jobs.item_params import item_params
 from layerbus.jobs.openai_output import (CANCELLED_CODE, FAILED_CODE, REFUSED_CODE, OutputJob, join_by_seq,
@@ -80,6 +82,23 @@ def test_each_item_lands_in_its_file_in_submission_order(store, tmp_path):
     assert errors_by_id["long-4"] == {"code": FAILED_CODE, "message": "prompt is 900 tokens, over 128"}
     assert errors_by_id["bad-5"] == {"code": REFUSED_CODE, "message": "line 5: malformed JSON"}
     assert errors_by_id["later-6"]["code"] == CANCELLED_CODE
+
+
+def test_the_bodies_round_trip_through_the_openai_package_types(store):
+    # Issue 16's "done when": the output parses as the `openai` package's own response types, and dumps back
+    # to the same JSON (a wrong literal, type or missing required field raises in model_validate).
+    job_id = queue(store)
+    run_four(store, job_id)
+    output, _ = lines_of(store, job_id)
+    bodies = [json.loads(line)["response"]["body"] for line in output.splitlines()]
+    types = {"chat.completion": ChatCompletion, "text_completion": Completion}
+
+    parsed = [types[body["object"]].model_validate(body) for body in bodies]
+
+    assert [type(p) for p in parsed] == [ChatCompletion, Completion, ChatCompletion]
+    assert [p.model_dump(mode="json", exclude_unset=True) for p in parsed] == bodies
+    assert parsed[0].choices[0].message.content == "answer to chat-1" and parsed[0].usage.total_tokens == 8
+    assert parsed[1].choices[0].text == "answer to text-2"
 
 
 def test_the_files_are_the_same_bytes_when_written_again(store):
