@@ -7,7 +7,7 @@ import argparse
 import os
 import shutil
 import sys
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import TYPE_CHECKING
 
 from layerbus.cli.errors import EXIT_OK, RunFailed, UsageError
@@ -83,7 +83,9 @@ def write_openai(args: argparse.Namespace, status: JobStatus) -> int:
         raise UsageError(f"--output and --errors both name {args.errors}: give the error lines a file of their own")
     finished = next((status.timestamps.get(f"{state}_at") for state in ("completed", "failed", "cancelled")
                      if status.timestamps.get(f"{state}_at") is not None), status.timestamps.get("created_at"))
-    job = OutputJob(job_id=status.job_id, model=status.model, created=int(finished.timestamp()) if finished else 0)
+    # The model's name, as OpenAI's bodies carry it: a job records its model's directory, a local path.
+    model = PurePath(status.model).name or status.model
+    job = OutputJob(job_id=status.job_id, model=model, created=int(finished.timestamp()) if finished else 0)
     with open_store(args.db) as store, _WholeFile(args.output) as output, _WholeFile(args.errors) as errors:
         items = join_by_seq(store.item_results(status.job_id), store.job_items(status.job_id))
         counts = write_openai_files(job, items, output, errors)

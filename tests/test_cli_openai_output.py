@@ -4,6 +4,8 @@ across the two; and a job whose every item failed ends failed, saying so, with i
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.openai_batch_schema import check_files
@@ -63,6 +65,7 @@ def test_openai_files_of_a_finished_job(home, tmp_path, tiny):
     assert {line["response"]["body"]["object"] for line in done[:3]} == {"chat.completion"}
     assert done[3]["response"]["body"]["object"] == "text_completion"
     assert all(1 <= line["response"]["body"]["usage"]["completion_tokens"] <= 4 for line in done)
+    assert {line["response"]["body"]["model"] for line in done} == {Path(tiny).name}, "the name, not a local path"
     errors_by_id = {line["custom_id"]: line["error"] for line in failed}
     assert "context" in errors_by_id["too-long"]["message"] and "body key(s) 'n'" in errors_by_id["refused"]["message"]
 
