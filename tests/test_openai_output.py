@@ -14,10 +14,13 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from layerbus.jobs.item_params import item_params
+from layerbus.jobs.runner import run_job
 from layerbus.jobs.openai_output import (CANCELLED_CODE, FAILED_CODE, REFUSED_CODE, OutputJob, join_by_seq,
                                          output_line, write_openai_files)
 from layerbus.storage import InvalidItem, ItemResult, JobSettings, JobStore, NewItem
+from tests.fixtures_jobs import tokenizer  # noqa: F401 - fixture
 from tests.openai_batch_schema import ERROR_LINE, OUTPUT_LINE, check_files
+from tests.test_job_runner import FailingBroker, queue_job
 
 SETTINGS = JobSettings(task="generate", model="tiny-model", max_new_tokens=8)
 JOB = OutputJob(job_id="job_0123456789ab", model="tiny-model", created=1_900_000_000)
@@ -130,3 +133,21 @@ def test_a_result_without_its_queued_item_is_named():
     rows = [{"custom_id": "a", "seq": 1}, {"custom_id": "ghost", "seq": 7}]
     with pytest.raises(ValueError, match="'ghost' \\(seq 7\\)"):
         list(join_by_seq(rows, [Item()]))
+
+
+def test_a_job_whose_every_item_failed_ends_failed_and_its_errors_are_all_in_the_error_file(store, tokenizer,
+                                                                                            tmp_path):
+    job_id = queue_job(store, 3, invalid=1)
+
+    status = run_job(store, job_id, FailingBroker(tokenizer), tmp_path, poll_cancel_s=0)
+
+    assert (status.status, status.failed, status.completed) == ("failed", 4, 0)
+    assert status.error.startswith("every item failed (4 of 4)") and job_id in status.error
+    output, errors = io.StringIO(), io.StringIO()
+    counts = write_openai_files(JOB, join_by_seq(store.item_results(job_id), store.job_items(job_id)), output, errors)
+    assert (counts.output, counts.errors, output.getvalue()) == (0, 4, "")
+    failed = [json.loads(line) for line in errors.getvalue().splitlines()]
+    assert [line["custom_id"] for line in failed] == ["doc-0", "doc-1", "doc-2", "bad-0"]
+    assert [line["error"]["code"] for line in failed] == [FAILED_CODE] * 3 + [REFUSED_CODE]
+    for line in failed:
+        jsonschema.validate(line, ERROR_LINE)
