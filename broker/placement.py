@@ -266,7 +266,7 @@ def plan_placement(stages: Sequence[StageProfile], model: ModelMemory, batching,
         raise PlacementError(_too_small_message(costs))
     if len(costs.windows) > 1 or costs.shared:
         chain, spans = _by_job_time(costs, options, chain, spans)
-    if network is None:  # with a network the order carries the topology: no tie goes to the given order
+    if network is None or _links_alike(network, names):  # else the order carries the topology: no tie
         chain = _given_order_if_close(costs, options, stages, chain, spans)
     chosen = costs.estimate(chain, spans)
     used = {s.name for s in chain}
@@ -279,6 +279,18 @@ def plan_placement(stages: Sequence[StageProfile], model: ModelMemory, batching,
         by_name = {s.name: s for s in stages}
         blind = costs.estimate([by_name[name] for name in ignoring.order], ignoring.spans)
     return Plan(chosen, tuple(n for n in names if n not in used), equal, shapes, options, job, network, search, blind)
+
+
+LINKS_ALIKE_RATIO = 2.0  # stage-to-stage bandwidths within this factor of each other: no topology to keep
+
+
+def _links_alike(network: LinkMatrix, names: Sequence[str]) -> bool:
+    """True when the links between these stages barely differ (local stages timing each other over
+    loopback: 4.9-5.3 Gbit/s here), so the chain's order carries no topology and a near tie may go to
+    the given (name) order, as without a network; False when some pair is much slower than another."""
+    bandwidths = [link.bandwidth for a in names for b in names if a != b
+                  for link in (network.link(a, b),) if link is not None]
+    return not bandwidths or max(bandwidths) <= LINKS_ALIKE_RATIO * min(bandwidths)
 
 
 def _given_order_if_close(costs: _CostModel, options: PlanOptions, stages: Sequence[StageProfile],
