@@ -28,6 +28,13 @@ import traceback
 
 PRELOAD = ("layerbus.stages.worker", "layerbus.stages.__main__")  # what `python -m layerbus.stages` imports
 
+def _resident_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
 
 def die_with_parent() -> None:
     """Ask Linux for SIGTERM when the parent dies (prctl PR_SET_PDEATHSIG); elsewhere nothing."""
@@ -51,6 +58,9 @@ def _child(request: dict, launcher_pid: int, launcher_fds: tuple[int, ...]) -> N
     """In the forked child: become the stage process `request` describes; never returns."""
     code = 1
     try:
+        from layerbus.stages import host
+
+        host.inherited_rss_bytes = _resident_bytes(launcher_pid)
         os.setsid()  # its own session, as the broker's Popen(start_new_session=True) gave it
         die_with_parent()
         if os.getppid() != launcher_pid:  # the launcher died between fork and prctl

@@ -28,7 +28,8 @@ from layerbus.models.attention_shape import attention_shape
 from layerbus.models.model_files import open_model_dir
 from layerbus.stages.forward import run_step
 from layerbus.stages.heartbeat import HeartbeatThread, busy_for
-from layerbus.stages.host import check_device, current_rss_bytes, device_memory_bytes, peak_rss_bytes, reset_peak_rss
+from layerbus.stages.host import (check_device, current_rss_bytes, device_memory_bytes, peak_rss_bytes, reset_peak_rss,
+                                  runtime_rss_bytes)
 from layerbus.stages.kv_cache import KVArena
 from layerbus.stages.peer_links import PeerProbeRequest, PeerProber, is_link_probe, proven_key
 from layerbus.stages.sampling import last_stage_outputs
@@ -161,8 +162,9 @@ class StageWorker:
         self.prober = PeerProber(self.context, self.data_in.getsockopt(zmq.LAST_ENDPOINT).decode(), data_address,
                                  *((self._secure_peer, self._secure_answers) if self.gate is not None else ()))
         # What this process holds before any weight: interpreter, torch, libraries, sockets. A
-        # --memory-budget counts it (stages/profile.py memory_figures), as the process's VmHWM does.
-        self.runtime_bytes = current_rss_bytes()
+        # --memory-budget counts it (stages/profile.py memory_figures), as the process's VmHWM does;
+        # a stage forked from the launcher counts what the launcher held (stages/launcher.py).
+        self.runtime_bytes = runtime_rss_bytes()
         self._register()
         self.heartbeats = HeartbeatThread(self.context, self.config.broker, self.name.encode(),
                                           self.config.heartbeat_interval_s, self._heartbeat_fields,
