@@ -1,10 +1,13 @@
 """Stopping long-running commands cleanly: the first SIGINT or SIGTERM raises `Interrupted` where the
-program is, so `finally` blocks requeue items and stop stages; later ones are ignored until that is done."""
+program is, so `finally` blocks requeue items and stop stages; later ones are ignored until that is done.
+One that lands inside a finalizer, where Python drops exceptions, is delivered again."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -35,10 +38,26 @@ def stop_on_signals() -> Iterator[None]:
             signal.signal(other, while_stopping)
         raise Interrupted(signum)
 
+    previous_hook = sys.unraisablehook
+
+    def redeliver(unraisable) -> None:
+        # The signal landed while a finalizer ran (a ZeroMQ frame's __dealloc__, say), where Python
+        # prints the exception and drops it: the command would go on as if never interrupted. Arm
+        # the handler again and send the signal once more from a thread, a moment later, when the
+        # finalizer is over (raised here, it would land in this hook and be dropped again).
+        if isinstance(unraisable.exc_value, Interrupted):
+            for other in handled:
+                signal.signal(other, first)
+            threading.Timer(0.05, os.kill, (os.getpid(), unraisable.exc_value.signum)).start()
+            return
+        previous_hook(unraisable)
+
     for signum in handled:
         signal.signal(signum, first)
+    sys.unraisablehook = redeliver
     try:
         yield
     finally:
+        sys.unraisablehook = previous_hook
         for signum, handler in previous.items():
             signal.signal(signum, handler)
