@@ -94,8 +94,9 @@ def _micro_batch_size(requested, profiles, memory, micro_batches, items, mean_co
             why += (f"; {size}: a slot for each of the job's {items} items" if size == even else
                     f"; {size}: the most per micro-batch, for the job's {items} items")
     if memory is not None and profiles and not requested.micro_batch_size:
+        prefixes = requested.prefix_cache
         most = max_slots(profiles, memory, requested.max_context, requested.max_step_tokens or DEFAULT_STEP_TOKENS,
-                         reserve_fraction)
+                         reserve_fraction, prefixes.budget_tokens if prefixes.enabled else 0)
         if most // micro_batches < size:
             size = max(1, most // micro_batches)
             why += f"; capped at {size} by memory (KV for {most} slots x {requested.max_context} tokens fits)"
@@ -150,11 +151,12 @@ def rows_to_amortize(profile: StageProfile, num_layers: int, context: float, tol
 
 
 def max_slots(profiles: Sequence[StageProfile], memory: ModelMemory, max_context: int, step_tokens: int,
-              reserve_fraction: float) -> int:
+              reserve_fraction: float, prefix_cache_tokens: int = 0) -> int:
     """Slots whose KV cache at the full context fits the stages' memory together, after the weights,
-    each stage's workspace and reserve (the planner then checks each stage's share exactly)."""
+    the prefix cache, each stage's workspace and reserve (the planner then checks each stage's share exactly)."""
     weights = sum(memory.layer_weight_bytes) + memory.embed_bytes + memory.head_bytes
     free = sum(p.memory_budget * (1 - reserve_fraction) for p in profiles) - weights
+    free -= memory.num_layers * memory.kv_bytes_per_token * prefix_cache_tokens
     free -= sum(memory.workspace_bytes(step_tokens, 1, max_context, i == 0) for i in range(len(profiles)))
     per_slot = memory.num_layers * memory.kv_bytes_per_token * max_context
     return max(1, int(free // per_slot)) if per_slot > 0 else MAX_MICRO_BATCH

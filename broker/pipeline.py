@@ -29,6 +29,7 @@ from layerbus.broker.chain import Placement
 from layerbus.broker.control import ControlPlane, StageInfo, StageLost
 from layerbus.broker.detokenizer import IncrementalDetokenizer
 from layerbus.broker.drift import DriftConfig, DriftWatch, Expected, Work
+from layerbus.broker.prefix_cache import PrefixIndex
 from layerbus.broker.run_state import (
     BrokerCounts,
     EventSink,
@@ -149,7 +150,9 @@ class Pipeline:
         """Serve requests from `source` until it is exhausted and nothing is in flight. `events`
         hears of every lost stage, wait and recovery (the job runner records them in the store)."""
         self._follow_placement()  # the owner may have re-planned between runs (keep_alive)
-        run = RunState(Scheduler(self.batching, len(self.placement().stages), self.eos_ids, self.new_detokenizer),
+        prefixes = self.batching.prefix_cache
+        run = RunState(Scheduler(self.batching, len(self.placement().stages), self.eos_ids, self.new_detokenizer,
+                                 PrefixIndex(prefixes) if prefixes.enabled else None),
                        source, sink, should_stop, events)
         started, cpu_started = self.clock(), time.process_time()
         poller = zmq.Poller()
@@ -175,7 +178,22 @@ class Pipeline:
         if self.tracer is not None:  # the stages' last records, with stats that count the same steps
             self.tracer.collect(self.control, self.chain, heartbeat_interval_s=self.config.heartbeat_interval_s)
         run.stats.stage_stats = {s.name: dict(s.stats) for s in self.chain}
+        self._report_prefix_cache(run)
         return run.stats
+
+    def _report_prefix_cache(self, run: RunState) -> None:
+        """The run's prefix-cache figures: in its stats, the log and the job's events (status JOB shows them)."""
+        index = run.scheduler.prefix_cache
+        if index is None or not index.stats.prompts:
+            return
+        figures = run.stats.prefix_cache = index.stats.to_json()
+        message = (f"prefix cache: {figures['restored_tokens']} of {figures['prompt_tokens']} prompt tokens copied "
+                   f"instead of computed ({100 * figures['hit_rate']:.1f}%; {figures['hits']} of {figures['prompts']} "
+                   f"prompts started from a saved prefix, {figures['saved_entries']} prefixes saved, "
+                   f"{figures['evicted_entries']} evicted)")
+        log.info("%s", message)
+        if run.events is not None:
+            run.events("prefix_cache", message, **figures)
 
     def _serve_once(self, run: RunState, poller: zmq.Poller) -> None:
         """Take in what arrived, keep heartbeats going, resend what is overdue, and raise StageLost
@@ -220,6 +238,11 @@ class Pipeline:
                          self.work.prefill_tokens + prefill, self.work.emit_rows + sum(row.emit for row in plan.rows))
         header = {"kind": protocol.STEP, "mb": plan.micro_batch, "step": step, "attempt": attempt,
                   "epoch": self.control.epoch, "rows": protocol.rows_to_json(rows), "release": plan.released}
+        prefix = protocol.prefix_ops_to_json(
+            [(row.slot, *row.restore) for row in plan.rows if row.restore is not None],
+            [(row.slot, *row.save) for row in plan.rows if row.save is not None], plan.dropped_prefixes)
+        if prefix:
+            header["prefix"] = prefix
         self.push.send_multipart(encode(header, {"tokens": torch.tensor(tokens, dtype=torch.int64)}), copy=False)
         if self.tracer is not None:
             self.tracer.span("transmit", TRANSMIT, began, self.tracer.now(), mb=plan.micro_batch, step=step,

@@ -68,7 +68,7 @@ class _CostModel:
         self.windows = [w for w in self.job.windows if w.work.steps > 0]
         self.total = self.job.total
         self.steps = max(self.total.steps, 1e-12)
-        self.kv_per_layer = model.kv_bytes_per_token * shapes.num_slots * shapes.max_context
+        self.kv_per_layer = model.kv_bytes_per_token * shapes.kv_positions
         self.num_layers = n
         self.shared = any(s.shares_cores for s in self.stages)
 
@@ -542,8 +542,9 @@ def _too_small_message(costs: _CostModel) -> str:
     workspace = costs.workspace_bytes(n) + (p - 1) * costs.workspace_bytes(0)
     need = weights + kv + workspace
     have = sum(s.memory_budget - costs.reserve_bytes(s) for s in costs.stages)
+    prefixes = f" + {shapes.prefix_cache_tokens} prefix-cache tokens" if shapes.prefix_cache_tokens else ""
     detail = (f"the model needs {_gib(need)} (weights {_gib(weights)}, KV cache {_gib(kv)} for "
-              f"{shapes.num_slots} slots x {shapes.max_context} tokens, workspace {_gib(workspace)}) and "
+              f"{shapes.num_slots} slots x {shapes.max_context} tokens{prefixes}, workspace {_gib(workspace)}) and "
               f"the {p} stage(s) can hold {_gib(have)} after their reserves")
     if need > have:
         missing = need - have
@@ -555,7 +556,8 @@ def _too_small_message(costs: _CostModel) -> str:
                 f"({_gib(model.layer_weight_bytes[0] + costs.kv_per_layer)}) plus workspace")
     per_token = n * model.kv_bytes_per_token
     return (f"{head}. Ways out: add stages or memory (--memory-budget), lower --max-context (KV costs "
-            f"{per_token:,} bytes per slot-token over all layers), or fewer --slots / --micro-batch-size")
+            f"{per_token:,} bytes per slot-token over all layers), or fewer --slots / --micro-batch-size"
+            + (" / --prefix-cache-tokens" if shapes.prefix_cache_tokens else "") + ")")
 
 
 def _gib(size: float) -> str:

@@ -178,12 +178,19 @@ class Shapes:
     num_micro_batches: int  # steps in flight at once
     max_context: int  # KV positions per slot
     max_step_tokens: int  # tokens one step may carry (the prefill chunk)
+    prefix_cache_tokens: int = 0  # KV positions every stage keeps for shared prefixes (broker/prefix_cache.py)
 
     @classmethod
     def from_batching(cls, batching, num_stages: int) -> "Shapes":
         resolved = batching if batching.num_slots and batching.num_micro_batches else batching.resolved(num_stages)
+        prefixes = resolved.prefix_cache
         return cls(resolved.num_slots, resolved.micro_batch_size, resolved.num_micro_batches,
-                   resolved.max_context, resolved.max_step_tokens)
+                   resolved.max_context, resolved.max_step_tokens, prefixes.budget_tokens if prefixes.enabled else 0)
+
+    @property
+    def kv_positions(self) -> int:
+        """KV positions a stage holds per layer: every slot's whole context, plus the prefix cache's."""
+        return self.num_slots * self.max_context + self.prefix_cache_tokens
 
 
 @dataclass(frozen=True)

@@ -107,6 +107,7 @@ class RunStats:
     # (clock, new tokens so far) after every step that emitted tokens: throughput over any window.
     progress: list[tuple[float, int]] = field(default_factory=list)
     source_exhausted_at: float | None = None  # clock when the last request was taken from the source
+    prefix_cache: dict | None = None  # broker.prefix_cache.PrefixStats of the run (None: the cache was off)
 
 
 @dataclass

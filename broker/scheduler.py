@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from layerbus.broker.detokenizer import IncrementalDetokenizer
+from layerbus.broker.prefix_cache import PrefixCacheConfig, PrefixIndex, PrefixPlan
 from layerbus.broker.requests import GenerationRequest, GenerationResult, ScoreRequest
 from layerbus.broker.scoring import ScoringFeed
 
@@ -33,6 +34,8 @@ class BatchingConfig:
     min_prefill_chunk: int = 16  # a prefill advances at least this much per step, even in a full batch
     max_context: int = 2048  # prompt + generated tokens per sequence (capped by the model's own limit)
     max_step_failures: int = 3  # a sequence whose step fails this many times alone fails with the stage's error
+    # Shared prompt prefixes kept on every stage and copied instead of computed (broker/prefix_cache.py).
+    prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
 
     def __post_init__(self) -> None:
         if self.num_slots < 0 or self.micro_batch_size < 0 or self.num_micro_batches < 0:
@@ -84,6 +87,7 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None = None  # the output text as it grows (None: no tokenizer given)
     stop_at: int | None = None  # where the first stop string found in the output text begins
     feed: ScoringFeed | None = None  # a ScoreRequest's progress (None: a generation)
+    prefix: PrefixPlan | None = None  # what its prefill restores and saves (None: not planned yet, or no cache)
 
     @property
     def known(self) -> list[int]:
@@ -107,6 +111,8 @@ class PlannedRow:
     tokens: list[int]  # token ids fed to the first stage
     emit: bool  # the last stage returns a token for this row
     targets: list[int] | None = None  # next prompt tokens to score (score_prompt requests)
+    restore: tuple[int, int] | None = None  # (prefix entry, positions) copied into the slot before computing
+    save: tuple[int, int] | None = None  # (prefix entry, positions) copied out of the slot once computed
 
 
 @dataclass(frozen=True)
@@ -116,6 +122,7 @@ class StepPlan:
     micro_batch: int
     rows: list[PlannedRow]
     released: list[int]
+    dropped_prefixes: list[int] = field(default_factory=list)  # prefix entries the stages may free
 
 
 class Scheduler:
@@ -123,8 +130,11 @@ class Scheduler:
     detokenizer, for stop strings and the result's text; without one, both are left out."""
 
     def __init__(self, config: BatchingConfig, num_stages: int, eos_ids: set[int],
-                 new_detokenizer: Callable[[], IncrementalDetokenizer] | None = None):
+                 new_detokenizer: Callable[[], IncrementalDetokenizer] | None = None,
+                 prefix_cache: PrefixIndex | None = None):
         config = config.resolved(num_stages)
+        # Shared prompt prefixes computed once (broker.prefix_cache); None: every prompt prefilled whole.
+        self.prefix_cache = prefix_cache
         self.config = config
         self.num_micro_batches = config.num_micro_batches
         self.eos_ids = set(eos_ids)
@@ -226,30 +236,42 @@ class Scheduler:
                 rows.append(PlannedRow(seq.slot, chunk.start, chunk.tokens, emit=False, targets=chunk.targets))
                 continue
             known = seq.known
-            chunk = known[seq.cached:seq.cached + budget]
+            start, restore = seq.cached, None
+            if (self.prefix_cache is not None and seq.cached == 0 and seq.prefix is None
+                    and not seq.request.score_prompt):  # scored prompts need every position's logits
+                seq.prefix = self.prefix_cache.plan_prompt(seq.request.prompt_ids)
+                restore = seq.prefix.restore
+                start = restore[1] if restore is not None else 0
+            chunk = known[start:start + budget]
             budget -= len(chunk)
-            end = seq.cached + len(chunk)
+            end = start + len(chunk)
+            save = seq.prefix.save if seq.prefix is not None and seq.prefix.save is not None else None
+            save = save if save is not None and save[1] <= end else None
             prompt = seq.request.prompt_ids
             # Prompt scoring covers prompt positions only; a re-prefill after a recovery scores them again.
-            targets = prompt[seq.cached + 1:min(end, len(prompt)) + 1] if seq.request.score_prompt else None
+            targets = prompt[start + 1:min(end, len(prompt)) + 1] if seq.request.score_prompt else None
             targets = targets[:len(chunk)] if targets else None
             # Only the first prefill ends with a new token: after a re-prefill, the last generated
             # token is already known and the next decode step feeds it.
-            rows.append(PlannedRow(seq.slot, seq.cached, chunk, emit=end == len(known) and not seq.generated,
-                                   targets=targets))
+            rows.append(PlannedRow(seq.slot, start, chunk, emit=end == len(known) and not seq.generated,
+                                   targets=targets, restore=restore, save=save))
         if not rows and not released:
             return None
-        return StepPlan(micro_batch, sorted(rows, key=lambda row: row.slot), released)
+        drops = self.prefix_cache.take_drops() if self.prefix_cache is not None else []
+        return StepPlan(micro_batch, sorted(rows, key=lambda row: row.slot), released, drops)
 
     def reset_caches(self) -> int:
         """The stages lost their caches (a re-plan): every active sequence re-prefills what it knows,
         keeping its generated tokens. Returns the number of tokens to re-prefill."""
         for releases in self.pending_release.values():
             releases.clear()  # the new stages start with empty caches
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()  # and no prefix entries
         total = 0
         self.replaying = set(self.active)
         for seq in self.active.values():
             seq.cached = 0
+            seq.prefix = None  # its re-prefill may restore a prefix saved again by then
             if seq.feed is not None:
                 seq.feed.restart()  # its phases rewind the slot anyway: start over, scores recomputed
                 total += seq.feed.positions
@@ -277,6 +299,10 @@ class Scheduler:
                 continue
             seq.cached = row.start + len(row.tokens)
             seq.suspect = False
+            if row.restore is not None or row.save is not None:
+                self.prefix_cache.step_done(row.restore, row.save)
+                if row.save is not None:
+                    seq.prefix.save = None
             if not seq.prefilling:
                 self.replaying.discard(row.slot)
             if row.targets:
@@ -301,13 +327,19 @@ class Scheduler:
             seq = self.active.get(row.slot)
             if seq is None:
                 continue
+            if row.restore is not None or row.save is not None:
+                # The sequence computes its prefix itself next time; a partial save is dropped.
+                self.prefix_cache.step_failed(row.restore, row.save)
+                seq.prefix = PrefixPlan()
             seq.suspect = True
             if len(plan.rows) == 1:
                 seq.failures += 1
                 if seq.failures >= self.config.max_step_failures:
                     finished.append(self._finish(seq, "error", now, f"{error} (failed alone {seq.failures} time(s))"))
-        # The failed step's released slots were not released on the stages past the failure.
+        # The failed step's released slots were not released on the stages past the failure, nor its drops.
         self.pending_release[plan.micro_batch].extend(plan.released)
+        if plan.dropped_prefixes:
+            self.prefix_cache.drop_again(plan.dropped_prefixes)
         return finished
 
     def _finish_reason(self, seq: Sequence) -> str | None:
@@ -335,6 +367,8 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: str, now: float, error: str | None = None) -> GenerationResult:
         del self.active[seq.slot]
+        if seq.prefix is not None and seq.prefix.save is not None:
+            self.prefix_cache.abandon(seq.prefix.save)  # it ended before its prefill reached the save
         self.replaying.discard(seq.slot)
         self.pending_release[self._micro_batch_of(seq.slot)].append(seq.slot)
         request = seq.request

@@ -100,6 +100,11 @@ def add_cluster_options(parser: argparse.ArgumentParser, partition: bool = True)
                              "0 = chosen from the stages' profiles; 256 without profiles)")
     parser.add_argument("--max-context", metavar="N", type=positive_int, default=2048,
                         help="prompt + generated tokens per item, capped by the model's limit (default: 2048)")
+    parser.add_argument("--prefix-cache-tokens", metavar="N", type=non_negative_int, default=4096,
+                        help="positions of shared prompt prefixes every stage keeps (its own layers' keys and "
+                             "values) and copies instead of computing again (default: 4096; 0 = off)")
+    parser.add_argument("--no-prefix-cache", action="store_true",
+                        help="compute every prompt whole, shared prefixes included (as --prefix-cache-tokens 0)")
     if partition:
         parser.add_argument("--partition", choices=("planned", "balanced", "equal"), default="planned",
                             help="planned: the stages profile themselves and layers follow their speed and memory "
@@ -244,13 +249,16 @@ def link_probe_from_args(args: argparse.Namespace):
 
 
 def batching_from_args(args: argparse.Namespace):
-    """The BatchingConfig that --slots, --micro-batch-size, --micro-batches, --max-step-tokens and
-    --max-context describe."""
+    """The BatchingConfig that --slots, --micro-batch-size, --micro-batches, --max-step-tokens,
+    --max-context and the prefix cache's options describe."""
+    from layerbus.broker.prefix_cache import PrefixCacheConfig
     from layerbus.broker.scheduler import BatchingConfig
 
+    prefix_tokens = 0 if getattr(args, "no_prefix_cache", False) else getattr(args, "prefix_cache_tokens", 4096)
     return BatchingConfig(num_slots=args.slots, micro_batch_size=args.micro_batch_size,
                           num_micro_batches=args.micro_batches, max_step_tokens=args.max_step_tokens,
-                          max_context=args.max_context, max_step_failures=args.max_step_failures)
+                          max_context=args.max_context, max_step_failures=args.max_step_failures,
+                          prefix_cache=PrefixCacheConfig(budget_tokens=prefix_tokens))
 
 
 def pipeline_from_args(args: argparse.Namespace):

@@ -54,10 +54,55 @@ class KVArena:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.lengths = [0] * num_slots  # cached tokens per slot
+        # Prefix entries (broker/prefix_cache.py): entry -> (keys, values) per held layer, each
+        # [kv_heads, length, head_dim]. The broker decides what is kept and bounds it.
+        self.prefixes: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self.prefix_tokens = 0  # positions the entries hold
+        self.prefix_tokens_peak = 0  # the most they ever held at once (the broker's budget bounds it)
+        self.prefix_bytes = 0  # their memory (keys and values of every held layer)
         self._resize(self.initial_capacity)
 
     def bytes_used(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def save_prefix(self, entry: int, slot: int, length: int) -> None:
+        """Keep a copy of the slot's first `length` positions as `entry`."""
+        if length > self.lengths[slot]:
+            raise ValueError(f"prefix save of {length} positions from slot {slot}, which holds {self.lengths[slot]}")
+        self.drop_prefixes([entry])  # a resent step saves again: replace, do not count twice
+        with torch.inference_mode():
+            keys = [k[slot, :, :length].clone() for k in self.keys]
+            values = [v[slot, :, :length].clone() for v in self.values]
+        self.prefixes[entry] = (keys, values)
+        # Totals kept as plain ints: the heartbeat thread reports them while this thread changes the dict.
+        self.prefix_tokens += length
+        self.prefix_tokens_peak = max(self.prefix_tokens_peak, self.prefix_tokens)
+        self.prefix_bytes += sum(t.numel() * t.element_size() for t in keys + values)
+
+    def restore_prefix(self, entry: int, slot: int, length: int) -> None:
+        """Fill the slot's first `length` positions from `entry` (the slot's sequence starts there)."""
+        saved = self.prefixes.get(entry)
+        if saved is None:
+            raise ValueError(f"prefix entry {entry} is not held here (this stage restarted, or a save was lost): "
+                             "the broker computes the prefix instead")
+        keys, values = saved
+        if not keys or keys[0].shape[1] < length:
+            raise ValueError(f"prefix entry {entry} holds {keys[0].shape[1] if keys else 0} positions, "
+                             f"{length} asked for")
+        self.prepare_rows([slot], [0], [length])
+        with torch.inference_mode():  # the arena's tensors are inference tensors (made under run_step's mode)
+            for i in range(len(self.keys)):
+                self.keys[i][slot, :, :length] = keys[i][:, :length]
+                self.values[i][slot, :, :length] = values[i][:, :length]
+        self.lengths[slot] = length
+
+    def drop_prefixes(self, entries: list[int]) -> None:
+        for entry in entries:
+            saved = self.prefixes.pop(entry, None)  # one never saved here (its step failed before): nothing to free
+            if saved is not None:
+                keys, values = saved
+                self.prefix_tokens -= keys[0].shape[1] if keys else 0
+                self.prefix_bytes -= sum(t.numel() * t.element_size() for t in keys + values)
 
     def prepare(self, group: CacheGroup) -> None:
         """Make room for the group and forget anything cached past each row's start."""

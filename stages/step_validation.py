@@ -57,6 +57,8 @@ def validate_step(frames, expect: StepExpectations) -> tuple[Message, float]:
     # The parsed rows travel beside the header; the header keeps the rows as they arrived, so a
     # middle stage forwards them without encoding them again.
     message.header["parsed_rows"] = protocol.rows_from_json(message.header["rows"])
+    message.header["parsed_prefix"] = protocol.prefix_ops_from_json(message.header.get("prefix"),
+                                                                    message.header["parsed_rows"])
     covered = sum(row.length for row in message.header["parsed_rows"])
     if covered != tensor.shape[0]:
         raise WireError(f"rows cover {covered} positions, tensor has {tensor.shape[0]}")

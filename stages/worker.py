@@ -275,6 +275,10 @@ class StageWorker:
     def _heartbeat_fields(self) -> dict:
         """Called from the heartbeat thread: reads the main loop's state, changes nothing."""
         fields = {"stats": self.stats.to_json(), "busy_s": round(busy_for(self.busy_since), 3), "epoch": self.epoch}
+        arena = self.arena
+        if arena is not None:  # what the prefix cache holds here (the broker bounds it in tokens)
+            fields["stats"].update(prefix_tokens=arena.prefix_tokens, prefix_bytes=arena.prefix_bytes,
+                                   prefix_tokens_peak=arena.prefix_tokens_peak)
         tracer = self.tracer
         if tracer is not None:  # step records ride on the heartbeats: no extra messages, no extra port
             fields["trace"] = tracer.chunk()
@@ -527,12 +531,20 @@ class StageWorker:
         inputs = next(iter(message.tensors.values()))
         if self.fail_on_token is not None and self.shard.spec.is_first and bool((inputs == self.fail_on_token).any()):
             raise ValueError(f"LAYERBUS_FAIL_ON_TOKEN: token {self.fail_on_token} in this step (a test's poison item)")
+        prefix: protocol.PrefixOps = header["parsed_prefix"]
+        self.arena.drop_prefixes(prefix.drop)
+        for slot, entry, length in prefix.restore:
+            self.arena.restore_prefix(entry, slot, length)
         hidden = run_step(self.shard, self.arena, rows, inputs)
+        for slot, entry, length in prefix.save:
+            self.arena.save_prefix(entry, slot, length)
         self.stats.tokens += int(inputs.shape[0])
         out_header = {key: header[key] for key in ("mb", "step", "attempt", "epoch")}
         if not self.shard.spec.is_last:
             out_header["rows"] = header["rows"]
             out_header["release"] = header["release"]
+            if "prefix" in header:
+                out_header["prefix"] = header["prefix"]
             started = time.monotonic()
             codec_fields, tensors = codecs.pack("hidden", hidden, self.wire_codec)
             frames = encode(dict(out_header, kind=protocol.STEP, **codec_fields), tensors)

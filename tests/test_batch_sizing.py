@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
 from layerbus.broker.batch_sizing import choose_batching, choose_by_plan, max_slots, micro_batch_counts, rows_to_amortize
 from layerbus.broker.placement import ModelMemory, StageProfile
+from layerbus.broker.prefix_cache import PrefixCacheConfig
 from layerbus.broker.scheduler import BatchingConfig
 from layerbus.broker.step_cost import LinearCost
 
@@ -84,8 +86,13 @@ def test_memory_caps_the_slots() -> None:
     # (workspaces for the default 256 tokens per step, the prefill budget being auto too).
     larger = [fitted("a", 5.0, 0.1, budget=2 * 10**6), fitted("b", 5.0, 0.1, budget=2 * 10**6)]
     assert max_slots(larger, MEMORY, 1000, 256, 0.05) == 170
-    big_job = choose_batching(AUTO, 2, larger, MEMORY, items=10**6)
+    no_prefixes = replace(AUTO, prefix_cache=PrefixCacheConfig(budget_tokens=0))
+    big_job = choose_batching(no_prefixes, 2, larger, MEMORY, items=10**6)
     assert big_job.batching.micro_batch_size == 56 and "capped at 56 by memory" in " ".join(big_job.reasons)
+    # The prefix cache's positions come out of the same memory: 10 layers x 1 byte x 10,000 tokens = 10 slots.
+    assert max_slots(larger, MEMORY, 1000, 256, 0.05, prefix_cache_tokens=10_000) == 160
+    with_prefixes = replace(AUTO, prefix_cache=PrefixCacheConfig(budget_tokens=10_000))
+    assert choose_batching(with_prefixes, 2, larger, MEMORY, items=10**6).batching.micro_batch_size == 53
 
 
 def test_the_prefill_budget_amortizes_the_fixed_part_per_token() -> None:

@@ -6,6 +6,10 @@ Data plane (PUSH/PULL, broker -> stage 0 -> ... -> last stage -> broker):
           states [N, H] in the sender's link codec: header codec {name, shape: [N, H]} and tensors
           "hidden" (float codecs) or "hidden.q", "hidden.scale", "hidden.outlier_index",
           "hidden.outlier_value" (int8, int4); see wire/codecs.py
+          prefix? {restore: [[slot, entry, length], ...], save: [[slot, entry, length], ...],
+          drop: [entry, ...]} (the stages' prefix cache, broker/prefix_cache.py: before computing,
+          copy an entry's first `length` positions into the slot, whose row then starts there; after
+          computing, copy the slot's first `length` positions into a new entry; free dropped entries)
   result  header {mb, step, attempt, epoch, tokens: [[slot, token, logprob], ...],
           scores: [[slot, [logprob of each target], [target is the argmax: bool each]], ...]}
           (last stage -> broker)
@@ -121,6 +125,62 @@ def rows_from_json(value: Any) -> list[StepRow]:
             raise WireError(f"step row targets must be at most {length} token ids, got {targets!r:.80}")
         rows.append(StepRow(slot, start, length, bool(emit), sampling, targets))
     return rows
+
+
+@dataclass(frozen=True)
+class PrefixOps:
+    """A step's prefix-cache work (broker/prefix_cache.py), each copy as (slot, entry, length)."""
+
+    restore: list[tuple[int, int, int]] = field(default_factory=list)
+    save: list[tuple[int, int, int]] = field(default_factory=list)
+    drop: list[int] = field(default_factory=list)
+
+
+def prefix_ops_to_json(restore: list[tuple[int, int, int]], save: list[tuple[int, int, int]],
+                       drop: list[int]) -> dict[str, Any]:
+    """The step header's `prefix` field: only what the step does ({} when nothing)."""
+    ops: dict[str, Any] = {}
+    if restore:
+        ops["restore"] = [list(op) for op in restore]
+    if save:
+        ops["save"] = [list(op) for op in save]
+    if drop:
+        ops["drop"] = list(drop)
+    return ops
+
+
+def prefix_ops_from_json(value: Any, rows: list[StepRow]) -> PrefixOps:
+    """A step's `prefix` field, checked against its rows: a restore fills exactly the positions before its
+    row's start, and a save copies only positions the slot holds once the step ran."""
+    if value is None:
+        return PrefixOps()
+    if not isinstance(value, dict) or set(value) - {"restore", "save", "drop"}:
+        raise WireError(f"step header 'prefix' must be an object of restore, save and drop, got {value!r:.80}")
+    row_of = {row.slot: row for row in rows}
+    copies: dict[str, list[tuple[int, int, int]]] = {}
+    for kind in ("restore", "save"):
+        ops = value.get(kind, [])
+        if not isinstance(ops, list):
+            raise WireError(f"prefix {kind} must be a list, got {ops!r:.80}")
+        copies[kind] = []
+        for op in ops:
+            if (not isinstance(op, list) or len(op) != 3
+                    or not all(type(v) is int and v >= 0 for v in op) or op[2] < 1):
+                raise WireError(f"prefix {kind} must be [slot, entry, length >= 1], got {op!r:.80}")
+            row = row_of.get(op[0])
+            if row is None:
+                raise WireError(f"prefix {kind} names slot {op[0]}, which has no row in this step")
+            if kind == "restore" and op[2] != row.start:
+                raise WireError(f"prefix restore of {op[2]} positions into slot {op[0]}, whose row starts at "
+                                f"{row.start}")
+            if kind == "save" and op[2] > row.start + row.length:
+                raise WireError(f"prefix save of {op[2]} positions from slot {op[0]}, which holds "
+                                f"{row.start + row.length} after this step")
+            copies[kind].append((op[0], op[1], op[2]))
+    drop = value.get("drop", [])
+    if not isinstance(drop, list) or not all(type(v) is int and v >= 0 for v in drop):
+        raise WireError(f"prefix drop must be a list of entry ids, got {drop!r:.80}")
+    return PrefixOps(copies["restore"], copies["save"], list(drop))
 
 
 def require_fields(header: dict[str, Any], kind: str, fields: dict[str, type]) -> None:

@@ -1,0 +1,228 @@
+"""The prefix cache (broker/prefix_cache.py, stages/kv_cache.py): which prefix a prompt restores and saves,
+as table tests of the pure index; then real stages over real sockets, where prompts that share a long
+prefix must generate token for token what `transformers` generates, with the cache on and off, and a
+tiny budget must evict without the stages ever holding more than it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from layerbus.broker.prefix_cache import PrefixCacheConfig, PrefixIndex, block_hashes
+from layerbus.broker.requests import GenerationRequest
+from layerbus.broker.scheduler import BatchingConfig, Scheduler
+from layerbus.wire import protocol
+from layerbus.wire.frames import WireError
+from layerbus.broker.broker import BrokerConfig
+from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
+from tests.test_equivalence import assert_equivalent, run_pipeline
+
+BLOCK = 4
+
+
+def index(budget: int = 64) -> PrefixIndex:
+    return PrefixIndex(PrefixCacheConfig(budget_tokens=budget, block_tokens=BLOCK))
+
+
+def prompt(shared: int, tail: int, seed: int) -> list[int]:
+    """`shared` tokens every prompt has, then `tail` of its own."""
+    return list(range(100, 100 + shared)) + [1000 + seed * 50 + i for i in range(tail)]
+
+
+# -- the pure index --------------------------------------------------------------------------------
+
+def test_block_hashes_chain_over_every_token_before() -> None:
+    a, b = block_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], BLOCK), block_hashes([1, 2, 3, 4, 5, 6, 7, 0], BLOCK)
+    assert len(a) == 2 and len(b) == 2  # full blocks only
+    assert a[0] == b[0] and a[1] != b[1]
+    assert block_hashes([9, 2, 3, 4, 5, 6, 7, 8], BLOCK)[1] != a[1], "block 2's hash covers block 1 too"
+
+
+def test_a_prefix_is_saved_when_seen_again_and_restored_after() -> None:
+    cache = index()
+    first = cache.plan_prompt(prompt(12, 5, 0))
+    assert (first.restore, first.save) == (None, None), "nothing seen yet: nothing kept on a guess"
+    second = cache.plan_prompt(prompt(12, 5, 1))
+    assert second.restore is None and second.save is not None and second.save[1] == 12
+    third = cache.plan_prompt(prompt(12, 5, 2))
+    assert third.restore is None, "the save's step has not come back: not every stage holds it yet"
+    cache.step_done(None, second.save)
+    fourth = cache.plan_prompt(prompt(12, 9, 3))
+    assert fourth.restore == (second.save[0], 12) and fourth.save is None
+    assert cache.stats.restored_tokens == 12 and cache.stats.hits == 1
+
+
+@pytest.mark.parametrize(("length", "restored"), [(12, 8), (13, 12), (16, 12), (11, 8), (4, 0), (5, 4)])
+def test_the_prompts_last_token_is_always_computed(length: int, restored: int) -> None:
+    cache = index()
+    saving = [cache.plan_prompt(list(range(16))) for _ in range(2)][1]
+    cache.step_done(None, saving.save)
+    plan = cache.plan_prompt(list(range(length)))
+    assert (plan.restore[1] if plan.restore else 0) == restored
+
+
+def test_a_longer_shared_prefix_is_saved_beyond_what_was_restored() -> None:
+    cache = index()
+    for seed in (0, 1):
+        plan = cache.plan_prompt(prompt(8, 6, seed))
+    cache.step_done(None, plan.save)  # 8 tokens kept
+    cache.plan_prompt(prompt(16, 3, 7))  # 16 shared tokens seen once
+    longer = cache.plan_prompt(prompt(16, 3, 8))
+    assert longer.restore[1] == 8 and longer.save[1] == 16
+
+
+def test_the_budget_evicts_least_recently_used_and_never_a_pinned_entry() -> None:
+    cache = index(budget=16)
+    saves = []
+    for group in range(3):
+        plans = [cache.plan_prompt([group] * 8 + [50 + seed]) for seed in range(2)]
+        cache.step_done(None, plans[1].save)
+        saves.append(plans[1].save)
+        assert cache.used_tokens <= 16
+    assert [entry.entry_id for entry in cache.entries.values()] == [saves[1][0], saves[2][0]]
+    assert cache.take_drops() == [saves[0][0]] and cache.stats.evicted_entries == 1
+    pinned = cache.plan_prompt([1] * 8 + [99])  # restores group 1's entry: pinned while its step is out
+    assert pinned.restore[0] == saves[1][0]
+    for seed in range(2):
+        blocked = cache.plan_prompt([7] * 16 + [seed])
+    assert blocked.save is None, "16 more tokens fit only by evicting the pinned entry: not saved"
+    cache.step_done(pinned.restore, None)
+    now_fits = cache.plan_prompt([7] * 16 + [2])
+    assert now_fits.save is not None and cache.used_tokens == 16
+
+
+def test_a_failed_save_is_dropped_and_a_failed_restore_uncounted() -> None:
+    cache = index()
+    plans = [cache.plan_prompt(prompt(8, 2, seed)) for seed in range(2)]
+    cache.step_failed(None, plans[1].save)
+    assert cache.take_drops() == [plans[1].save[0]] and not cache.entries
+    again = cache.plan_prompt(prompt(8, 2, 5))
+    cache.step_done(None, again.save)
+    restoring = cache.plan_prompt(prompt(8, 2, 6))
+    cache.step_failed(restoring.restore, None)
+    assert cache.stats.restored_tokens == 0 and cache.stats.hits == 0
+    assert next(iter(cache.entries.values())).pins == 0
+
+
+def test_clear_forgets_every_entry() -> None:
+    cache = index()
+    plans = [cache.plan_prompt(prompt(8, 2, seed)) for seed in range(2)]
+    cache.step_done(None, plans[1].save)
+    cache.clear()
+    assert cache.plan_prompt(prompt(8, 2, 3)).restore is None
+
+
+# -- the scheduler and the wire ---------------------------------------------------------------------
+
+def test_the_scheduler_starts_a_restored_row_past_its_prefix_and_saves_where_the_chunk_reaches() -> None:
+    config = BatchingConfig(num_slots=1, num_micro_batches=1, max_step_tokens=6, min_prefill_chunk=2,
+                            prefix_cache=PrefixCacheConfig(budget_tokens=64, block_tokens=BLOCK))
+    scheduler = Scheduler(config, 1, eos_ids={0}, prefix_cache=PrefixIndex(config.prefix_cache))
+    rows_seen = []
+    for seed in range(3):
+        scheduler.submit(GenerationRequest(f"r{seed}", prompt(12, 3, seed), max_new_tokens=1), now=0.0)
+        while True:
+            plan = scheduler.plan_step(0, now=0.0)
+            if plan is None:
+                break
+            rows_seen.append((seed, plan.rows[0]))
+            if scheduler.apply_result(plan, {row.slot: (7, -0.1) for row in plan.rows if row.emit}, now=0.0):
+                break
+    first_rows = {seed: [row for s, row in rows_seen if s == seed] for seed in range(3)}
+    assert [row.start for row in first_rows[0]] == [0, 6, 12], "no cache yet: the whole prompt in chunks of 6"
+    assert [row.save is not None for row in first_rows[1]] == [False, True, False], "saved by the chunk reaching 12"
+    restored = first_rows[2][0]
+    assert restored.start == 12 and restored.restore[1] == 12 and restored.tokens == prompt(12, 3, 2)[12:]
+
+
+def test_prefix_ops_are_checked_against_their_rows() -> None:
+    rows = [protocol.StepRow(slot=3, start=8, length=4), protocol.StepRow(slot=4, start=0, length=6)]
+    ops = protocol.prefix_ops_from_json({"restore": [[3, 1, 8]], "save": [[4, 2, 4]], "drop": [0]}, rows)
+    assert (ops.restore, ops.save, ops.drop) == ([(3, 1, 8)], [(4, 2, 4)], [0])
+    for bad in ({"restore": [[3, 1, 4]]}, {"save": [[4, 2, 7]]}, {"restore": [[9, 1, 8]]}, {"save": [[4, 2]]},
+                {"drop": ["x"]}, {"copy": []}, [1]):
+        with pytest.raises(WireError):
+            protocol.prefix_ops_from_json(bad, rows)
+
+
+def run_and_read_stages(model_dir, num_stages: int, requests, **batching):
+    """Results, run stats and each stage's stats from a heartbeat sent after the run (the figures a
+    stage reports ride on its heartbeats, every 0.5 s)."""
+    import time
+
+    config = BrokerConfig(str(model_dir), num_stages, batching=BatchingConfig(**batching))
+    with LocalCluster(config, LocalStageOptions(threads_per_stage=1)) as cluster:
+        results, stats = cluster.broker.generate(requests)
+        seen = {stage.name: stage.stats.get("steps") for stage in cluster.broker.chain}
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(stage.stats.get("steps") != seen[stage.name] or
+                                                  "prefix_tokens_peak" not in stage.stats
+                                                  for stage in cluster.broker.chain):
+            cluster.broker.keep_alive(0.6)
+        cluster.broker.keep_alive(1.2)  # two heartbeats more: each stage's figures after its last step
+        stages = {stage.name: dict(stage.stats) for stage in cluster.broker.chain}
+    return results, stats, stages
+
+
+# -- real stages --------------------------------------------------------------------------------------
+
+SYSTEM = ("You are a careful assistant. Summarize the document below in one sentence, keeping every name "
+          "and number exactly as written, and answer in plain text. Document: ")
+DOCUMENTS = ["The broker keeps a queue of jobs.", "Each stage holds a contiguous range of layers and its cache.",
+             "Nothing is lost when a process dies.", "Numbers like 42 and 7 stay as they are.",
+             "A worker claims an item, runs it and writes the answer.", "Small models load in a moment.",
+             "The sea was calm that morning.", "Heartbeats tell the broker who is alive."]
+
+
+def shared_prefix_requests(tokenizer) -> list[GenerationRequest]:
+    return [GenerationRequest(f"d{i}", tokenizer(SYSTEM + text).input_ids, max_new_tokens=5 + i % 4)
+            for i, text in enumerate(DOCUMENTS)]
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize(("arch", "num_stages", "overrides"), [
+    ("llama", 1, {}), ("llama", 2, {}), ("qwen2", 3, {}), ("mistral", 2, {"sliding_window": 24}),
+])
+def test_shared_prefixes_match_transformers_with_the_cache_on_and_off(tiny_models, arch, num_stages, overrides):
+    from transformers import AutoTokenizer
+
+    model_dir = tiny_models(arch, num_hidden_layers=4, **overrides)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    requests = shared_prefix_requests(tokenizer)
+    # 2 slots for 8 prompts: later prompts arrive once the shared prefix is saved.
+    on, on_stats, stages = run_and_read_stages(model_dir, num_stages, requests, num_slots=2, max_step_tokens=16,
+                                               min_prefill_chunk=8,
+                                               prefix_cache=PrefixCacheConfig(budget_tokens=512, block_tokens=8))
+    off, _ = run_pipeline(model_dir, num_stages, requests, num_slots=2, max_step_tokens=16, min_prefill_chunk=8,
+                          prefix_cache=PrefixCacheConfig(budget_tokens=0))
+    shared = len(tokenizer(SYSTEM).input_ids) // 8 * 8 - 8  # at least this much restored per late prompt
+    figures = on_stats.prefix_cache
+    assert figures["hits"] >= len(requests) - 3 and figures["restored_tokens"] >= shared * (len(requests) - 3)
+    assert [r.token_ids for r in on] == [r.token_ids for r in off], "the cache changed an output"
+    assert assert_equivalent(model, requests, on) >= len(requests) - 1
+    for name, stats in stages.items():
+        assert 0 < stats["prefix_tokens_peak"] <= 512, name
+
+
+@pytest.mark.cluster
+def test_a_tiny_budget_evicts_and_is_never_exceeded(tiny_models):
+    from transformers import AutoTokenizer
+
+    model_dir = tiny_models("llama", num_hidden_layers=4)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # Two families of prompts with different long prefixes, alternating: a budget that holds one
+    # family's prefix at a time must evict the other's again and again.
+    systems = [SYSTEM, "Translate the following sentence into French, word for word, with no notes at all: "]
+    requests = [GenerationRequest(f"t{i}", tokenizer(systems[i % 2] + DOCUMENTS[i % len(DOCUMENTS)]).input_ids,
+                                  max_new_tokens=4) for i in range(12)]
+    longest_prefix = max(len(tokenizer(system).input_ids) for system in systems) // 8 * 8
+    budget = longest_prefix + 8  # room for one family's prefix, never both
+    results, stats, stages = run_and_read_stages(model_dir, 2, requests, num_slots=1, max_step_tokens=32,
+                                                 prefix_cache=PrefixCacheConfig(budget_tokens=budget, block_tokens=8))
+    assert stats.prefix_cache["evicted_entries"] >= 2 and stats.prefix_cache["hits"] >= 2
+    for name, stage in stages.items():
+        assert stage["prefix_tokens_peak"] <= budget, f"{name} held {stage['prefix_tokens_peak']} > {budget}"
+    assert assert_equivalent(model, requests, results) >= len(requests) - 1
