@@ -121,6 +121,7 @@ class PrefixIndex:
     entries: OrderedDict[int, PrefixEntry] = field(default_factory=OrderedDict)  # least recently used first
     stats: PrefixStats = field(default_factory=PrefixStats)
     _by_hash: dict[bytes, int] = field(default_factory=dict)  # block hash -> a committed entry holding it
+    _pending_by_hash: dict[bytes, int] = field(default_factory=dict)  # ... -> an entry whose save is in flight
     _seen: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
     _drops: list[int] = field(default_factory=list)
     _next_id: int = 0
@@ -131,11 +132,26 @@ class PrefixIndex:
         return sum(entry.tokens for entry in self.entries.values())
 
     # -- a sequence's first step ------------------------------------------------------------------
-    def plan_prompt(self, prompt: list[int]) -> PrefixPlan:
+    def hashes(self, prompt: list[int]) -> list[bytes]:
+        return block_hashes(prompt, self.config.block_tokens)
+
+    def should_wait(self, prompt: list[int], hashes: list[bytes]) -> bool:
+        """Whether a prefix this prompt shares is being saved right now, longer than any it could restore:
+        a sequence that waits a step or two for that save copies it instead of computing it again (at a
+        job's start, a whole micro-batch of items with one system prompt would otherwise compute it)."""
+        usable = (len(prompt) - 1) // self.config.block_tokens
+        for blocks in range(usable, 0, -1):
+            if hashes[blocks - 1] in self._by_hash:
+                return False
+            if hashes[blocks - 1] in self._pending_by_hash:
+                return True
+        return False
+
+    def plan_prompt(self, prompt: list[int], hashes: list[bytes] | None = None) -> PrefixPlan:
         """Where a new sequence's prefill starts, and what of it to keep. At least the prompt's last
         token is always computed: its logits give the first new token."""
         block = self.config.block_tokens
-        hashes = block_hashes(prompt, block)
+        hashes = hashes if hashes is not None else block_hashes(prompt, block)
         self.stats.prompts += 1
         self.stats.prompt_tokens += len(prompt)
         plan = PrefixPlan()
@@ -155,7 +171,7 @@ class PrefixIndex:
         repeated = 0
         while repeated < len(hashes) and hashes[repeated] in self._seen:
             repeated += 1
-        if repeated > restored_blocks:
+        if repeated > restored_blocks and hashes[repeated - 1] not in self._pending_by_hash:
             entry_id = self._begin_save(hashes[:repeated])
             if entry_id is not None:
                 plan.save = (entry_id, repeated * block)
@@ -169,6 +185,8 @@ class PrefixIndex:
         entry_id = self._next_id
         self._next_id += 1
         self.entries[entry_id] = PrefixEntry(entry_id, list(hashes), self.config.block_tokens)
+        for digest in hashes:
+            self._pending_by_hash.setdefault(digest, entry_id)
         return entry_id
 
     def _evict_for(self, tokens: int) -> bool:
@@ -207,6 +225,8 @@ class PrefixIndex:
             self.stats.saved_entries += 1
             for digest in entry.hashes:
                 self._by_hash.setdefault(digest, entry.entry_id)
+                if self._pending_by_hash.get(digest) == entry.entry_id:
+                    del self._pending_by_hash[digest]
 
     def step_failed(self, restore: tuple[int, int] | None, save: tuple[int, int] | None) -> None:
         """A step carrying these ops failed. Its sequence computes the restored part itself on its next
@@ -232,6 +252,8 @@ class PrefixIndex:
     def _forget(self, entry_id: int) -> None:
         entry = self.entries.pop(entry_id)
         for digest in entry.hashes:
+            if self._pending_by_hash.get(digest) == entry_id:
+                del self._pending_by_hash[digest]
             if self._by_hash.get(digest) == entry_id:
                 del self._by_hash[digest]
                 # Another committed entry may hold the same block: keep it findable.
@@ -254,4 +276,5 @@ class PrefixIndex:
         """The stages' caches are gone (a re-plan): so is every entry. What was seen stays seen."""
         self.entries.clear()
         self._by_hash.clear()
+        self._pending_by_hash.clear()
         self._drops.clear()

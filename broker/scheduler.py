@@ -88,6 +88,7 @@ class Sequence:
     stop_at: int | None = None  # where the first stop string found in the output text begins
     feed: ScoringFeed | None = None  # a ScoreRequest's progress (None: a generation)
     prefix: PrefixPlan | None = None  # what its prefill restores and saves (None: not planned yet, or no cache)
+    prefix_hashes: list[bytes] | None = None  # its prompt's block hashes, once the cache has looked
 
     @property
     def known(self) -> list[int]:
@@ -239,7 +240,12 @@ class Scheduler:
             start, restore = seq.cached, None
             if (self.prefix_cache is not None and seq.cached == 0 and seq.prefix is None
                     and not seq.request.score_prompt):  # scored prompts need every position's logits
-                seq.prefix = self.prefix_cache.plan_prompt(seq.request.prompt_ids)
+                prompt_ids = seq.request.prompt_ids
+                if seq.prefix_hashes is None:
+                    seq.prefix_hashes = self.prefix_cache.hashes(prompt_ids)
+                if rows and self.prefix_cache.should_wait(prompt_ids, seq.prefix_hashes):
+                    continue  # its prefix is being saved: copy it in a step or two rather than compute it
+                seq.prefix = self.prefix_cache.plan_prompt(prompt_ids, seq.prefix_hashes)
                 restore = seq.prefix.restore
                 start = restore[1] if restore is not None else 0
             chunk = known[start:start + budget]

@@ -226,3 +226,20 @@ def test_a_tiny_budget_evicts_and_is_never_exceeded(tiny_models):
     for name, stage in stages.items():
         assert stage["prefix_tokens_peak"] <= budget, f"{name} held {stage['prefix_tokens_peak']} > {budget}"
     assert assert_equivalent(model, requests, results) >= len(requests) - 1
+
+
+def test_prompts_wait_a_step_for_a_prefix_being_saved_rather_than_compute_it() -> None:
+    """At a job's start every slot holds an item with the same system prompt: after the first repeat starts
+    saving it, the rest wait for the save instead of all computing it (unless the step would be empty)."""
+    config = BatchingConfig(num_slots=6, num_micro_batches=1, max_step_tokens=64, min_prefill_chunk=2,
+                            prefix_cache=PrefixCacheConfig(budget_tokens=64, block_tokens=BLOCK))
+    scheduler = Scheduler(config, 1, eos_ids={0}, prefix_cache=PrefixIndex(config.prefix_cache))
+    for seed in range(6):
+        scheduler.submit(GenerationRequest(f"r{seed}", prompt(12, 3, seed), max_new_tokens=2), now=0.0)
+    first = scheduler.plan_step(0, now=0.0)
+    assert [(row.start, row.save is not None) for row in first.rows] == [(0, False), (0, True)]
+    scheduler.apply_result(first, {row.slot: (7, -0.1) for row in first.rows if row.emit}, now=0.0)
+    second = scheduler.plan_step(0, now=0.0)
+    prefills = [row for row in second.rows if len(row.tokens) > 1]
+    assert [(row.start, row.restore[1]) for row in prefills] == [(12, 12)] * 4, "the other four copy it"
+    assert scheduler.prefix_cache.stats.restored_tokens == 48
