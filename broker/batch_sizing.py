@@ -60,6 +60,15 @@ def choose_batching(requested, num_stages: int, profiles: Sequence[StageProfile]
     if not chunk:
         chunk, why = _step_tokens(profiles, size, requested.max_context, tolerance)
         reasons.append(why)
+        if memory is not None and profiles and not (requested.micro_batch_size or requested.num_slots):
+            # The size was checked against memory at the default prefill budget; a larger chunk's attention
+            # scores over the whole context take more, and the planner would refuse the sizes.
+            prefixes = requested.prefix_cache
+            most = fitting_slots(profiles, memory, requested.max_context, chunk, reserve_fraction,
+                                 prefixes.budget_tokens if prefixes.enabled else 0, micro_batches)
+            if micro_batches <= most < size * micro_batches:
+                size = max(1, most // micro_batches)
+                reasons.append(f"micro-batch size capped at {size} by memory at that prefill budget")
     chosen = replace(requested, micro_batch_size=size, num_micro_batches=micro_batches,
                      num_slots=requested.num_slots or size * micro_batches, max_step_tokens=chunk)
     return Sizing(chosen.resolved(num_stages), tuple(reasons))
@@ -96,7 +105,7 @@ def _micro_batch_size(requested, profiles, memory, micro_batches, items, mean_co
     if memory is not None and profiles and not requested.micro_batch_size:
         prefixes = requested.prefix_cache
         most = max_slots(profiles, memory, requested.max_context, requested.max_step_tokens or DEFAULT_STEP_TOKENS,
-                         reserve_fraction, prefixes.budget_tokens if prefixes.enabled else 0)
+                         reserve_fraction, prefixes.budget_tokens if prefixes.enabled else 0, micro_batches)
         if most // micro_batches < size:
             size = max(1, most // micro_batches)
             why += f"; capped at {size} by memory (KV for {most} slots x {requested.max_context} tokens fits)"
@@ -151,15 +160,27 @@ def rows_to_amortize(profile: StageProfile, num_layers: int, context: float, tol
 
 
 def max_slots(profiles: Sequence[StageProfile], memory: ModelMemory, max_context: int, step_tokens: int,
-              reserve_fraction: float, prefix_cache_tokens: int = 0) -> int:
+              reserve_fraction: float, prefix_cache_tokens: int = 0, micro_batches: int = 1) -> int:
+    """As fitting_slots, at least 1 (where none fits, the planner says why in its own words)."""
+    return max(1, fitting_slots(profiles, memory, max_context, step_tokens, reserve_fraction, prefix_cache_tokens,
+                                micro_batches))
+
+
+def fitting_slots(profiles: Sequence[StageProfile], memory: ModelMemory, max_context: int, step_tokens: int,
+                  reserve_fraction: float, prefix_cache_tokens: int = 0, micro_batches: int = 1) -> int:
     """Slots whose KV cache at the full context fits the stages' memory together, after the weights,
-    the prefix cache, each stage's workspace and reserve (the planner then checks each stage's share exactly)."""
+    the prefix cache, each stage's workspace and reserve (the planner then checks each stage's share
+    exactly). A slot also costs its row's share of the last stage's logits: a micro-batch of rows is
+    scored at once (3 float32 vectors of the vocabulary per row), so a job of many items, sized to a slot
+    each, must leave room for them; counting one row only, a 500-item job at a 4,096-token context was
+    sized 44 MiB past what the planner then accepted."""
     weights = sum(memory.layer_weight_bytes) + memory.embed_bytes + memory.head_bytes
     free = sum(p.memory_budget * (1 - reserve_fraction) for p in profiles) - weights
     free -= memory.num_layers * memory.kv_bytes_per_token * prefix_cache_tokens
-    free -= sum(memory.workspace_bytes(step_tokens, 1, max_context, i == 0) for i in range(len(profiles)))
-    per_slot = memory.num_layers * memory.kv_bytes_per_token * max_context
-    return max(1, int(free // per_slot)) if per_slot > 0 else MAX_MICRO_BATCH
+    free -= sum(memory.workspace_bytes(step_tokens, 0, max_context, i == 0) for i in range(len(profiles)))
+    per_slot = (memory.num_layers * memory.kv_bytes_per_token * max_context
+                + memory.workspace_bytes(0, 1, 0, True) / max(micro_batches, 1))
+    return int(free // per_slot) if per_slot > 0 else MAX_MICRO_BATCH
 
 
 def _step_tokens(profiles: Sequence[StageProfile], rows: int, max_context: int, tolerance: float) -> tuple[int, str]:

@@ -99,6 +99,8 @@ class Pipeline:
         self.counts = counts if counts is not None else BrokerCounts()  # the owner's, read by its metrics
         self.placement = placement  # the owner's placement in use (it swaps it whole on a re-plan)
         self.batching, self.eos_ids, self.new_detokenizer = batching, eos_ids, new_detokenizer
+        self._prefixes: PrefixIndex | None = None  # the stages' prefix entries, kept from run to run
+        self._prefixes_epoch = -1  # the placement epoch they were saved in (a re-plan empties every arena)
         self.recover = recover  # None: a lost stage ends the run with ClusterError
         self.rebalance = rebalance  # None: a slowed stage keeps its layers
         self.drift = DriftWatch(config.drift, expected)  # expected: each stage's price of the work sent
@@ -150,9 +152,8 @@ class Pipeline:
         """Serve requests from `source` until it is exhausted and nothing is in flight. `events`
         hears of every lost stage, wait and recovery (the job runner records them in the store)."""
         self._follow_placement()  # the owner may have re-planned between runs (keep_alive)
-        prefixes = self.batching.prefix_cache
         run = RunState(Scheduler(self.batching, len(self.placement().stages), self.eos_ids, self.new_detokenizer,
-                                 PrefixIndex(prefixes) if prefixes.enabled else None),
+                                 self._prefix_index()),
                        source, sink, should_stop, events)
         started, cpu_started = self.clock(), time.process_time()
         poller = zmq.Poller()
@@ -180,6 +181,16 @@ class Pipeline:
         run.stats.stage_stats = {s.name: dict(s.stats) for s in self.chain}
         self._report_prefix_cache(run)
         return run.stats
+
+    def _prefix_index(self) -> PrefixIndex | None:
+        """The prefix cache's bookkeeping for a run. It outlives the run, as the stages' entries do: the next
+        job of this broker restores what this one saved. A new epoch means new arenas, so new bookkeeping."""
+        if not self.batching.prefix_cache.enabled:
+            return None
+        if self._prefixes is None or self._prefixes_epoch != self.control.epoch:
+            self._prefixes, self._prefixes_epoch = PrefixIndex(self.batching.prefix_cache), self.control.epoch
+        self._prefixes.start_run()
+        return self._prefixes
 
     def _report_prefix_cache(self, run: RunState) -> None:
         """The run's prefix-cache figures: in its stats, the log and the job's events (status JOB shows them)."""

@@ -557,7 +557,7 @@ def _too_small_message(costs: _CostModel) -> str:
     per_token = n * model.kv_bytes_per_token
     return (f"{head}. Ways out: add stages or memory (--memory-budget), lower --max-context (KV costs "
             f"{per_token:,} bytes per slot-token over all layers), or fewer --slots / --micro-batch-size"
-            + (" / --prefix-cache-tokens" if shapes.prefix_cache_tokens else "") + ")")
+            + (" / --prefix-cache-tokens" if shapes.prefix_cache_tokens else ""))
 
 
 def _gib(size: float) -> str:

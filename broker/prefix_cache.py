@@ -272,6 +272,15 @@ class PrefixIndex:
         drops, self._drops = self._drops, []
         return drops
 
+    def start_run(self) -> None:
+        """A new run on the same stages: entries every stage holds are kept; saves the last run never
+        finished (items handed back when it stopped) are dropped, and the figures start again."""
+        for entry in [e for e in self.entries.values() if not e.committed]:
+            self._forget(entry.entry_id)
+        for entry in self.entries.values():
+            entry.pins = 0  # no step is in flight between runs
+        self.stats = PrefixStats()
+
     def clear(self) -> None:
         """The stages' caches are gone (a re-plan): so is every entry. What was seen stays seen."""
         self.entries.clear()

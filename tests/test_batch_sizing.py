@@ -80,17 +80,19 @@ def test_memory_caps_the_slots() -> None:
     sizing = choose_batching(AUTO, 2, small, MEMORY)
     assert sizing.batching.micro_batch_size == 1 and "capped at 1 by memory" in " ".join(sizing.reasons)
     roomy = [fitted("a", 5.0, 0.1, budget=10**6), fitted("b", 5.0, 0.1, budget=10**6)]
-    # (2 x 950,000 - 1,200 of weights - 2 workspaces of 5,120 activations + 256,000 scores) // 10,000
-    assert max_slots(roomy, MEMORY, 1000, 64, 0.05) == 137
+    # (2 x 950,000 - 1,200 of weights - 2 workspaces of 5,120 activations + 256,000 scores) // (10,000 + 96
+    # for each row's logits on the last stage: 3 x 8 vocabulary x 4 bytes)
+    assert max_slots(roomy, MEMORY, 1000, 64, 0.05) == 136
     # A job of a million items wants 256 per micro-batch; memory caps it at 170 slots // 3 micro-batches
     # (workspaces for the default 256 tokens per step, the prefill budget being auto too).
     larger = [fitted("a", 5.0, 0.1, budget=2 * 10**6), fitted("b", 5.0, 0.1, budget=2 * 10**6)]
-    assert max_slots(larger, MEMORY, 1000, 256, 0.05) == 170
+    assert max_slots(larger, MEMORY, 1000, 256, 0.05) == 169
+    assert max_slots(larger, MEMORY, 1000, 256, 0.05, micro_batches=3) == 170  # 3 micro-batches share the logits
     no_prefixes = replace(AUTO, prefix_cache=PrefixCacheConfig(budget_tokens=0))
     big_job = choose_batching(no_prefixes, 2, larger, MEMORY, items=10**6)
     assert big_job.batching.micro_batch_size == 56 and "capped at 56 by memory" in " ".join(big_job.reasons)
     # The prefix cache's positions come out of the same memory: 10 layers x 1 byte x 10,000 tokens = 10 slots.
-    assert max_slots(larger, MEMORY, 1000, 256, 0.05, prefix_cache_tokens=10_000) == 160
+    assert max_slots(larger, MEMORY, 1000, 256, 0.05, prefix_cache_tokens=10_000) == 159
     with_prefixes = replace(AUTO, prefix_cache=PrefixCacheConfig(budget_tokens=10_000))
     assert choose_batching(with_prefixes, 2, larger, MEMORY, items=10**6).batching.micro_batch_size == 53
 
@@ -128,3 +130,20 @@ def test_the_count_whose_plan_predicts_more_wins(fastest) -> None:
     assert planned == [(2, 30), (3, 20)], "each count is sized for the job (60 items) and planned"
     assert sizing.batching.num_micro_batches == fastest and plan.chosen.tokens_per_s == 100.0
     assert sizing.reasons[0].startswith(f"micro-batches {fastest} of ") and "the fastest predicted" in sizing.reasons[0]
+
+
+def test_a_large_job_is_sized_to_what_the_planner_then_accepts() -> None:
+    """The default model's shapes, two stages of 20.17 GiB (this machine's, as the bench that found it saw
+    them), a 500-item job at a 4,096-token context: every slot's KV and every row's logits, at the prefill
+    budget chosen, fit what the placement checks (it was 90 MiB short, counting one row's logits)."""
+    from layerbus.broker.placement import plan_placement
+
+    memory = ModelMemory(layer_weight_bytes=(14_155_776,) * 30, embed_bytes=113_246_208, head_bytes=113_246_208,
+                         head_shares_embed=True, kv_bytes_per_token=1536, activation_bytes_per_token=2304,
+                         hidden_size=576, intermediate_size=1536, num_attention_heads=9, vocab_size=49152,
+                         dtype_bytes=4)
+    stages = [fitted(name, 0.02, 0.0005, budget=int(20.17 * 2**30), per_token=0.0004) for name in ("a", "b")]
+    sizing = choose_batching(BatchingConfig(micro_batch_size=0, max_step_tokens=0, max_context=4096), 2, stages,
+                             memory, items=500)
+    assert sizing.batching.num_slots > 64, sizing.reasons
+    plan_placement(stages, memory, sizing.batching)  # raises PlacementError when the sizes do not fit

@@ -243,3 +243,31 @@ def test_prompts_wait_a_step_for_a_prefix_being_saved_rather_than_compute_it() -
     prefills = [row for row in second.rows if len(row.tokens) > 1]
     assert [(row.start, row.restore[1]) for row in prefills] == [(12, 12)] * 4, "the other four copy it"
     assert scheduler.prefix_cache.stats.restored_tokens == 48
+
+
+def test_a_new_run_keeps_what_every_stage_holds_and_drops_unfinished_saves() -> None:
+    cache = index()
+    plans = [cache.plan_prompt(prompt(8, 2, seed)) for seed in range(2)]
+    cache.step_done(None, plans[1].save)
+    unfinished = [cache.plan_prompt(prompt(12, 2, seed)) for seed in range(2)][1].save
+    cache.start_run()
+    assert cache.take_drops() == [unfinished[0]] and cache.stats.prompts == 0
+    assert cache.plan_prompt(prompt(8, 2, 9)).restore == (plans[1].save[0], 8)
+
+
+@pytest.mark.cluster
+def test_the_next_job_on_the_same_stages_restores_what_the_last_one_saved(tiny_models):
+    from transformers import AutoTokenizer
+
+    model_dir = tiny_models("llama", num_hidden_layers=4)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    requests = shared_prefix_requests(tokenizer)
+    batching = BatchingConfig(num_slots=2, max_step_tokens=16, min_prefill_chunk=8,
+                              prefix_cache=PrefixCacheConfig(budget_tokens=512, block_tokens=8))
+    with LocalCluster(BrokerConfig(str(model_dir), 2, batching=batching), LocalStageOptions(threads_per_stage=1)) as cluster:
+        first, _ = cluster.broker.generate(requests[:4])
+        second, stats = cluster.broker.generate(requests[4:])
+    assert stats.prefix_cache["hits"] == 4 and stats.prefix_cache["saved_entries"] == 0, stats.prefix_cache
+    off, _ = run_pipeline(model_dir, 2, requests, num_slots=2, max_step_tokens=16, min_prefill_chunk=8,
+                          prefix_cache=PrefixCacheConfig(budget_tokens=0))
+    assert [r.token_ids for r in first + second] == [r.token_ids for r in off]
