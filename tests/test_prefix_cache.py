@@ -5,6 +5,8 @@ tiny budget must evict without the stages ever holding more than it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -271,3 +273,37 @@ def test_the_next_job_on_the_same_stages_restores_what_the_last_one_saved(tiny_m
     off, _ = run_pipeline(model_dir, 2, requests, num_slots=2, max_step_tokens=16, min_prefill_chunk=8,
                           prefix_cache=PrefixCacheConfig(budget_tokens=0))
     assert [r.token_ids for r in first + second] == [r.token_ids for r in off]
+
+
+@pytest.mark.cluster
+def test_kill_9_of_a_stage_mid_job_changes_no_output_with_prefixes_cached(tiny_models):
+    """A re-plan empties every stage's cache: the bookkeeping starts again, and the outputs are those of a
+    run with the cache off and no fault."""
+    import os
+    import signal
+
+    from transformers import AutoTokenizer
+
+    from tests.test_faults import process_of
+    from tests.test_faults import run as run_with_faults
+
+    model_dir = tiny_models("llama", num_hidden_layers=6)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    requests = [GenerationRequest(f"k{i}", tokenizer(SYSTEM + DOCUMENTS[i % len(DOCUMENTS)] + f" ({i})").input_ids,
+                                  max_new_tokens=24) for i in range(16)]
+    cached = PrefixCacheConfig(budget_tokens=1024, block_tokens=8)
+    killed = []
+
+    def kill_middle(cluster, count):
+        if count >= 4 and not killed:
+            process, name = process_of(cluster, 1)
+            killed.append(name)
+            os.kill(process.pid, signal.SIGKILL)
+
+    batching = BatchingConfig(num_slots=4, num_micro_batches=4, max_step_tokens=32)
+    faulted, stats = run_with_faults(model_dir, requests, on_result=kill_middle,
+                                     batching=replace(batching, prefix_cache=cached))
+    clean, _ = run_with_faults(model_dir, requests, batching=replace(batching, prefix_cache=PrefixCacheConfig(0)))
+    assert killed and len(stats.recoveries) == 1
+    assert stats.prefix_cache["hits"] >= 4, stats.prefix_cache
+    assert {k: r.token_ids for k, r in faulted.items()} == {k: r.token_ids for k, r in clean.items()}
