@@ -11,13 +11,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from layerbus.broker.broker import BrokerConfig
+from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.prefix_cache import PrefixCacheConfig, PrefixIndex, block_hashes
 from layerbus.broker.requests import GenerationRequest
 from layerbus.broker.scheduler import BatchingConfig, Scheduler
 from layerbus.wire import protocol
 from layerbus.wire.frames import WireError
-from layerbus.broker.broker import BrokerConfig
-from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
 from tests.test_equivalence import assert_equivalent, run_pipeline
 
 BLOCK = 4
