@@ -112,15 +112,21 @@ def outputs(results) -> dict[str, list[int]]:
     return {rid: result.token_ids for rid, result in results.items()}
 
 
-def test_kill_9_of_one_of_three_stages_changes_no_output(model_dir, requests, unfaulted):
-    killed = []
-
+def kill_middle_after(results: int, killed: list[str]):
+    """An on_result that sends SIGKILL to the chain's second stage once `results` results are in (once),
+    noting its name in `killed`."""
     def kill_middle(cluster, count):
-        if count >= 4 and not killed:
+        if count >= results and not killed:
             process, name = process_of(cluster, 1)
             killed.append(name)
             os.kill(process.pid, signal.SIGKILL)
 
+    return kill_middle
+
+
+def test_kill_9_of_one_of_three_stages_changes_no_output(model_dir, requests, unfaulted):
+    killed = []
+    kill_middle = kill_middle_after(4, killed)
     events, counts = [], []
     results, stats = run(model_dir, requests, on_result=kill_middle, events=events, counts=counts)
     assert killed, "the run ended before the fault was injected: make it longer"

@@ -279,12 +279,9 @@ def test_the_next_job_on_the_same_stages_restores_what_the_last_one_saved(tiny_m
 def test_kill_9_of_a_stage_mid_job_changes_no_output_with_prefixes_cached(tiny_models):
     """A re-plan empties every stage's cache: the bookkeeping starts again, and the outputs are those of a
     run with the cache off and no fault."""
-    import os
-    import signal
-
     from transformers import AutoTokenizer
 
-    from tests.test_faults import process_of
+    from tests.test_faults import kill_middle_after
     from tests.test_faults import run as run_with_faults
 
     model_dir = tiny_models("llama", num_hidden_layers=6)
@@ -292,16 +289,9 @@ def test_kill_9_of_a_stage_mid_job_changes_no_output_with_prefixes_cached(tiny_m
     requests = [GenerationRequest(f"k{i}", tokenizer(SYSTEM + DOCUMENTS[i % len(DOCUMENTS)] + f" ({i})").input_ids,
                                   max_new_tokens=24) for i in range(16)]
     cached = PrefixCacheConfig(budget_tokens=1024, block_tokens=8)
-    killed = []
-
-    def kill_middle(cluster, count):
-        if count >= 4 and not killed:
-            process, name = process_of(cluster, 1)
-            killed.append(name)
-            os.kill(process.pid, signal.SIGKILL)
-
+    killed: list[str] = []
     batching = BatchingConfig(num_slots=4, num_micro_batches=4, max_step_tokens=32)
-    faulted, stats = run_with_faults(model_dir, requests, on_result=kill_middle,
+    faulted, stats = run_with_faults(model_dir, requests, on_result=kill_middle_after(4, killed),
                                      batching=replace(batching, prefix_cache=cached))
     clean, _ = run_with_faults(model_dir, requests, batching=replace(batching, prefix_cache=PrefixCacheConfig(0)))
     assert killed and len(stats.recoveries) == 1
