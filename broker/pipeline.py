@@ -200,8 +200,8 @@ class Pipeline:
         figures = run.stats.prefix_cache = index.stats.to_json()
         message = (f"prefix cache: {figures['restored_tokens']} of {figures['prompt_tokens']} prompt tokens copied "
                    f"instead of computed ({100 * figures['hit_rate']:.1f}%; {figures['hits']} of {figures['prompts']} "
-                   f"prompts started from a saved prefix, {figures['saved_entries']} prefixes saved, "
-                   f"{figures['evicted_entries']} evicted)")
+                   f"prompts started from a saved prefix; prefixes saved {figures['saved_entries']}, "
+                   f"evicted {figures['evicted_entries']})")
         log.info("%s", message)
         if run.events is not None:
             run.events("prefix_cache", message, **figures)
