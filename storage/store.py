@@ -87,6 +87,8 @@ class JobStore:
         self._read_engine = engine.execution_options(**{READ_ONLY_OPTION: True})
         # Only PostgreSQL needs (and understands) row locks; SQLite's BEGIN IMMEDIATE locks the database.
         self._row_locks = engine.dialect.name == "postgresql"
+        # PostgreSQL's text columns cannot hold a NUL character; a generated one is stored as U+FFFD there.
+        self._no_nul = engine.dialect.name == "postgresql"
         # The URL with its password masked, for messages.
         self.url = mask_url(url)
         # The eval queries (storage/eval_store.py); each eval method below is one transaction around one of them.
@@ -272,7 +274,7 @@ class JobStore:
                         completion_tokens=bindparam("b_completion_tokens"), latency_s=bindparam("b_latency_s"),
                         error=bindparam("b_error"), finished_at=now, lease_expires_at=None,
                     ),  # fmt: skip
-                    [result_params(first[item_id]) for item_id, _ in live],
+                    [result_params(first[item_id], no_nul=self._no_nul) for item_id, _ in live],
                 )
                 written.update(item_id for item_id, _ in live)
                 for item_id, job_id in live:

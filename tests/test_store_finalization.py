@@ -158,3 +158,14 @@ def test_a_store_from_before_several_brokers_gains_the_columns_and_the_table(sto
     with JobStore.open(store_url) as store:
         assert store.job_workers(job_id) == []
         assert store.claim_finalization(job_id, A, 10).claimed, "nobody holds an old finalization"
+
+
+def test_a_generated_nul_character_is_recorded_on_either_store(store: JobStore, store_url: str) -> None:
+    job_id = store.create_job(SETTINGS, new_items(2), now=T0)
+    first, second = store.claim_items(job_id, A, 2, now=T0)
+    nul = ItemResult(first.item_id, "a\x00b", "length", 3, 3, 0.1)
+    failed = ItemResult(second.item_id, None, "error", 3, 0, 0.1, error="bad byte \x00")
+    assert store.complete_items([nul, failed], holder=A) == [first.item_id, second.item_id]
+    rows = {row["custom_id"]: row for row in store.item_results(job_id)}
+    kept = "\x00" if store_url.startswith("sqlite") else "\ufffd"  # PostgreSQL text cannot hold NUL
+    assert (rows["id-0"]["output"], rows["id-1"]["error"]) == (f"a{kept}b", f"bad byte {kept}")
