@@ -7,6 +7,8 @@ row, so concurrent claims, completions, renewals and cancels cannot deadlock. Ev
 updates the counters in its transaction (storage/item_counts.py), so status never counts items. A
 claim is a lease (storage/leases.py): its holder renews it while it works, and only a holder may
 record or hand back what it holds, so an item taken over after its lease ran out is never recorded twice.
+Several brokers may work one job: each has its row in job_workers (storage/job_workers.py), and exactly
+one of them finalizes the job, under a hold of its own (storage/finalization.py).
 """
 
 from __future__ import annotations
