@@ -47,8 +47,8 @@ def finish_job(store: JobStore, job_id: str, writer: ResultWriter, settings: Job
         if status.status in RUNNABLE_JOB_STATES and (status.queued or status.in_progress):
             return status
         if status.status in FINAL_JOB_STATES and (status.status != "cancelled" or status.results_path):
-            if waiting_on is not None:
-                writer.discard_parts()  # the final file, from the store, holds this broker's rows
+            if status.results_path:  # the final file, from the store, holds this broker's rows (a failed
+                writer.discard_parts()  # job's parts stay: they hold outputs of the items it did not finish)
             return status
         claim = store.claim_finalization(job_id, worker, leases.lease_s, gone=gone)
         if claim.claimed:
