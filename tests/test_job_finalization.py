@@ -107,3 +107,21 @@ def test_a_finalizer_whose_hold_ran_out_is_taken_over(store, tokenizer, tmp_path
 
     assert status.status == "completed" and store.job_finalization(job_id).holder == "box:2:02"
     assert sorted(r["custom_id"] for r in final_rows(status.results_path)) == [f"doc-{i}" for i in range(5)]
+
+
+def test_a_broker_that_breaks_while_another_finalizes_does_not_fail_the_job(store, tokenizer, tmp_path):
+    job_id = queue_job(store, 3)
+    other = "other-host:7:ee"
+    store.complete_items([ok(c.item_id) for c in store.claim_items(job_id, other, 3)], holder=other)
+    assert store.claim_finalization(job_id, other, 30).claimed
+
+    class BreakingBroker(ScriptedBroker):
+        def keep_alive(self, seconds, report=None):
+            raise RuntimeError("every stage of this broker is gone")
+
+    status = run_job(store, job_id, BreakingBroker(tokenizer), tmp_path, poll_cancel_s=0, worker_name="box:3:03")
+
+    assert status.status == "finalizing" and status.error is None, "the other broker finishes it"
+    assert store.finish_finalization(job_id, other, "/elsewhere/final.parquet", "completed")
+    (me,) = [w for w in store.job_workers(job_id) if w.worker == "box:3:03"]
+    assert me.state == "stopped"
