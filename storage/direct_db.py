@@ -1,7 +1,9 @@
-"""The store reached through its DB-API driver alone (sqlite3, psycopg), without SQLAlchemy.
+"""The store reached through its driver alone (sqlite3; libpq, else psycopg), without SQLAlchemy.
 
 The light commands (`status`, `results`, `top`, `cancel`) answer in a few milliseconds of SQL, but
-importing SQLAlchemy takes 130-240 ms here, ten times the rest of such a command. They use a DirectDb
+importing SQLAlchemy takes 130-240 ms here, ten times the rest of such a command, and importing psycopg
+90-180 ms, so PostgreSQL is reached through libpq itself where it can be loaded (storage/libpq.py, about
+8 ms). They use a DirectDb
 where `direct_db` gives one, and the full JobStore otherwise: an unusual URL (a driver other than
 psycopg, query options on a SQLite URL, an in-memory database), a missing SQLite file, or a missing
 driver. What goes wrong past the connection (a store older than a table, a locked database) is for
@@ -47,19 +49,30 @@ class DirectDb:
     kind: str
     # The SQLite file, or the libpq connection URI.
     target: str
+    # "sqlite3", "libpq" (storage/libpq.py) or "psycopg": what `connect` opens.
+    driver: str = "sqlite3"
 
     @property
     def error(self) -> type[Exception]:
         """The driver's base error class (what a query may raise)."""
-        if self.kind == "sqlite":
+        if self.driver == "sqlite3":
             return sqlite3.Error
+        if self.driver == "libpq":
+            from layerbus.storage.libpq import LibpqError
+
+            return LibpqError
         import psycopg
 
         return psycopg.Error
 
     def sql(self, query: str) -> str:
-        # psycopg's placeholder is %s; no query of this path holds a literal ? or %.
-        return query if self.kind == "sqlite" else query.replace("?", "%s")
+        """`query`, written with `?` marks, in the driver's placeholders (no query of this path holds a
+        literal ? or %)."""
+        if self.driver == "libpq":
+            from layerbus.storage.libpq import numbered_placeholders
+
+            return numbered_placeholders(query)
+        return query if self.driver == "sqlite3" else query.replace("?", "%s")
 
     def connect(self, write: bool = False):  # type: ignore[no-untyped-def]
         """A connection in autocommit mode (transactions are begun explicitly); read-only unless `write`.
@@ -74,6 +87,15 @@ class DirectDb:
             if write:
                 conn.execute("PRAGMA foreign_keys = ON")  # as the full store's connections
             return conn
+        if self.driver == "libpq":
+            from layerbus.storage.libpq import Connection, LibpqError, load_libpq
+
+            library = load_libpq()
+            assert library is not None, "direct_db chose libpq, so it loaded"
+            try:
+                return Connection(library, self.target, POSTGRES_CONNECT_TIMEOUT_S)
+            except LibpqError as exc:
+                raise StoreError(postgres_connect_message(self.url, exc)) from exc
         import psycopg
 
         try:
@@ -104,12 +126,17 @@ def direct_db(url: str) -> DirectDb | None:
         return DirectDb(url, "sqlite", str(path)) if path.is_file() else None
     if not url.startswith(_POSTGRES_PREFIX):
         return None
+    # SQLAlchemy passes the URL's parts and query options to psycopg; libpq reads the same URI directly.
+    target = "postgresql://" + url[len(_POSTGRES_PREFIX):]
+    from layerbus.storage.libpq import load_libpq
+
+    if load_libpq() is not None:
+        return DirectDb(url, "postgresql", target, driver="libpq")
     try:
         import psycopg  # noqa: F401  (the postgres extra; without it the full store says what to install)
     except ImportError:
         return None
-    # SQLAlchemy passes the URL's parts and query options to psycopg; libpq reads the same URI directly.
-    return DirectDb(url, "postgresql", "postgresql://" + url[len(_POSTGRES_PREFIX):])
+    return DirectDb(url, "postgresql", target, driver="psycopg")
 
 
 def postgres_connect_message(url: str, reason: object) -> str:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from layerbus.models.model_files import ModelDirError, open_model_dir
+from layerbus.models.model_files import ModelDirError, open_model_dir, safetensors_tensor_names
 from layerbus.models.tensor_reader import TensorReader
 from layerbus.stages.shard import ShardSpec, load_shard
 from tests.tiny_models import make_sharded_copy
@@ -69,6 +69,26 @@ def test_missing_shard_and_bad_index_are_named(tiny_models, tmp_path):
 def test_checkpoint_missing_a_layer_is_refused(model_copy):
     edit_config(model_copy, num_hidden_layers=6)  # the weights hold 4
     with pytest.raises(ModelDirError, match=r"no weights for layer\(s\) \[4, 5\]"):
+        open_model_dir(model_copy)
+
+
+def test_tensor_names_come_from_the_header_as_safetensors_reads_it(model_copy):
+    from safetensors import safe_open
+
+    file = model_copy / "model.safetensors"
+    with safe_open(file, framework="pt") as handle:
+        assert sorted(safetensors_tensor_names(file)) == sorted(handle.keys())
+
+
+@pytest.mark.parametrize("damage", ["garbage", "empty", "length past the end", "header not an object"])
+def test_a_damaged_safetensors_header_is_refused_with_the_file_named(model_copy, damage):
+    file = model_copy / "model.safetensors"
+    data = file.read_bytes()
+    damaged = {"garbage": b"\xff" * 64, "empty": b"",
+               "length past the end": (len(data) * 2).to_bytes(8, "little") + data[8:],
+               "header not an object": (2).to_bytes(8, "little") + b"[]"}[damage]
+    file.write_bytes(damaged)
+    with pytest.raises(ModelDirError, match=rf"{file}.* is not a readable safetensors file.*re-download"):
         open_model_dir(model_copy)
 
 

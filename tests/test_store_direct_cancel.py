@@ -1,6 +1,6 @@
-"""The light commands' direct path (storage/direct_db.py: sqlite3 or psycopg, no SQLAlchemy) agrees with
-JobStore, on a SQLite file and on a real PostgreSQL database: cancel statement for statement, status
-field for field."""
+"""The light commands' direct path (storage/direct_db.py: sqlite3, libpq or psycopg, no SQLAlchemy) agrees
+with JobStore, on a SQLite file and on a real PostgreSQL database (through libpq, and through psycopg where
+libpq cannot be loaded): cancel statement for statement, status field for field."""
 
 from __future__ import annotations
 
@@ -21,11 +21,18 @@ T0 = datetime(2030, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc)
 SETTINGS = JobSettings(task="generate", model="tiny-model", max_new_tokens=16, name="twin")
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres),
+                        pytest.param("postgres-psycopg", marks=pytest.mark.postgres)])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'store.db'}"
-    return request.getfixturevalue("postgres_fresh_url")
+    url = request.getfixturevalue("postgres_fresh_url")
+    if request.param == "postgres-psycopg":  # a machine where libpq cannot be loaded by name
+        monkeypatch.setattr("layerbus.storage.libpq.load_libpq", lambda: None)
+        assert direct_db(url).driver == "psycopg"
+    else:
+        assert direct_db(url).driver == "libpq", "psycopg's binary wheel bundles libpq: the light path must find it"
+    return url
 
 
 def items(n: int) -> list[NewItem]:
@@ -140,13 +147,14 @@ try:
     code = main(json.loads(sys.argv[1]))
 except SystemExit as exit:
     code = exit.code
-heavy = [m for m in ("sqlalchemy", "pyarrow", "torch", "transformers") if m in sys.modules]
+heavy = [m for m in ("sqlalchemy", "pyarrow", "torch", "transformers", "psycopg") if m in sys.modules]
 print("RESULT " + json.dumps([code, heavy]))
 """
 
 
 def test_light_commands_import_no_sqlalchemy_nor_pyarrow(store_url: str, tmp_path: Path) -> None:
-    """status, status JOB, results JOB (no file yet), top JOB --once and cancel JOB answer through the driver alone."""
+    """status, status JOB, results JOB (no file yet), top JOB --once and cancel JOB answer through the driver alone
+    (on PostgreSQL libpq, not psycopg, whose import alone costs more than such a command may take)."""
     import json
     import subprocess
     import sys
