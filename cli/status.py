@@ -78,7 +78,8 @@ def _print_directly(args: argparse.Namespace) -> bool:
 
 
 def _print_job(status: JobStatus, events: Sequence[JobEvent], as_json: bool, workers: Sequence[JobWorker] = ()) -> None:
-    print(json.dumps(status_json(status, events, workers), indent=2) if as_json else job_report(status, events, workers))
+    print(json.dumps(status_json(status, events, workers), indent=2) if as_json
+          else job_report(status, events, workers))
 
 
 def _latest(store: JobStore) -> str:

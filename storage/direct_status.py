@@ -1,5 +1,5 @@
-"""`job_status`, `list_jobs`, `job_events`, `job_workers` and `stage_snapshots` through the store's driver alone (sqlite3 or
-psycopg, storage/direct_db.py), read-only.
+"""`job_status`, `list_jobs`, `job_events`, `job_workers` and `stage_snapshots` through the store's driver
+alone (sqlite3, libpq or psycopg, storage/direct_db.py), read-only.
 
 `layerbus status` is what people poll while a job runs. Its query takes about 1 ms on SQLite and a few on
 PostgreSQL; importing SQLAlchemy takes 130-240 ms. This module reads the same two things JobStore reads
