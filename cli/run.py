@@ -63,11 +63,11 @@ def main(args: argparse.Namespace) -> int:
                          + (", not both" if args.input else ""))
     metrics = start_metrics(args)  # first: an address it cannot listen on is refused before anything is queued
     try:
-        status, events, job_id = _submit_and_run(args, metrics)
+        status, events, workers, job_id = _submit_and_run(args, metrics)
     finally:
         if metrics is not None:
             metrics.close()
-    print(job_report(status, events))
+    print(job_report(status, events, workers if len(workers) > 1 else ()))  # several brokers: who did what
     if status.status != "completed":
         print(f"layerbus: job {job_id} is {status.status}" + (f": {status.error}" if status.error else ""),
               file=sys.stderr)
@@ -75,7 +75,7 @@ def main(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _submit_and_run(args: argparse.Namespace, metrics: MetricsServer | None) -> tuple[JobStatus, list, str]:
+def _submit_and_run(args: argparse.Namespace, metrics: MetricsServer | None) -> tuple[JobStatus, list, list, str]:
     with open_store(args.db) as store:
         if args.job:
             if args.task or args.model:
@@ -92,7 +92,7 @@ def _submit_and_run(args: argparse.Namespace, metrics: MetricsServer | None) -> 
         status = store.job_status(job_id)
         if status.status not in FINAL_JOB_STATES:  # a finished job needs no cluster
             status = run_locally(store, job_id, model_dir, args, metrics)
-        return status, store.job_events(job_id), job_id
+        return status, store.job_events(job_id), store.job_workers(job_id), job_id
 
 
 def run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.Namespace,

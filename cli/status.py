@@ -7,7 +7,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from layerbus.cli.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
@@ -15,7 +15,7 @@ from layerbus.cli.options import add_db, add_verbose, open_store, positive_int
 from layerbus.storage.states import FINAL_JOB_STATES
 
 if TYPE_CHECKING:
-    from layerbus.storage import JobEvent, JobStatus, JobStore
+    from layerbus.storage import JobEvent, JobStatus, JobStore, JobWorker
 
 WATCH_INTERVAL_S = 2.0
 
@@ -23,9 +23,10 @@ WATCH_INTERVAL_S = 2.0
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("status", help="show recent jobs, or one job's progress",
                                    description="Without JOB: a table of recent jobs. With JOB: counts by state, "
-                                               "tokens, tokens/s, ETA, timestamps, the results path and the "
-                                               "job's events (stages lost, re-plans, recoveries and how long "
-                                               "they took).")
+                                               "tokens, tokens/s, ETA, timestamps, the results path, the "
+                                               "brokers working it (host, chain, items done, tokens/s, last "
+                                               "lease renewal) and the job's events (stages lost, re-plans, "
+                                               "recoveries and how long they took).")
     parser.add_argument("job", metavar="JOB", nargs="?", help="job id (job_...)")
     parser.add_argument("--json", action="store_true", help="print JSON (one object per refresh with --watch)")
     parser.add_argument("--watch", action="store_true",
@@ -48,14 +49,14 @@ def main(args: argparse.Namespace) -> int:
             print(json.dumps([status_json(s) for s in jobs], indent=2) if args.json else jobs_table(jobs))
             return EXIT_OK
         status = store.job_status(args.job)
-        _print_job(status, store.job_events(args.job), args.json)
+        _print_job(status, store.job_events(args.job), args.json, store.job_workers(args.job))
         return EXIT_OK
 
 
 def _print_directly(args: argparse.Namespace) -> bool:
     """Answer through the store's driver alone (sqlite3, psycopg), without importing SQLAlchemy (most of this
     command's time); False when that path cannot answer, and the full store (with its error messages) takes over."""
-    from layerbus.storage.direct_status import read_job_events, read_job_status, read_recent_jobs
+    from layerbus.storage.direct_status import read_job_events, read_job_status, read_job_workers, read_recent_jobs
     from layerbus.storage.locations import default_db_url
 
     url = args.db or default_db_url()
@@ -69,14 +70,16 @@ def _print_directly(args: argparse.Namespace) -> bool:
     if status is None:
         return False
     events = read_job_events(url, args.job)
-    if events is None:
+    workers = read_job_workers(url, args.job)
+    if events is None or workers is None:
         return False
-    _print_job(status, events, args.json)
+    _print_job(status, events, args.json, workers)
     return True
 
 
-def _print_job(status: JobStatus, events: Sequence[JobEvent], as_json: bool) -> None:
-    print(json.dumps(status_json(status, events), indent=2) if as_json else job_report(status, events))
+def _print_job(status: JobStatus, events: Sequence[JobEvent], as_json: bool, workers: Sequence[JobWorker] = ()) -> None:
+    print(json.dumps(status_json(status, events, workers), indent=2) if as_json
+          else job_report(status, events, workers))
 
 
 def _latest(store: JobStore) -> str:
@@ -93,10 +96,11 @@ def _watch(store: JobStore, job_id: str, as_json: bool) -> int:
     try:
         while True:
             status = store.job_status(job_id)
-            events = store.job_events(job_id)
+            events, workers = store.job_events(job_id), store.job_workers(job_id)
             if redraw:
                 sys.stdout.write("\x1b[H\x1b[2J")  # cursor home, clear screen
-            print(json.dumps(status_json(status, events)) if as_json else job_report(status, events), flush=True)
+            print(json.dumps(status_json(status, events, workers)) if as_json else job_report(status, events, workers),
+                  flush=True)
             if status.status in FINAL_JOB_STATES:
                 return EXIT_OK if status.status == "completed" else EXIT_FAILED
             if not redraw and not as_json:
@@ -106,8 +110,10 @@ def _watch(store: JobStore, job_id: str, as_json: bool) -> int:
         return EXIT_INTERRUPTED
 
 
-def status_json(status: JobStatus, events: Sequence[JobEvent] | None = None) -> dict[str, Any]:
-    """The JSON of one job; `events` (one job's view, not the jobs table) adds an "events" list."""
+def status_json(status: JobStatus, events: Sequence[JobEvent] | None = None,
+                workers: Sequence[JobWorker] | None = None, now: datetime | None = None) -> dict[str, Any]:
+    """The JSON of one job; `events` and `workers` (one job's view, not the jobs table) add an "events" and
+    a "workers" list."""
     out = {
         "id": status.job_id,
         "name": status.name,
@@ -131,10 +137,30 @@ def status_json(status: JobStatus, events: Sequence[JobEvent] | None = None) -> 
     if events is not None:
         out["events"] = [{"at": _iso(e.at), "kind": e.kind, "message": e.message, "duration_s": e.duration_s}
                          for e in events]
+    if workers is not None:
+        clock = now or datetime.now(timezone.utc)
+        out["workers"] = [{"worker": w.worker, "host": w.host, "chain": w.chain, "state": w.state_at(clock),
+                           "items_done": w.items_done, "completion_tokens": w.completion_tokens,
+                           "tokens_per_s": w.tokens_per_s, "lease_s": w.lease_s, "started_at": _iso(w.started_at),
+                           "last_renewal": _iso(w.renewed_at),
+                           "last_renewal_age_s": round((clock - w.renewed_at).total_seconds(), 3)}
+                          for w in workers]
     return out
 
 
-def job_report(status: JobStatus, events: Sequence[JobEvent] = ()) -> str:
+def workers_table(workers: Sequence[JobWorker], now: datetime) -> str:
+    """One line per broker that worked the job: who, where, its state, what it did, when it last renewed."""
+    header = ("WORKER", "HOST", "STATE", "ITEMS", "TOK/S", "LAST RENEWAL (UTC)", "CHAIN")
+    rows = [(w.worker, w.host, w.state_at(now), str(w.items_done),
+             f"{w.tokens_per_s:.1f}" if w.tokens_per_s is not None else "-",
+             f"{_clock(w.renewed_at)} ({duration_text(max(0.0, (now - w.renewed_at).total_seconds()))} ago)",
+             w.chain or "-") for w in workers]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows])
+
+
+def job_report(status: JobStatus, events: Sequence[JobEvent] = (), workers: Sequence[JobWorker] = (),
+               now: datetime | None = None) -> str:
     rate = f" ({status.tokens_per_s:.1f} tok/s)" if status.tokens_per_s is not None else ""
     lines = [
         ("job", f"{status.job_id}" + (f" ({status.name})" if status.name else "")),
@@ -157,6 +183,8 @@ def job_report(status: JobStatus, events: Sequence[JobEvent] = ()) -> str:
         lines.append(("error", status.error))
     width = max(len(label) for label, _ in lines)
     table = "\n".join(f"{label:<{width}}  {value}" for label, value in lines)
+    if workers:
+        table += f"\n\nworkers\n{workers_table(workers, now or datetime.now(timezone.utc))}"
     return f"{table}\n\nevents (UTC)\n{events_table(events)}" if events else table
 
 

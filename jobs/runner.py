@@ -5,7 +5,6 @@ queued, or from a killed earlier run, to completed, cancelled or failed."""
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import socket
 import time
@@ -16,13 +15,14 @@ from typing import Any, Protocol
 
 from layerbus.broker.control import ClusterError
 from layerbus.broker.requests import GenerationRequest, GenerationResult, ScoreRequest
+from layerbus.jobs.finalization import all_failed_message, finish_job  # noqa: F401 (all_failed_message: re-exported)
 from layerbus.jobs.item_params import ADD_SPECIAL_TOKENS_KEY, PROMPT_IDS_KEY
 from layerbus.jobs.leases import LeaseConfig, LeaseKeeper, gone_holders, pid_alive, this_worker
 from layerbus.jobs.score_items import is_scoring, score_output, score_request
 from layerbus.jobs.snapshot_keeper import SnapshotConfig, SnapshotKeeper
 from layerbus.storage import ClaimedItem, ItemResult, JobSettings, JobStatus, JobStore, StoreError
 from layerbus.storage.result_row import result_row
-from layerbus.storage.results import ResultWriter, settings_metadata
+from layerbus.storage.results import ResultWriter
 from layerbus.storage.states import FINAL_JOB_STATES, RUNNABLE_JOB_STATES
 from layerbus.wire.sampling import SamplingParams
 
@@ -217,14 +217,16 @@ def run_job(store: JobStore, job_id: str, broker: Runner, results_dir: Path, pro
 
     Items an earlier run left in_progress go back to the queue first when nobody holds them any more
     (their lease ran out, or their broker was a process of this machine that has exited), so this also
-    resumes a job; items other brokers hold are theirs until their leases run out (jobs/leases.py). An
-    exception fails the job with its text (finished outputs stay in the store and the part files);
-    KeyboardInterrupt requeues the items in flight, leaves the job in_progress for a later run, and
-    propagates. While the pipeline runs, the broker's stage snapshots go to the store every
-    `snapshots.interval_s` (jobs/snapshot_keeper.py), for `layerbus top`.
+    resumes a job; items other brokers hold are theirs until their leases run out (jobs/leases.py). Any
+    number of brokers may run one job at once: each writes its own part files, and exactly one of them
+    finalizes the job while the others wait for it to end (jobs/finalization.py). An exception fails the
+    job with its text (finished outputs stay in the store and the part files), unless another broker is
+    finalizing it; KeyboardInterrupt requeues the items in flight, leaves the job in_progress for a
+    later run, and propagates. While the pipeline runs, the broker's stage snapshots go to the store
+    every `snapshots.interval_s` (jobs/snapshot_keeper.py), for `layerbus top`.
     """
     status = store.job_status(job_id)
-    if status.status in FINAL_JOB_STATES:
+    if status.status in FINAL_JOB_STATES and (status.status != "cancelled" or status.results_path):
         log.info("job %s is already %s: nothing to run", job_id, status.status)
         return status
     worker_name = worker_name or default_worker_name()
@@ -232,25 +234,63 @@ def run_job(store: JobStore, job_id: str, broker: Runner, results_dir: Path, pro
     if status.status == "queued":
         _try_set_status(store, job_id, "in_progress")
     settings = store.job_settings(job_id)
-    writer = ResultWriter(Path(results_dir), job_id)
+    # Its own part folder: brokers sharing results_dir (one machine, or a shared folder) never collide.
+    writer = ResultWriter(Path(results_dir), job_id, writer=worker_name)
+    store.register_worker(job_id, worker_name, socket.gethostname(), _chain_text(broker), leases.lease_s)
     describe = getattr(broker, "placement_summary", None)
-    if callable(describe) and status.status != "finalizing":
+    if callable(describe) and status.status in RUNNABLE_JOB_STATES:
         store.add_job_event(job_id, "placed", describe())
         links = getattr(broker, "link_matrix_report", None)
         report = links() if callable(links) else ""
         if report:  # the links the plan priced: measured between the stages, or from a network file
             store.add_job_event(job_id, "links", report)
     try:
-        if status.status != "finalizing":  # stopped while writing its results: only that is left to do
+        if status.status in RUNNABLE_JOB_STATES:  # finalizing: stopped while writing its results, only that is left
             with LeaseKeeper(store, job_id, worker_name, leases), \
                     _snapshot_keeper(store, job_id, broker, worker_name, snapshots):
                 _run_rounds(store, job_id, broker, writer, settings, progress, poll_cancel_s, worker_name, leases)
-        return _finish(store, job_id, writer, settings)
+        return finish_job(store, job_id, writer, settings, worker_name, leases, wait=_waiter(store, job_id, broker))
     except Exception as error:
         # A broken cluster is explained by its message (and the stage logs); anything else may be a bug.
         log.error("job %s failed: %s", job_id, error, exc_info=not isinstance(error, ClusterError))
+        if _finalized_elsewhere(store, job_id, worker_name):
+            return store.job_status(job_id)
         _try_set_status(store, job_id, "failed", error=f"{type(error).__name__}: {error}")
         return store.job_status(job_id)
+    finally:
+        _stopped(store, job_id, worker_name)
+
+
+def _chain_text(broker: Runner) -> str | None:
+    """The broker's chain in text form ("stage-0 [0, 15) -> stage-1 [15, 30)"), or None when it has none."""
+    placement = getattr(broker, "placement", None)
+    text = getattr(placement, "text", None)
+    return text() if callable(text) else None
+
+
+def _waiter(store: JobStore, job_id: str, broker: Runner) -> Callable[[float], None]:
+    """How to wait while another broker finalizes: with the stages kept alive where the broker can."""
+    keep_alive = getattr(broker, "keep_alive", None)
+    if not callable(keep_alive):
+        return time.sleep
+    return lambda seconds: keep_alive(seconds, report=_event_recorder(store, job_id))
+
+
+def _finalized_elsewhere(store: JobStore, job_id: str, worker_name: str) -> bool:
+    """Whether another worker is finalizing the job: this worker's failure is then no failure of the job."""
+    try:
+        holder = store.job_finalization(job_id)
+    except Exception:  # noqa: BLE001 (the store itself failing: fail the job as before, if that still works)
+        return False
+    return holder.status == "finalizing" and holder.holder not in (None, worker_name)
+
+
+def _stopped(store: JobStore, job_id: str, worker_name: str) -> None:
+    """Mark this worker stopped on the job (status lists it so); never what stops a run from returning."""
+    try:
+        store.set_worker_state(job_id, worker_name, "stopped")
+    except Exception:  # noqa: BLE001
+        log.warning("job %s: could not mark worker %s stopped", job_id, worker_name, exc_info=True)
 
 
 def _snapshot_keeper(store: JobStore, job_id: str, broker: Runner, worker_name: str,
@@ -358,41 +398,6 @@ def _hand_back(store: JobStore, sink: StoreSink, source: StoreSource) -> None:
         if leftovers:
             store.requeue_items(leftovers, holder=source.worker_name)
             log.info("job %s: %d unfinished item(s) handed back", source.job_id, len(leftovers))
-
-
-def _finish(store: JobStore, job_id: str, writer: ResultWriter, settings: JobSettings) -> JobStatus:
-    status = store.job_status(job_id)
-    if status.status == "in_progress" and status.queued == 0 and status.in_progress == 0:
-        _try_set_status(store, job_id, "finalizing")
-        status = store.job_status(job_id)
-    if status.status == "finalizing":  # finalize() may run again after an interrupted one: it loses nothing
-        _write_results(store, job_id, writer, settings)
-        failure = all_failed_message(store.job_status(job_id))
-        # OpenAI's Batch API calls a batch whose every request failed "completed"; users read that as
-        # done (kaapi-backend #723), so such a job ends failed, its results file (the errors) still written.
-        store.set_job_status(job_id, "failed" if failure else "completed", error=failure)
-        status = store.job_status(job_id)
-    if status.status == "cancelled" and status.results_path is None:
-        _write_results(store, job_id, writer, settings)  # the outputs that finished before the cancel
-        status = store.job_status(job_id)
-    return status
-
-
-def all_failed_message(status: JobStatus) -> str | None:
-    """Why a finished job counts as failed: every one of its items failed; None when any succeeded
-    (or was cancelled: a cancel is the user's choice, not a failure)."""
-    if status.total == 0 or status.failed != status.total:
-        return None
-    return (f"every item failed ({status.failed} of {status.total}); each item's reason is in the error column "
-            f"of the results file, or `layerbus results {status.job_id} --format openai --errors FILE`")
-
-
-def _write_results(store: JobStore, job_id: str, writer: ResultWriter, settings: JobSettings) -> Path:
-    metadata = settings_metadata(job_id, settings.model, json.loads(settings.to_json()))
-    path = writer.finalize(metadata, store_rows=store.item_results(job_id))
-    store.set_results_path(job_id, path)
-    log.info("job %s: results in %s", job_id, path)
-    return path
 
 
 def _try_set_status(store: JobStore, job_id: str, status: str, error: str | None = None) -> bool:

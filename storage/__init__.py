@@ -21,6 +21,8 @@ _EXPORTS = {
     "JobEvent": "layerbus.storage.status_records",
     "JobSettings": "layerbus.storage.records",
     "JobStatus": "layerbus.storage.status_records",
+    "JobWorker": "layerbus.storage.status_records",
+    "Finalization": "layerbus.storage.records",
     "Lease": "layerbus.storage.records",
     "NewItem": "layerbus.storage.records",
     "StoreError": "layerbus.storage.errors",
@@ -34,8 +36,8 @@ if TYPE_CHECKING:
     from layerbus.storage.errors import StoreError
     from layerbus.storage.eval_records import EvalMetric, EvalRun, canonical_fingerprint
     from layerbus.storage.locations import default_db_url, default_results_dir
-    from layerbus.storage.records import (ClaimedItem, InvalidItem, ItemResult, JobEvent, JobSettings, JobStatus, Lease,
-                                          NewItem)
+    from layerbus.storage.records import (ClaimedItem, Finalization, InvalidItem, ItemResult, JobEvent, JobSettings,
+                                          JobStatus, JobWorker, Lease, NewItem)
     from layerbus.storage.store import JobStore
 
 

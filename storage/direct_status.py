@@ -1,5 +1,5 @@
-"""`job_status`, `list_jobs`, `job_events` and `stage_snapshots` through the store's driver alone (sqlite3 or
-psycopg, storage/direct_db.py), read-only.
+"""`job_status`, `list_jobs`, `job_events`, `job_workers` and `stage_snapshots` through the store's driver
+alone (sqlite3, libpq or psycopg, storage/direct_db.py), read-only.
 
 `layerbus status` is what people poll while a job runs. Its query takes about 1 ms on SQLite and a few on
 PostgreSQL; importing SQLAlchemy takes 130-240 ms. This module reads the same two things JobStore reads
@@ -21,7 +21,7 @@ from layerbus.storage.direct_db import DirectDb, direct_db, sqlite_file, utc_fro
 from layerbus.storage.events import DEFAULT_EVENT_LIMIT, events_oldest_first
 from layerbus.storage.states import TIMESTAMP_COLUMNS
 from layerbus.storage.status import StateAggregate, build_job_status
-from layerbus.storage.status_records import JobEvent, JobStatus
+from layerbus.storage.status_records import WORKER_FIELDS, JobEvent, JobStatus, JobWorker, worker_from_row
 
 if TYPE_CHECKING:
     from layerbus.storage.snapshot_records import StageSnapshot
@@ -33,6 +33,7 @@ _AGGREGATES = """
     SELECT job_id, status, items, ran, prompt_tokens, completion_tokens
     FROM item_counts WHERE job_id IN ({marks})"""
 _EVENTS = "SELECT at, kind, message, duration_s FROM job_events WHERE job_id = ? ORDER BY id DESC LIMIT ?"
+_WORKERS = f"SELECT {', '.join(WORKER_FIELDS)} FROM job_workers WHERE job_id = ? ORDER BY started_at, worker"
 
 
 def read_job_status(url: str, job_id: str, now: datetime | None = None) -> JobStatus | None:
@@ -59,6 +60,23 @@ def read_job_events(url: str, job_id: str, limit: int = DEFAULT_EVENT_LIMIT) -> 
     except db.error:
         return None
     return events_oldest_first((utc_from_db(at), kind, message, duration) for at, kind, message, duration in rows)
+
+
+def read_job_workers(url: str, job_id: str) -> list[JobWorker] | None:
+    """The brokers that worked the job, as JobStore.job_workers returns them; None when this path cannot answer."""
+    db = direct_db(url)
+    if db is None:
+        return None
+    try:
+        with closing(db.connect()) as conn:
+            if not db.has_table(conn, "job_workers"):
+                return []  # a store older than the table; a broker's JobStore.open adds it
+            rows = [dict(zip(WORKER_FIELDS, row)) for row in conn.execute(db.sql(_WORKERS), (job_id,))]
+    except db.error:
+        return None
+    for row in rows:
+        row["started_at"], row["renewed_at"] = utc_from_db(row["started_at"]), utc_from_db(row["renewed_at"])
+    return [worker_from_row(row) for row in rows]
 
 
 def read_stage_snapshots(url: str, job_id: str) -> list[StageSnapshot] | None:

@@ -10,7 +10,7 @@ from typing import Any
 
 # What status shows lives apart, so `layerbus status` builds it without the six records above (their
 # dataclasses take most of this module's import time); re-exported here for everything else.
-from layerbus.storage.status_records import JobEvent, JobStatus  # noqa: F401
+from layerbus.storage.status_records import JobEvent, JobStatus, JobWorker  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,21 @@ class Lease:
 
     def expired(self, now: datetime) -> bool:
         return self.expires_at is None or self.expires_at < now
+
+
+@dataclass(frozen=True)
+class Finalization:
+    """Who builds a job's final results file, as JobStore.claim_finalization answers (storage/finalization.py)."""
+
+    # True when the asking worker holds the finalization now (it moved the job to finalizing, or took over
+    # from a finalizer that is gone): it, and only it, writes the file and ends the job.
+    claimed: bool
+    # The job's status after the claim: finalizing when claimed, otherwise whatever it is.
+    status: str
+    # The worker finalizing (or that finalized) the job, or None when none has.
+    holder: str | None
+    # Until when that worker's hold runs, UTC; None once the file is written, or when nobody holds it.
+    expires_at: datetime | None
 
 
 @dataclass(frozen=True)

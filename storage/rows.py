@@ -84,13 +84,27 @@ def invalid_item_row(job_id: str, item: InvalidItem, now: datetime) -> dict[str,
     }  # fmt: skip
 
 
-def result_params(result: ItemResult) -> dict[str, Any]:
+# What a NUL character of a generated text becomes on PostgreSQL, whose text columns cannot hold one.
+NUL_STAND_IN = "\ufffd"
+
+
+def result_params(result: ItemResult, no_nul: bool = False) -> dict[str, Any]:
+    """The bind parameters that record `result`; `no_nul` (PostgreSQL) stores each NUL character of its
+    output and error as U+FFFD: a model may well generate one (a byte-level token), and PostgreSQL refuses
+    the whole batch of results for it ("text fields cannot contain NUL"), which failed the job."""
+    output, error = result.output, result.error
+    if no_nul:
+        output, error = _without_nul(output), _without_nul(error)
     return {
         "b_id": result.item_id, "b_status": result.status,
-        "b_output": result.output, "b_finish_reason": result.finish_reason,
+        "b_output": output, "b_finish_reason": result.finish_reason,
         "b_prompt_tokens": result.prompt_tokens, "b_completion_tokens": result.completion_tokens,
-        "b_latency_s": result.latency_s, "b_error": result.error,
+        "b_latency_s": result.latency_s, "b_error": error,
     }  # fmt: skip
+
+
+def _without_nul(text: str | None) -> str | None:
+    return text.replace("\x00", NUL_STAND_IN) if text is not None and "\x00" in text else text
 
 
 def duplicate_message(rows: list[dict[str, Any]], exc: IntegrityError) -> str:

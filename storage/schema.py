@@ -1,5 +1,5 @@
-"""The job store's tables, `jobs`, `items`, `item_counts`, `job_events`, `stage_snapshots`, `eval_runs` and
-`eval_metrics`, as SQLAlchemy declarative models.
+"""The job store's tables, `jobs`, `items`, `item_counts`, `job_events`, `stage_snapshots`, `job_workers`,
+`eval_runs` and `eval_metrics`, as SQLAlchemy declarative models.
 
 Users query these tables with plain SQL (see storage/SCHEMA.md), so they stay flat: text states,
 JSON as text, one timestamp column per job state. Timestamps are UTC: `timestamptz` on PostgreSQL,
@@ -90,6 +90,12 @@ class Job(Base):
     failed_at: Mapped[datetime | None]
     cancelling_at: Mapped[datetime | None]
     cancelled_at: Mapped[datetime | None]
+    # The worker ("host:pid:token") that builds the final results file: exactly one of the job's brokers
+    # takes it (JobStore.claim_finalization); kept once the job is over (who finalized it).
+    finalized_by: Mapped[str | None]
+    # While that worker builds the file: until when its hold runs. It renews it while writing; once past,
+    # another broker may take the finalization over. NULL: no hold (none taken, or the file is written).
+    finalize_lease_expires_at: Mapped[datetime | None]
 
 
 class Item(Base):
@@ -197,6 +203,28 @@ class StageSnapshotRow(Base):
     updated_at: Mapped[datetime]  # when the broker wrote the row
 
 
+class JobWorkerRow(Base):
+    """One broker (worker) that worked a job: what it did and when it last renewed its leases.
+
+    Several brokers may work one job; `layerbus status JOB` lists them from here (a few rows per job,
+    never the items). Written when a broker starts the job, by each of its completions (same
+    transaction), by each lease renewal, and when it stops.
+    """
+
+    __tablename__ = "job_workers"
+
+    job_id: Mapped[str] = mapped_column(String(32), ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    worker: Mapped[str] = mapped_column(String(200), primary_key=True)  # "host:pid:token", as items.claimed_by
+    host: Mapped[str]  # the broker's machine
+    chain: Mapped[str | None]  # its chain of stages in text form ("stage-0 [0, 15) -> ..."); NULL if not known
+    state: Mapped[str] = mapped_column(String(16))  # working, finalizing, stopped (storage.job_workers)
+    items_done: Mapped[int] = mapped_column(BigInteger)  # items it recorded (completed or failed)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger)  # tokens those items generated
+    lease_s: Mapped[float] = mapped_column(Float)  # its lease: silent for longer than this, it is gone
+    started_at: Mapped[datetime]  # when it started working the job (this process)
+    renewed_at: Mapped[datetime]  # its last lease renewal (or completion, or stop)
+
+
 class EvalRunRow(Base):
     """One eval run: the job that scored a suite's documents (its items), and what exactly was run.
 
@@ -243,5 +271,6 @@ items = Item.__table__
 item_counts = ItemCountRow.__table__
 job_events = JobEventRow.__table__
 stage_snapshots = StageSnapshotRow.__table__
+job_workers = JobWorkerRow.__table__
 eval_runs = EvalRunRow.__table__
 eval_metrics = EvalMetricRow.__table__

@@ -1,13 +1,19 @@
-"""What `layerbus status` shows of a job: its status and its events.
+"""What `layerbus status` shows of a job: its status, its events and the brokers working it.
 
 Apart from storage.records (whose other records a submit or a broker needs) because a dataclass costs
-about a millisecond to create at import, and the light commands need only these two.
+about a millisecond to create at import, and the light commands need only these.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
+
+# The job_workers columns a JobWorker is built from, in its field order (both store paths read these).
+WORKER_FIELDS = ("worker", "host", "chain", "state", "items_done", "completion_tokens", "lease_s", "started_at",
+                 "renewed_at")
 
 
 @dataclass(frozen=True)
@@ -69,3 +75,47 @@ class JobEvent:
     message: str
     # How long it took, in seconds, when the event is a span of time; None otherwise.
     duration_s: float | None
+
+
+@dataclass(frozen=True)
+class JobWorker:
+    """One broker that worked a job, as `layerbus status JOB` shows it (storage/job_workers.py)."""
+
+    # Its name in the store's claims, "host:pid:token" (items.claimed_by).
+    worker: str
+    # The machine it runs on.
+    host: str
+    # Its chain of stages in text form, or None when it did not say.
+    chain: str | None
+    # working, finalizing or stopped, as it last recorded; see `state_at` for what a reader should show.
+    state: str
+    # Items it recorded as done (completed or failed).
+    items_done: int
+    # Tokens those items generated.
+    completion_tokens: int
+    # Its lease in seconds: a working broker silent for longer than this is gone.
+    lease_s: float
+    # When it started working the job, UTC.
+    started_at: datetime
+    # Its last lease renewal (or start, or stop), UTC.
+    renewed_at: datetime
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Generated tokens per second between its start and its last renewal; None before a second passed."""
+        seconds = (self.renewed_at - self.started_at).total_seconds()
+        return self.completion_tokens / seconds if seconds >= 1 else None
+
+    def state_at(self, now: datetime) -> str:
+        """Its state as a reader should see it: a working or finalizing broker that has not renewed within
+        its lease is `lost` (killed, stopped or cut off; its items go back to the queue)."""
+        if self.state != "stopped" and (now - self.renewed_at).total_seconds() > self.lease_s:
+            return "lost"
+        return self.state
+
+
+def worker_from_row(row: Mapping[str, Any]) -> JobWorker:
+    """A JobWorker from a job_workers row keyed by WORKER_FIELDS, its times already aware UTC datetimes."""
+    return JobWorker(worker=str(row["worker"]), host=str(row["host"]), chain=row["chain"], state=str(row["state"]),
+                     items_done=int(row["items_done"]), completion_tokens=int(row["completion_tokens"]),
+                     lease_s=float(row["lease_s"]), started_at=row["started_at"], renewed_at=row["renewed_at"])

@@ -7,6 +7,8 @@ row, so concurrent claims, completions, renewals and cancels cannot deadlock. Ev
 updates the counters in its transaction (storage/item_counts.py), so status never counts items. A
 claim is a lease (storage/leases.py): its holder renews it while it works, and only a holder may
 record or hand back what it holds, so an item taken over after its lease ran out is never recorded twice.
+Several brokers may work one job: each has its row in job_workers (storage/job_workers.py), and exactly
+one of them finalizes the job, under a hold of its own (storage/finalization.py).
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from layerbus.storage.eval_records import DEFAULT_EVAL_LIMIT, EvalMetric, EvalRu
 from layerbus.storage.eval_store import EvalTables
 from layerbus.storage.events import DEFAULT_EVENT_LIMIT, event_row, events_oldest_first
 from layerbus.storage.item_counts import CountChanges, insert_counts, lock_counts, read_counts
+from layerbus.storage import finalization
+from layerbus.storage import job_workers as workers
 from layerbus.storage.leases import DEFAULT_LEASE_S, held_by, job_leases, lease_end, reclaimable
-from layerbus.storage.records import (ClaimedItem, InvalidItem, ItemResult, JobEvent, JobSettings, JobStatus, Lease,
-                                      NewItem)
+from layerbus.storage.records import (ClaimedItem, Finalization, InvalidItem, ItemResult, JobEvent, JobSettings,
+                                      JobStatus, JobWorker, Lease, NewItem)
 from layerbus.storage.result_row import RESULT_COLUMNS
 from layerbus.storage.snapshot_records import (MAX_BROKER_CHARS, StageSnapshot, snapshot_from_row, snapshot_order,
                                                snapshot_row)
@@ -85,6 +89,8 @@ class JobStore:
         self._read_engine = engine.execution_options(**{READ_ONLY_OPTION: True})
         # Only PostgreSQL needs (and understands) row locks; SQLite's BEGIN IMMEDIATE locks the database.
         self._row_locks = engine.dialect.name == "postgresql"
+        # PostgreSQL's text columns cannot hold a NUL character; a generated one is stored as U+FFFD there.
+        self._no_nul = engine.dialect.name == "postgresql"
         # The URL with its password masked, for messages.
         self.url = mask_url(url)
         # The eval queries (storage/eval_store.py); each eval method below is one transaction around one of them.
@@ -255,6 +261,7 @@ class JobStore:
             first.setdefault(result.item_id, result)
         written: set[int] = set()
         changes = CountChanges()
+        done_by_job: dict[str, tuple[int, int]] = {}  # job_id -> (items, generated tokens) recorded
         with self._write() as conn:
             for chunk in _chunks(list(first)):
                 live = self._lock_in_progress(conn, _holding(ITEM.id.in_(chunk), holder))
@@ -269,15 +276,19 @@ class JobStore:
                         completion_tokens=bindparam("b_completion_tokens"), latency_s=bindparam("b_latency_s"),
                         error=bindparam("b_error"), finished_at=now, lease_expires_at=None,
                     ),  # fmt: skip
-                    [result_params(first[item_id]) for item_id, _ in live],
+                    [result_params(first[item_id], no_nul=self._no_nul) for item_id, _ in live],
                 )
                 written.update(item_id for item_id, _ in live)
                 for item_id, job_id in live:
                     result = first[item_id]
                     changes.add(job_id, "in_progress", -1, -1)
                     changes.add(job_id, result.status, 1, 1, result.prompt_tokens, result.completion_tokens)
+                    items, tokens = done_by_job.get(job_id, (0, 0))
+                    done_by_job[job_id] = (items + 1, tokens + (result.completion_tokens or 0))
             jobs = {job_id for job_id, _ in changes.deltas}
             changes.apply(conn)
+            if holder is not None:  # the worker's own tally, for `layerbus status JOB`'s workers
+                workers.count_done(conn, holder, done_by_job)
             self._settle_cancelling(conn, jobs, now)
         return [item_id for item_id in first if item_id in written]
 
@@ -322,6 +333,7 @@ class JobStore:
             held = [item_id for item_id, _ in self._lock_in_progress(conn, (ITEM.job_id == job_id) & held_by(holder))]
             for chunk in _chunks(held):
                 conn.execute(update(items_table).where(ITEM.id.in_(chunk)).values(lease_expires_at=expires))
+            workers.stamp(conn, job_id, holder, now)  # its last renewal, for `layerbus status JOB`
         return len(held)
 
     def job_leases(self, job_id: str) -> list[Lease]:
@@ -351,6 +363,66 @@ class JobStore:
             if row.id in requeued:
                 counts[row.claimed_by or ""] = counts.get(row.claimed_by or "", 0) + 1
         return counts
+
+    # --- workers and finalization (several brokers, one job) ---------------------------------------
+
+    def register_worker(self, job_id: str, worker: str, host: str, chain: str | None = None,
+                        lease_s: float = DEFAULT_LEASE_S, now: datetime | None = None) -> None:
+        """Record that `worker` ("host:pid:token") works the job, on `host`, with `chain` (its stages in
+        text form), renewing every lease within `lease_s`; `layerbus status JOB` lists it."""
+        now = _utc(now)
+        with self._write() as conn:
+            self._job_field(conn, job_id, JOB.id)
+            workers.register(conn, job_id, worker, host, chain, lease_s, now)
+
+    def set_worker_state(self, job_id: str, worker: str, state: str, now: datetime | None = None) -> None:
+        """Set `worker`'s state on the job (working, finalizing, stopped) and stamp its last renewal."""
+        now = _utc(now)
+        with self._write() as conn:
+            workers.stamp(conn, job_id, worker, now, state)
+
+    def job_workers(self, job_id: str) -> list[JobWorker]:
+        """The brokers that worked the job, in the order they started."""
+        with self._read() as conn:
+            self._job_field(conn, job_id, JOB.id)
+            return workers.job_workers(conn, job_id)
+
+    def claim_finalization(self, job_id: str, worker: str, lease_s: float = DEFAULT_LEASE_S,
+                           gone: Sequence[str] = (), now: datetime | None = None) -> Finalization:
+        """Make `worker` the one broker that finalizes the job, if it is due and nobody else holds it.
+
+        Due: the job is in_progress with nothing queued or in flight (the claim moves it to finalizing), or
+        finalizing, or cancelled without its results file. Held: by another worker whose hold has not run
+        out (`now + lease_s` from its claim or last renew_finalization) and who is not in `gone` (workers
+        known to have exited). The answer says who holds it either way (storage/finalization.py).
+        """
+        now = _utc(now)
+        with self._write() as conn:
+            return finalization.claim(conn, job_id, worker, now, lease_s, gone, self._locking)
+
+    def job_finalization(self, job_id: str) -> Finalization:
+        """Who finalizes (or finalized) the job and until when its hold runs; `claimed` is always False."""
+        with self._read() as conn:
+            return finalization.read(conn, job_id)
+
+    def renew_finalization(self, job_id: str, worker: str, lease_s: float = DEFAULT_LEASE_S,
+                           now: datetime | None = None) -> bool:
+        """Push `worker`'s hold on the job's finalization to `now + lease_s`; False when it holds none."""
+        now = _utc(now)
+        with self._write() as conn:
+            held = finalization.renew(conn, job_id, worker, now, lease_s)
+            if held:
+                workers.stamp(conn, job_id, worker, now)
+            return held
+
+    def finish_finalization(self, job_id: str, worker: str, results_path: str | Path, status: str | None,
+                            error: str | None = None, now: datetime | None = None) -> bool:
+        """Record the results file `worker` wrote and move the job to `status` (completed or failed; None
+        for a cancelled job, which stays cancelled), releasing the hold; False, changing nothing, when
+        `worker` no longer holds the finalization (its hold ran out and another broker took it over)."""
+        now = _utc(now)
+        with self._write() as conn:
+            return finalization.finish(conn, job_id, worker, str(results_path), status, error, now, self._locking)
 
     # --- job lifecycle ----------------------------------------------------------------------------
 

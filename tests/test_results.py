@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import random
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -157,3 +158,50 @@ def test_bad_rows_are_refused(tmp_path: Path, rows: list, message: str) -> None:
 def test_metadata_for_another_job_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="names job 'job_other' but this writer is for 'job_0123456789ab'"):
         ResultWriter(tmp_path, JOB).finalize({"job_id": "job_other"})
+
+
+def test_named_writers_sharing_a_folder_write_their_own_parts_and_finalize_merges_all(tmp_path: Path) -> None:
+    first, second = ResultWriter(tmp_path, JOB, writer="box:11:aa"), ResultWriter(tmp_path, JOB, writer="box:22:bb")
+    paths = [first.write_part([row("a", 0)]), second.write_part([row("b", 1)]), first.write_part([row("c", 2)])]
+    assert [p.relative_to(tmp_path).as_posix() for p in paths] == [
+        f"{JOB}/box-11-aa/part-00001.parquet", f"{JOB}/box-22-bb/part-00001.parquet",
+        f"{JOB}/box-11-aa/part-00002.parquet"]
+    assert sorted(first.part_paths()) == sorted(second.part_paths()) == sorted(paths), "each sees every part"
+    final = second.finalize({})
+    assert read_results(final).column("custom_id").to_pylist() == ["a", "b", "c"]
+    assert not (tmp_path / JOB).exists(), "every writer's parts go once the final file holds them"
+
+
+def test_a_writer_that_did_not_finalize_discards_only_its_own_parts(tmp_path: Path) -> None:
+    mine, theirs = ResultWriter(tmp_path, JOB, writer="box:11:aa"), ResultWriter(tmp_path, JOB, writer="box:22:bb")
+    mine.write_part([row("a", 0)])
+    kept = theirs.write_part([row("b", 1)])
+    mine.discard_parts()
+    assert [p for p in theirs.part_paths()] == [kept]
+    theirs.discard_parts()
+    assert not (tmp_path / JOB).exists(), "the last one out removes the job's folder"
+
+
+def test_another_live_processs_temporary_is_left_alone_and_a_dead_ones_removed(tmp_path: Path) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    live_tmp = tmp_path / f"{JOB}.parquet.{os.getppid()}.tmp"  # a finalizing broker's file in progress
+    dead_tmp = tmp_path / f"{JOB}.parquet.{dead.pid}.tmp"
+    live_tmp.write_bytes(b"being written")
+    dead_tmp.write_bytes(b"half written by a killed finalizer")
+    ResultWriter(tmp_path, JOB, writer="box:11:aa")
+    assert live_tmp.exists() and dead_tmp.exists(), "a named writer leaves the final file's temporaries alone"
+    ResultWriter(tmp_path, JOB).finalize({})
+    assert live_tmp.exists() and not dead_tmp.exists()
+
+
+@pytest.mark.parametrize(("writer", "folder"), [("gpu-3:4242:9f3a", "gpu-3-4242-9f3a"),
+                                                ("a/b:1:c d", "a-b-1-c-d"), ("..", None)])
+def test_a_writers_folder_is_its_name_made_safe(writer: str, folder: str | None) -> None:
+    from layerbus.storage.results import writer_folder
+
+    if folder is None:
+        with pytest.raises(ValueError, match="leaves no folder name"):
+            writer_folder(writer)
+    else:
+        assert writer_folder(writer) == folder
