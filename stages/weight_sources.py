@@ -15,8 +15,8 @@ import torch
 
 from layerbus.models.gguf_blocks import GGUFBlocks, model_gguf
 from layerbus.models.model_files import ModelFiles
-from layerbus.models.tensor_reader import TensorReader
-from layerbus.models.weight_blocks import Blocks, quantize
+from layerbus.models.tensor_reader import SAFETENSORS_DTYPES, TensorReader
+from layerbus.models.weight_blocks import Blocks, quantize_rows
 
 _LAYER_LINEAR = re.compile(r"^model\.layers\.\d+\..+\.weight$")
 
@@ -31,9 +31,13 @@ class QuantizeOnLoad:
         return self.layout_name if _LAYER_LINEAR.match(name) else None
 
     def read(self, name: str) -> Blocks:
-        weight = torch.empty(self.reader.shape(name), dtype=torch.float32)
+        # Read in its stored dtype (no conversion copy), quantized a chunk of rows at a time: the load
+        # holds one stored tensor and a few MiB of float32 beside the blocks.
+        stored = SAFETENSORS_DTYPES.get(self.reader.dtype_name(name))
+        floating = stored is not None and stored.is_floating_point and stored != torch.float64
+        weight = torch.empty(self.reader.shape(name), dtype=stored if floating else torch.float32)
         self.reader.read_into(name, weight)
-        return quantize(weight, self.layout_name)  # the full-precision tensor is freed on return
+        return quantize_rows(weight, self.layout_name)  # the stored tensor is freed on return
 
 
 class NativeBlocks:
