@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
+from layerbus.models.compressed_tensors import CompressedBlocks
 from layerbus.models.gguf_blocks import GGUFBlocks, model_gguf
-from layerbus.models.model_files import ModelFiles
+from layerbus.models.model_files import ModelFiles, compressed_scheme
 from layerbus.models.tensor_reader import SAFETENSORS_DTYPES, TensorReader
 from layerbus.models.weight_blocks import Blocks, quantize_rows
 
@@ -55,7 +56,14 @@ class NativeBlocks:
 
 def block_source(files: ModelFiles, quantize_to: str | None, native: bool, reader: TensorReader):
     """The source of a shard's blocks, or None when it holds every weight in full precision (native on a
-    directory without a GGUF: the safetensors are the checkpoint's own format)."""
+    directory without a GGUF: the safetensors are the checkpoint's own format). A compressed-tensors
+    checkpoint holds no full-precision projections: its own blocks, whatever --weights says."""
+    quantization = getattr(files.config, "quantization_config", None)
+    if quantization is not None and not isinstance(quantization, dict):
+        quantization = quantization.to_dict()
+    scheme = compressed_scheme({"quantization_config": quantization})
+    if scheme is not None:
+        return CompressedBlocks(reader, scheme)
     if quantize_to is not None:
         return QuantizeOnLoad(quantize_to, reader)
     gguf = model_gguf(files.path) if native else None
