@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 from layerbus.broker.plan_values import ModelMemory, StageProfile
 from layerbus.broker.scheduler import default_micro_batches
 from layerbus.broker.step_cost import StepWork, prefill_context
+from layerbus.broker.weight_choice import AUTO_FALLBACKS, weight_candidates
 
 DEFAULT_MICRO_BATCH = 32  # without profiles (partition equal or balanced) and without a user's value
 DEFAULT_STEP_TOKENS = 256
@@ -170,17 +171,31 @@ def fitting_slots(profiles: Sequence[StageProfile], memory: ModelMemory, max_con
                   reserve_fraction: float, prefix_cache_tokens: int = 0, micro_batches: int = 1) -> int:
     """Slots whose KV cache at the full context fits the stages' memory together, after the weights,
     the prefix cache, each stage's workspace and reserve (the planner then checks each stage's share
-    exactly). A slot also costs its row's share of the last stage's logits: a micro-batch of rows is
-    scored at once (3 float32 vectors of the vocabulary per row), so a job of many items, sized to a slot
-    each, must leave room for them; counting one row only, a 500-item job at a 4,096-token context was
-    sized 44 MiB past what the planner then accepted."""
-    weights = sum(memory.layer_weight_bytes) + memory.embed_bytes + memory.head_bytes
-    free = sum(p.memory_budget * (1 - reserve_fraction) for p in profiles) - weights
-    free -= memory.num_layers * memory.kv_bytes_per_token * prefix_cache_tokens
-    free -= sum(memory.workspace_bytes(step_tokens, 0, max_context, i == 0) for i in range(len(profiles)))
+    exactly). Weights count in the format the stages were asked for; under --weights auto in the first of
+    full precision, int8, int4 that leaves room for a slot, as the planner will choose. A slot also costs its
+    row's share of the last stage's logits: a micro-batch of rows is scored at once (3 float32 vectors of the
+    vocabulary per row), so a job of many items, sized to a slot each, must leave room for them; counting one
+    row only, a 500-item job at a 4,096-token context was sized 90 MiB past what the planner then accepted."""
+    room = sum(p.memory_budget * (1 - reserve_fraction) for p in profiles)
+    room -= memory.num_layers * memory.kv_bytes_per_token * prefix_cache_tokens
+    room -= sum(memory.workspace_bytes(step_tokens, 0, max_context, i == 0) for i in range(len(profiles)))
     per_slot = (memory.num_layers * memory.kv_bytes_per_token * max_context
                 + memory.workspace_bytes(0, 1, 0, True) / max(micro_batches, 1))
+    requested = {p.weights for p in profiles}
+    if "auto" in requested:
+        known = [f.name for f in memory.formats]
+        names = weight_candidates("auto", memory.full_format, len(AUTO_FALLBACKS), known)
+    else:
+        names = (max(requested, key=lambda name: _total(memory, name)),)
+    totals = [_total(memory, name) for name in names]
+    weights = next((total for total in totals if room - total >= per_slot), totals[-1])
+    free = room - weights
     return int(free // per_slot) if per_slot > 0 else MAX_MICRO_BATCH
+
+
+def _total(memory: ModelMemory, name: str) -> int:
+    sizes = memory.weights_in(name)
+    return sum(sizes.layer_weight_bytes) + sizes.embed_bytes + sizes.head_bytes
 
 
 def _step_tokens(profiles: Sequence[StageProfile], rows: int, max_context: int, tolerance: float) -> tuple[int, str]:

@@ -30,6 +30,7 @@ from layerbus.broker.planning import (
     planned,
     profiles_of,
     replan_slowed,
+    stage_weights,
     unplanned_spans,
     unprofiled,
     without_stage,
@@ -221,7 +222,10 @@ class Broker:
         measured = collect_profiles(self.control, [s for s in stages if s.name in missing], str(self.model.path),
                                     inputs.memory, rows, requested.max_step_tokens or 256,
                                     self.max_context, self.config.profiling) if missing else []
-        self.profiles = tuple(profiles_of(names, self.profiles + tuple(measured)))  # in chain-name order
+        # Each profile carries the format its stage was asked for: the planner sizes its weights in it.
+        requested = {stage.name: stage.own_weights or self.config.weights for stage in stages}
+        self.profiles = tuple(replace(p, weights=requested.get(p.name, p.weights))
+                              for p in profiles_of(names, self.profiles + tuple(measured)))  # in chain-name order
         self.time_links(stages)
         plan = None
         if measured and self.placement is None and self.requested_batching.chosen_by_broker:
@@ -299,7 +303,8 @@ class Broker:
             began = self.tracer.now()
         self.control.assign(self.placement, str(self.model.path), self.results_address, self.batching.num_slots,
                             self.max_context, self.config.load_timeout_s,
-                            liveness_window_s=self.config.pipeline.liveness_window_s, weights=self.config.weights)
+                            liveness_window_s=self.config.pipeline.liveness_window_s,
+                            weights=stage_weights(self.placement, self.config.weights))
         if self.tracer is not None:
             self.tracer.span("load spans", PLACE, began, self.tracer.now(), chain=self.placement.text())
 

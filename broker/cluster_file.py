@@ -17,10 +17,11 @@ from pathlib import Path
 from layerbus.broker.network import BROKER, HostLinks, Link, LinkMatrix
 from layerbus.broker.partition import ModelCost
 from layerbus.broker.placement import Shapes, StageProfile
+from layerbus.wire.weight_formats import WEIGHT_FORMATS
 
 TOP_FIELDS = {"stages", "reference_gflops", "links", "network"}
 STAGE_FIELDS = {"name", "device", "speed", "layer_decode_ms", "layer_prefill_ms", "embed_ms", "head_ms",
-                "step_overhead_ms", "memory", "link_bandwidth", "link_latency_ms", "host"}
+                "step_overhead_ms", "memory", "link_bandwidth", "link_latency_ms", "host", "weights"}
 LINK_FIELDS = {"between", "bandwidth", "latency_ms"}
 NETWORK_FIELDS = {"bandwidth", "latency_ms", "host_bandwidth", "host_latency_ms", "broker_host"}
 DEFAULT_REFERENCE_GFLOPS = 50.0  # one modern CPU core in float32, about what speed = 1.0 means by default
@@ -229,6 +230,9 @@ def _profile(name: str, stage: dict, where: str, cost: ModelCost, shapes: Shapes
     if host and ("link_bandwidth" in stage or "link_latency_ms" in stage):
         raise ClusterFileError(f"{where}: 'link_bandwidth'/'link_latency_ms' describe one outgoing link; with "
                                "hosts, describe links by host pair in [[links]] and [network]")
+    weights = stage.get("weights", "auto")
+    if weights not in WEIGHT_FORMATS:
+        raise ClusterFileError(f"{where}: weights {weights!r:.40} is not one of {', '.join(WEIGHT_FORMATS)}")
     try:
         return StageProfile(
             name=name, layer_decode_s=decode, layer_prefill_s=prefill, embed_s=embed, head_s=head,
@@ -237,7 +241,8 @@ def _profile(name: str, stage: dict, where: str, cost: ModelCost, shapes: Shapes
             else math.inf,
             link_latency_s=_ms(stage, "link_latency_ms", where, 0.0),
             step_overhead_s=_ms(stage, "step_overhead_ms", where, 0.0),
-            micro_batch_size=rows, prefill_tokens=chunk, device=str(stage.get("device", "?")), host=host)
+            micro_batch_size=rows, prefill_tokens=chunk, device=str(stage.get("device", "?")), host=host,
+            weights=weights)
     except ValueError as error:
         raise ClusterFileError(f"{where}: {error}") from None
 

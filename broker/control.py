@@ -17,7 +17,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import zmq
 
@@ -27,6 +27,7 @@ from layerbus.wire.curve import ClusterKeys, CurveGate
 from layerbus.wire.frames import WireError, decode, encode
 from layerbus.wire.protocol import HEARTBEAT_IDENTITY_SUFFIX
 from layerbus.wire.spans import LayerRange
+from layerbus.wire.weight_formats import WEIGHT_FORMATS
 
 if TYPE_CHECKING:
     from layerbus.broker.stage_supervisor import StageExit
@@ -81,6 +82,7 @@ class StageInfo:
     loaded: LayerRange | None = None  # the span it said it loaded in its last READY (its own report)
     param_bytes: int = 0  # bytes of the weights it holds (packed blocks counted as held)
     weights: str = ""  # the weight format it reported loading in READY ("fp32", "int4 (q4_1 g32)", ...)
+    own_weights: str | None = None  # its own --weights when it registered (None: it takes the broker's)
     load_s: float = 0.0
     peak_rss: int = 0  # the stage's peak resident memory when it reported READY
     rss_before_load: int = 0  # its resident memory before loading the span
@@ -240,7 +242,7 @@ class ControlPlane:
             identity=identity, name=header["name"], device=header["device"], dtype=header["dtype"],
             threads=header["threads"], memory_budget=header.get("memory_budget"),
             data_address=header["data_address"], public_key=public_key, host=str(header.get("host", "?")),
-            pid=int(_figure(header.get("pid"))), last_seen=now)
+            pid=int(_figure(header.get("pid"))), last_seen=now, own_weights=_weights_flag(header.get("weights")))
         if any(ended.name == header["name"] and ended.pid == self.stages[identity].pid for ended in self.exits):
             # Registered, then ended before this message was read: it cannot serve.
             self.stages[identity].state = StageState.GONE
@@ -341,15 +343,16 @@ class ControlPlane:
 
     def assign(self, placement: Placement, model_dir: str, result_address: str, num_slots: int,
                max_context: int, timeout_s: float, liveness_window_s: float | None = None,
-               weights: str = "auto") -> None:
+               weights: str | Sequence[str] = "auto") -> None:
         """Give each stage of `placement` its span, next hop, the codec of that hop (float32 where
-        the placement has none) and the weight format (a stage started with its own --weights keeps
-        that); wait until all report READY. A stage whose load fails raises ClusterError naming it.
+        the placement has none) and the weight format (one for all, or one per stage of the chain; a
+        stage started with its own --weights keeps that); wait until all report READY. A stage whose load fails raises ClusterError naming it.
 
         With `liveness_window_s`, a stage that dies while loading raises StageLost (its heartbeats
         continue during a load, so a long load is not mistaken for a death)."""
         self.epoch += 1
         chain = [self.stage(name) for name in placement.stages]
+        formats = [weights] * len(chain) if isinstance(weights, str) else list(weights)
         for i, (stage, span) in enumerate(zip(chain, placement.spans)):
             next_address = chain[i + 1].data_address if i + 1 < len(chain) else result_address
             stage.state, stage.loaded, stage.error = StageState.LOADING, None, None
@@ -357,7 +360,7 @@ class ControlPlane:
             traced = {"trace": True} if self.tracer is not None else {}
             self.send(stage, protocol.ASSIGN, epoch=self.epoch, model_dir=model_dir, layers=span.to_json(),
                       is_first=i == 0, is_last=i == len(chain) - 1, next_address=next_address,
-                      num_slots=num_slots, max_context=max_context, wire=link_codec, weights=weights,
+                      num_slots=num_slots, max_context=max_context, wire=link_codec, weights=formats[i],
                       **self._link_keys(chain, i), **traced)
         deadline = self.clock() + timeout_s
         # Take in what queued while the broker was busy (planning a large job takes seconds, during
@@ -410,6 +413,11 @@ def lost_reason(stage: StageInfo, now: float, window_s: float, stuck_s: float) -
     if stage.busy_s > stuck_s:
         return f"stuck in one step or load for {stage.busy_s:.0f} s (limit {stuck_s:g} s)"
     return None
+
+
+def _weights_flag(value: object) -> str | None:
+    """A stage's own --weights from its REGISTER (None: absent, or a name this broker does not know)."""
+    return value if isinstance(value, str) and value in WEIGHT_FORMATS else None
 
 
 def _figure(value: object) -> float:

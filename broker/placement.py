@@ -38,6 +38,7 @@ from layerbus.broker.link_search import host_grouped_orders, pair_dp
 from layerbus.broker.link_search import prefer_more_stages as _prefer_more_stages
 from layerbus.broker.network import BROKER, Link, LinkMatrix
 from layerbus.broker.step_cost import StepWork
+from layerbus.broker.weight_choice import AUTO_FALLBACKS, auto_levels, first_that_fits, weight_candidates
 from layerbus.broker.workload import JobShape, Window, steady_shape
 from layerbus.wire.spans import LayerRange
 
@@ -52,16 +53,21 @@ class _CostModel:
     Time is priced per window of the job (`JobShape`): each stage's busy seconds in a window are its
     profile's linear cost of what the window's steps carry (broker.step_cost), and the window lasts
     as long as its slowest stage, stretched where CPU stages on one host want more cores than it
-    has, and at least as long as its busiest micro-batch's steps take through the whole chain."""
+    has, and at least as long as its busiest micro-batch's steps take through the whole chain.
+
+    Memory is priced in each stage's weight format: the one it asked for, or under `--weights auto`
+    the first of full precision and the first `level` of int8, int4 that fits its span
+    (broker.weight_choice)."""
 
     def __init__(self, stages: Sequence[StageProfile], model: ModelMemory, shapes: Shapes, options: PlanOptions,
-                 job: JobShape | None = None, network: LinkMatrix | None = None):
+                 job: JobShape | None = None, network: LinkMatrix | None = None, level: int = len(AUTO_FALLBACKS)):
         self.stages, self.model, self.shapes, self.options = list(stages), model, shapes, options
         self.network = network
         n = model.num_layers
-        self.weight_prefix = [0]
-        for size in model.layer_weight_bytes:
-            self.weight_prefix.append(self.weight_prefix[-1] + size)
+        self.level = level
+        self.known_formats = tuple(f.name for f in model.formats)
+        self.weight_prefixes: dict[str, list[int]] = {}
+        self.chosen_formats: dict[tuple[str, int, int], str | None] = {}
         self.job = job if job is not None else steady_shape(
             shapes.micro_batch_size, shapes.num_micro_batches, options.prompt_tokens_per_new_token,
             min(256, shapes.max_context // 2), shapes.max_step_tokens)
@@ -123,14 +129,33 @@ class _CostModel:
         return total, busy
 
     # -- memory --
-    def weight_bytes(self, start: int, end: int) -> int:
+    def weight_bytes(self, start: int, end: int, weights: str = "auto") -> int:
+        """Bytes of [start, end) and the ends it holds, in format `weights` ("auto": full precision)."""
+        sizes = self.model.weights_in(weights)
+        prefix = self.weight_prefixes.get(sizes.name)
+        if prefix is None:
+            prefix = self.weight_prefixes[sizes.name] = list(itertools.accumulate(sizes.layer_weight_bytes, initial=0))
         first, last = start == 0, end == self.num_layers
-        size = self.weight_prefix[end] - self.weight_prefix[start]
+        size = prefix[end] - prefix[start]
         if first:
-            size += self.model.embed_bytes
+            size += sizes.embed_bytes
         if last:
-            size += self.model.head_bytes - (self.model.embed_bytes if first and self.model.head_shares_embed else 0)
+            size += sizes.head_bytes - (sizes.embed_bytes if first and self.model.head_shares_embed else 0)
         return size
+
+    def candidates(self, s: StageProfile) -> tuple[str, ...]:
+        return weight_candidates(s.weights, self.model.full_format, self.level, self.known_formats)
+
+    def weight_format(self, s: StageProfile, start: int, end: int) -> str | None:
+        """The format `s` holds [start, end) in: the first candidate whose weights fit beside the span's
+        KV cache, workspace and reserve; None when none fits."""
+        key = (s.name, start, end)
+        if key not in self.chosen_formats:
+            room = (s.memory_budget - (end - start) * self.kv_per_layer - self.workspace_bytes(end)
+                    - self.reserve_bytes(s))
+            self.chosen_formats[key] = first_that_fits(self.candidates(s),
+                                                       lambda name: self.weight_bytes(start, end, name), room)
+        return self.chosen_formats[key]
 
     def workspace_bytes(self, end: int) -> int:
         return self.model.workspace_bytes(self.shapes.max_step_tokens, self.shapes.micro_batch_size,
@@ -140,9 +165,7 @@ class _CostModel:
         return int(s.memory_budget * self.options.reserve_fraction)
 
     def fits(self, s: StageProfile, start: int, end: int) -> bool:
-        need = (self.weight_bytes(start, end) + (end - start) * self.kv_per_layer + self.workspace_bytes(end)
-                + self.reserve_bytes(s))
-        return need <= s.memory_budget
+        return self.weight_format(s, start, end) is not None
 
     def estimate(self, chain: Sequence[StageProfile], spans: Sequence[LayerRange]) -> SplitEstimate:
         job_s, busy = self.job_s(chain, spans)
@@ -151,14 +174,16 @@ class _CostModel:
             start, end, receiver = span.start, span.end, _name_after(chain, k)
             send = self.send_s(s, end, self.total, receiver) / self.steps
             link = self.link(s, receiver)
+            weights = self.weight_format(s, start, end) or self.candidates(s)[-1]  # else: the smallest, over budget
+            next_layer = self.model.weights_in(weights).layer_weight_bytes[min(end, self.num_layers - 1)]
             placements.append(StagePlacement(
                 name=s.name, layers=LayerRange(start, end), is_first=start == 0, is_last=end == self.num_layers,
-                memory_budget=s.memory_budget, weight_bytes=self.weight_bytes(start, end),
+                memory_budget=s.memory_budget, weight_bytes=self.weight_bytes(start, end, weights),
                 kv_bytes=(end - start) * self.kv_per_layer, workspace_bytes=self.workspace_bytes(end),
                 reserve_bytes=self.reserve_bytes(s), compute_s=max(0.0, stage_busy / self.steps - send),
                 send_s=send, latency_s=link.latency_s, layer_s=s.layer.of(self.total) / self.steps,
-                layer_bytes=(self.model.layer_weight_bytes[min(end, self.num_layers - 1)] + self.kv_per_layer),
-                alone_s=self.step_s(s, start, end, receiver), host=self.host_of(s), link_bandwidth=link.bandwidth))
+                layer_bytes=next_layer + self.kv_per_layer, alone_s=self.step_s(s, start, end, receiver),
+                host=self.host_of(s), link_bandwidth=link.bandwidth, weights=weights, requested_weights=s.weights))
         first = self.network.link(BROKER, chain[0].name) if self.network is not None and chain else None
         return summarize(tuple(placements), self.shapes, job_s, self.job.new_tokens, self.steps,
                          first.latency_s if first else 0.0)
@@ -257,11 +282,16 @@ def plan_placement(stages: Sequence[StageProfile], model: ModelMemory, batching,
     if len(set(names)) != len(names):
         raise PlacementError(f"stage names must be unique, got {names}")
     shapes = batching if isinstance(batching, Shapes) else Shapes.from_batching(batching, len(stages))
-    costs = _CostModel(stages, model, shapes, options, job, network)
-    if network is None:
-        chain, spans, search = _search(costs, options)
-    else:
-        chain, spans, search = _search_over_links(costs, options)
+    # Stages under --weights auto: full precision first; int8, then int4, only if that finds no placement.
+    levels = auto_levels() if any(s.weights == "auto" for s in stages) else [len(AUTO_FALLBACKS)]
+    for level in levels:
+        costs = _CostModel(stages, model, shapes, options, job, network, level)
+        if network is None:
+            chain, spans, search = _search(costs, options)
+        else:
+            chain, spans, search = _search_over_links(costs, options)
+        if chain:
+            break
     if not chain:
         raise PlacementError(_too_small_message(costs))
     if len(costs.windows) > 1 or costs.shared:
@@ -535,15 +565,18 @@ def _too_small_message(costs: _CostModel) -> str:
     model, shapes = costs.model, costs.shapes
     n = model.num_layers
     p = len(costs.stages)
-    weights = sum(model.layer_weight_bytes) + model.embed_bytes + model.head_bytes
+    # In the smallest format the stages may hold (under --weights auto: int4)
+    fmt = min((costs.candidates(s)[-1] for s in costs.stages), key=lambda name: costs.weight_bytes(0, n, name))
+    sizes = model.weights_in(fmt)
+    weights = sum(sizes.layer_weight_bytes) + sizes.embed_bytes + sizes.head_bytes
     if p == 1 and model.head_shares_embed:
-        weights -= model.embed_bytes
+        weights -= sizes.embed_bytes
     kv = n * costs.kv_per_layer
     workspace = costs.workspace_bytes(n) + (p - 1) * costs.workspace_bytes(0)
     need = weights + kv + workspace
     have = sum(s.memory_budget - costs.reserve_bytes(s) for s in costs.stages)
     prefixes = f" + {shapes.prefix_cache_tokens} prefix-cache tokens" if shapes.prefix_cache_tokens else ""
-    detail = (f"the model needs {_gib(need)} (weights {_gib(weights)}, KV cache {_gib(kv)} for "
+    detail = (f"the model needs {_gib(need)} (weights {_gib(weights)} in {sizes.name}, KV cache {_gib(kv)} for "
               f"{shapes.num_slots} slots x {shapes.max_context} tokens{prefixes}, workspace {_gib(workspace)}) and "
               f"the {p} stage(s) can hold {_gib(have)} after their reserves")
     if need > have:
@@ -553,9 +586,10 @@ def _too_small_message(costs: _CostModel) -> str:
         smallest = min(costs.stages, key=lambda s: s.memory_budget)
         head = (f"no contiguous split fits although the total would ({detail}); stage {smallest.name} "
                 f"({_gib(smallest.memory_budget)}) cannot hold even one layer with its KV cache "
-                f"({_gib(model.layer_weight_bytes[0] + costs.kv_per_layer)}) plus workspace")
+                f"({_gib(sizes.layer_weight_bytes[0] + costs.kv_per_layer)}) plus workspace")
     per_token = n * model.kv_bytes_per_token
-    return (f"{head}. Ways out: add stages or memory (--memory-budget), lower --max-context (KV costs "
+    smaller = "" if fmt == "int4" else ", hold the weights in fewer bits (--weights auto, int8 or int4)"
+    return (f"{head}. Ways out: add stages or memory (--memory-budget){smaller}, lower --max-context (KV costs "
             f"{per_token:,} bytes per slot-token over all layers), or fewer --slots / --micro-batch-size"
             + (" / --prefix-cache-tokens" if shapes.prefix_cache_tokens else ""))
 

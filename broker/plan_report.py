@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from layerbus.broker.network import BROKER, LinkMatrix
 from layerbus.broker.placement import Plan, SplitEstimate, StagePlacement
+from layerbus.broker.weight_choice import AUTO_FALLBACKS, quality_note
 from layerbus.wire.spans import format_chain
 
 
@@ -18,12 +19,12 @@ def size(value: float) -> str:
 def format_split(title: str, split: SplitEstimate) -> list[str]:
     lines = [f"{title}: {split.tokens_per_s:.1f} tok/s predicted, bubble {split.bubble:.0%}, "
              f"pace {1000 * split.step_s:.2f} ms/step" + ("" if split.fits else "  (DOES NOT FIT in memory)"),
-             f"  {'stage':<14} {'layers':<10} {'n':>3}  {'ends':<10} {'weights':>10} {'KV cache':>10} "
+             f"  {'stage':<14} {'layers':<10} {'n':>3}  {'ends':<10} {'format':<6} {'weights':>10} {'KV cache':>10} "
              f"{'ms/step':>8}  {'memory used / budget':>24}"]
     for s in split.stages:
         ends = "+".join(part for part, held in (("embed", s.is_first), ("head", s.is_last)) if held) or "-"
         over = "" if s.fits else f"  over by {size(-s.free_bytes)}"
-        lines.append(f"  {s.name:<14} {str(s.layers):<10} {len(s.layers):>3}  {ends:<10} {size(s.weight_bytes):>10} "
+        lines.append(f"  {s.name:<14} {str(s.layers):<10} {len(s.layers):>3}  {ends:<10} {s.weights:<6} {size(s.weight_bytes):>10} "
                      f"{size(s.kv_bytes):>10} {1000 * s.step_s:>8.2f}  "
                      f"{size(s.used_bytes):>11} / {size(s.memory_budget):<10}{over}")
     return lines
@@ -54,7 +55,8 @@ def format_plan(plan: Plan) -> str:
 
 def explain_stage(stage: StagePlacement, plan: Plan) -> str:
     """Why this stage holds what it holds and leaves the rest of its memory unused."""
-    parts = (f"{stage.name}: budget {size(stage.memory_budget)} = weights {size(stage.weight_bytes)} + KV cache "
+    parts = (f"{stage.name}: budget {size(stage.memory_budget)} = weights {size(stage.weight_bytes)} in "
+             f"{stage.weights} + KV cache "
              f"{size(stage.kv_bytes)} + workspace {size(stage.workspace_bytes)} + reserve "
              f"{size(stage.reserve_bytes)} + free {size(stage.free_bytes)}")
     if stage.free_bytes < stage.layer_bytes:
@@ -65,7 +67,20 @@ def explain_stage(stage: StagePlacement, plan: Plan) -> str:
                f"past the pace of {1000 * plan.step_s:.2f} ms")
     else:
         why = "could hold more: the contiguous split gives the extra layers to a stage where they cost no more"
-    return f"{parts}\n    {why}"
+    return f"{parts}\n    {why}\n    {weights_reason(stage)}"
+
+
+def weights_reason(stage: StagePlacement) -> str:
+    """Why it holds its weights in the format it does, and what that format costs in quality."""
+    if stage.requested_weights != "auto":
+        reason = f"weights {stage.weights}: asked for with --weights {stage.requested_weights}"
+    elif stage.weights in AUTO_FALLBACKS:
+        reason = (f"weights {stage.weights} (--weights auto): its span does not fit in full precision"
+                  + ("" if stage.weights == AUTO_FALLBACKS[0] else f" nor in {AUTO_FALLBACKS[0]}"))
+    else:
+        reason = f"weights {stage.weights} (--weights auto): full precision fits"
+    note = quality_note(stage.weights)
+    return reason + (f"; {note}" if note else "")
 
 
 def format_explain(plan: Plan) -> str:

@@ -49,6 +49,9 @@ class StageProfile:
     # stage's runtime and its loader's temporary; shown by `plan --explain`, not planned with.
     runtime_bytes: int = 0
     loader_bytes: int = 0
+    # The --weights it holds its layers in (wire.weight_formats): its own flag, else the broker's. "auto"
+    # lets the planner choose per stage (broker.weight_choice): full precision where it fits, else int8, int4.
+    weights: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("layer_decode_s", "layer_prefill_s", "embed_s", "head_s", "link_latency_s", "step_overhead_s"):
@@ -113,6 +116,16 @@ class StageProfile:
 
 
 @dataclass(frozen=True)
+class FormatWeights:
+    """The model's weights in one --weights format, exact from the headers (models.weight_sizes)."""
+
+    name: str  # "fp32", "bf16", "fp16", "int8", "int4" or "native"
+    layer_weight_bytes: tuple[int, ...]  # each decoder layer
+    embed_bytes: int  # the token embedding (first stage)
+    head_bytes: int  # final norm + LM head; a tied head counts the embedding matrix again
+
+
+@dataclass(frozen=True)
 class ModelMemory:
     """The model's memory needs in the stages' dtype, exact from the safetensors headers."""
 
@@ -127,10 +140,23 @@ class ModelMemory:
     num_attention_heads: int
     vocab_size: int
     dtype_bytes: int  # bytes per element of the stages' dtype
+    # The weights in each format a stage may hold them in (empty: only the fields above, in the dtype)
+    formats: tuple[FormatWeights, ...] = ()
+    full_format: str = "fp32"  # the --weights name of the stages' dtype: what the fields above are in
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_weight_bytes)
+
+    def weights_in(self, name: str) -> FormatWeights:
+        """The weights in format `name`; the full-precision format is the fields above."""
+        for known in self.formats:
+            if known.name == name:
+                return known
+        if name in (self.full_format, "auto"):
+            return FormatWeights(self.full_format, self.layer_weight_bytes, self.embed_bytes, self.head_bytes)
+        raise ValueError(f"no weight sizes for format {name!r}: the model's memory was sized for "
+                         f"{[self.full_format] + [f.name for f in self.formats]}")
 
     def workspace_bytes(self, step_tokens: int, rows: int, max_context: int, is_last: bool) -> int:
         """Activation temporaries of one step (an approximation, documented in the README): a
@@ -214,6 +240,8 @@ class StagePlacement:
     alone_s: float | None = None  # per step as if it had its host to itself (None: as step_s)
     host: str = ""  # the machine it runs on ("" unknown)
     link_bandwidth: float = math.inf  # bytes/s of the link it sends on (to the next stage; the last: the broker)
+    weights: str = "fp32"  # the format it holds its weights in (chosen by the planner under --weights auto)
+    requested_weights: str = "auto"  # what it was asked to hold (its own --weights, else the broker's)
 
     @property
     def step_s(self) -> float:
@@ -262,7 +290,7 @@ class SplitEstimate:
                 "tokens_per_s": self.tokens_per_s, "bubble": self.bubble, "fits": self.fits, "job_s": self.job_s,
                 "new_tokens": self.new_tokens, "steps": self.steps,
                 "stages": [{"name": s.name, "layers": s.layers.to_json(), "num_layers": len(s.layers),
-                            "embed": s.is_first, "head": s.is_last, "step_ms": 1000 * s.step_s,
+                            "embed": s.is_first, "head": s.is_last, "weights": s.weights, "step_ms": 1000 * s.step_s,
                             "compute_ms": 1000 * s.compute_s, "send_ms": 1000 * s.send_s,
                             "memory_budget": s.memory_budget, "weight_bytes": s.weight_bytes,
                             "kv_bytes": s.kv_bytes, "workspace_bytes": s.workspace_bytes,

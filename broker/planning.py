@@ -23,6 +23,7 @@ from layerbus.broker.placement import (
     estimate_split,
     plan_placement,
 )
+from layerbus.broker.weight_choice import assigned_weights
 from layerbus.broker.wire_choice import AutoWireInputs
 
 
@@ -86,6 +87,17 @@ def unplanned_spans(partition: str, names: Sequence[str], num_layers: int, layer
 def planned(plan: Plan) -> Placement:
     """The placement a plan makes (its links' codecs are chosen afterwards: `with_codecs`)."""
     return Placement(tuple(plan.order), tuple(plan.spans), partition="planned", plan=plan)
+
+
+def stage_weights(placement: Placement, broker_weights: str) -> list[str]:
+    """The --weights each stage of the chain is told to hold: the plan's choice for the stages it chose
+    for under auto (int8 or int4 where full precision did not fit), else the broker's flag (a stage's
+    own --weights wins on the stage's side either way)."""
+    if placement.plan is None:
+        return [broker_weights] * len(placement.stages)
+    chosen = {stage.name: stage for stage in placement.plan.stages}
+    return [assigned_weights(chosen[name].requested_weights, chosen[name].weights) if name in chosen
+            else broker_weights for name in placement.stages]
 
 
 def slowed_profile(profile: StageProfile, factor: float) -> StageProfile:

@@ -32,6 +32,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "model": ("model", "prepare the default model or import a GGUF"),
     "keys": ("keys", "make CurveZMQ keys for the broker and stages"),
     "wire-quality": ("wire_quality", "measure what each wire codec costs in quality"),
+    "quality": ("quality", "measure what each weight format and wire codec costs in quality"),
     "netprobe": ("netprobe", "measure round trips and bandwidth to another machine, and what they cost per token"),
 }
 

@@ -140,15 +140,17 @@ def add_cluster_options(parser: argparse.ArgumentParser, partition: bool = True)
                              "takes the cheapest codec within the quality budget)")
 
 
-def add_weights(parser: argparse.ArgumentParser) -> None:
-    """--weights for the broker's stages (`run`, `broker`); a stage's own --weights wins over it."""
+def add_weights(parser: argparse.ArgumentParser, stage_files: bool = False) -> None:
+    """--weights for the broker's stages (`run`, `broker`, `plan`); a stage's own --weights wins over it."""
     from layerbus.wire.weight_formats import WEIGHT_FORMATS
 
+    own = "a stage with its own 'weights' in the --cluster file" if stage_files else "a stage started with its own --weights"
     parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto",
-                        help="how the stages hold their layers' weights: auto (full precision in their --dtype, "
-                             "for now), native (the checkpoint's own quantized blocks, e.g. a GGUF's Q4_1), fp32, "
-                             "bf16, fp16, or int8 / int4 (quantized as they load: symmetric / asymmetric groups "
-                             "of 32); a stage started with its own --weights keeps it (default: auto)")
+                        help="how the stages hold their layers' weights: auto (the planner chooses per stage: full "
+                             "precision in their --dtype where it fits, else int8, else int4), native (the "
+                             "checkpoint's own quantized blocks, e.g. a GGUF's Q4_1), fp32, bf16, fp16, or int8 / "
+                             "int4 (quantized as they load: symmetric / asymmetric groups of 32); "
+                             f"{own} keeps it (default: auto)")
 
 
 def add_metrics(parser: argparse.ArgumentParser) -> None:

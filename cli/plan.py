@@ -12,6 +12,7 @@ from layerbus.cli.options import (
     add_cluster_options,
     add_model,
     add_verbose,
+    add_weights,
     batching_from_args,
     non_negative_float,
     non_negative_int,
@@ -49,6 +50,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="show per stage why it does not use all its memory (weights, KV, workspace, reserve), "
                              "and the chain's hosts and the links it crosses")
     add_cluster_options(parser, partition=False)
+    add_weights(parser, stage_files=True)
     add_verbose(parser)
     parser.set_defaults(handler=main)
 
@@ -81,10 +83,13 @@ def main(args: argparse.Namespace) -> int:
         count = _count_stages(args.cluster)
         cluster = read_cluster(args.cluster, model_cost_from_config(info.files.config),
                                Shapes.from_batching(batching.resolved(count), count))
-        profiles, network = cluster.profiles, cluster.network
+        # A stage's own `weights` in the file wins over --weights, as a stage's own flag does.
+        profiles = [p if p.weights != "auto" else replace(p, weights=args.weights) for p in cluster.profiles]
+        network = cluster.network
     else:
         count = args.stages
         profiles, network = _local_profiles(model_dir, memory, batching, args)
+        profiles = [replace(p, weights=args.weights) for p in profiles]
     # Sizes left at 0 are chosen from the profiles, as the broker chooses them (no job: no item cap).
     sizing, plan = choose_by_plan(
         batching, count, profiles, memory,
@@ -129,7 +134,7 @@ def _local_profiles(model_dir, memory, batching, args):
         if i < len(args.emulate_speed):
             extra += ["--emulate-speed", _check_speed(args.emulate_speed[i])]
         if i < len(args.memory_budget) and args.memory_budget[i] != "-":
-            extra += ["--memory-budget", _check_size(args.memory_budget[i])]
+            extra += ["--memory-budget", check_size(args.memory_budget[i])]
         stage_args.append(tuple(extra))
     config = BrokerConfig(str(model_dir), args.stages, batching=batching)
     cluster = LocalCluster(config, LocalStageOptions(threads_per_stage=args.threads_per_stage,
@@ -159,7 +164,7 @@ def _check_speed(text: str) -> str:
     return text
 
 
-def _check_size(text: str) -> str:
+def check_size(text: str) -> str:
     from layerbus.stages.__main__ import byte_size
 
     try:

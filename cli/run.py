@@ -51,6 +51,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="torch threads per stage (default: this machine's cores shared evenly)")
     add_cluster_options(parser)
     add_weights(parser)
+    parser.add_argument("--memory-budget", metavar="SIZE", nargs="+", default=[],
+                        help="memory budget of the local stages, each its whole resident memory, runtime included "
+                             "(300MB, 1.5GiB): one SIZE for every stage, or one per stage ('-' = free memory); "
+                             "with --weights auto the planner quantizes a stage's span only where full precision "
+                             "does not fit")
     add_trace(parser)
     add_metrics(parser)
     add_verbose(parser)
@@ -61,6 +66,7 @@ def main(args: argparse.Namespace) -> int:
     if (args.input is None) == (args.job is None):
         raise UsageError("give INPUT (to submit a new job) or --job JOB (to run an existing one)"
                          + (", not both" if args.input else ""))
+    stage_budgets(args)  # a bad size is refused before anything is queued
     metrics = start_metrics(args)  # first: an address it cannot listen on is refused before anything is queued
     try:
         status, events, workers, job_id = _submit_and_run(args, metrics)
@@ -121,7 +127,8 @@ def run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.Na
                           batching=batching, pipeline=pipeline_from_args(args),
                           workload=workload, **wire_from_args(args), weights=args.weights, trace=trace,
                           link_probe=link_probe_from_args(args))
-    options = LocalStageOptions(threads_per_stage=args.threads_per_stage, log_dir=log_dir)
+    options = LocalStageOptions(threads_per_stage=args.threads_per_stage, log_dir=log_dir,
+                                stage_args=stage_budgets(args))
     print(f"layerbus: running {job_id} on {args.stages} local stage(s); stage logs in {log_dir}", file=sys.stderr)
     if metrics is not None:
         metrics.watch_job(store, job_id)
@@ -138,3 +145,18 @@ def run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.Na
         raise
     finally:
         report_trace(trace)  # written by the broker as it closes, whatever the run's end
+
+
+def stage_budgets(args: argparse.Namespace) -> tuple[tuple[str, ...], ...]:
+    """Each local stage's `--memory-budget SIZE` arguments from `run --memory-budget` (one size for all,
+    or one per stage; '-' leaves a stage on its free memory)."""
+    from layerbus.cli.plan import check_size
+
+    sizes = list(getattr(args, "memory_budget", None) or [])  # `eval run` shares run_locally and has none
+    if not sizes:
+        return ()
+    if len(sizes) not in (1, args.stages):
+        raise UsageError(f"--memory-budget takes one SIZE for every stage or one per stage (--stages {args.stages}), "
+                         f"got {len(sizes)}")
+    sizes = sizes * args.stages if len(sizes) == 1 else sizes
+    return tuple(() if size == "-" else ("--memory-budget", check_size(size)) for size in sizes)

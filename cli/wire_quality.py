@@ -42,7 +42,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from layerbus.broker.partition import balanced_partition, model_cost_from_config
     from layerbus.broker.wire_choice import saved_table_path
     from layerbus.jobs.corpus import SAMPLE_CORPUS, corpus_prompts
     from layerbus.models.model_info import load_tokenizer, read_model_info
@@ -51,20 +50,7 @@ def main(args: argparse.Namespace) -> int:
 
     model_dir = resolve_model(args.model)
     config = read_model_info(model_dir).files.config
-    if args.cuts:
-        try:
-            cuts = [int(part) for part in args.cuts.split(",")]
-        except ValueError:
-            raise UsageError(f"--cuts {args.cuts}: give layer indices separated by commas, e.g. --cuts 10,20") from None
-    else:
-        if args.stages < 2 or args.stages > config.num_hidden_layers:
-            raise UsageError(f"--stages {args.stages}: need 2 to {config.num_hidden_layers} stages for a cut")
-        spans = balanced_partition(model_cost_from_config(config), args.stages)
-        cuts = [span.start for span in spans[1:]]
-    bounds = [0, *cuts, config.num_hidden_layers]
-    if any(b <= a for a, b in zip(bounds, bounds[1:])):
-        raise UsageError(f"--cuts {cuts}: need strictly increasing layer indices between 1 and "
-                         f"{config.num_hidden_layers - 1}")
+    cuts = plan_cuts(args, config)
     codec_names = tuple(name.strip() for name in args.codecs.split(","))
     bad = [name for name in codec_names if name not in CODEC_NAMES]
     if bad:
@@ -89,6 +75,27 @@ def main(args: argparse.Namespace) -> int:
         print(f"layerbus wire-quality: saved for --wire auto in {path}", file=sys.stderr)
     print(json.dumps(report, indent=2) if args.json else quality_table(report))
     return EXIT_OK
+
+
+def plan_cuts(args: argparse.Namespace, config) -> list[int]:
+    """--cuts as given, else the boundaries of the balanced plan for --stages (also `layerbus quality`'s)."""
+    from layerbus.broker.partition import balanced_partition, model_cost_from_config
+
+    if args.cuts:
+        try:
+            cuts = [int(part) for part in args.cuts.split(",")]
+        except ValueError:
+            raise UsageError(f"--cuts {args.cuts}: give layer indices separated by commas, e.g. --cuts 10,20") from None
+    else:
+        if args.stages < 2 or args.stages > config.num_hidden_layers:
+            raise UsageError(f"--stages {args.stages}: need 2 to {config.num_hidden_layers} stages for a cut")
+        spans = balanced_partition(model_cost_from_config(config), args.stages)
+        cuts = [span.start for span in spans[1:]]
+    bounds = [0, *cuts, config.num_hidden_layers]
+    if any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise UsageError(f"--cuts {cuts}: need strictly increasing layer indices between 1 and "
+                         f"{config.num_hidden_layers - 1}")
+    return cuts
 
 
 def quality_table(report: dict) -> str:

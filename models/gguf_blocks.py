@@ -65,6 +65,10 @@ class GGUFBlocks:
         tensor = self.tensors.get(_gguf_name(hf_name) or "")
         return tensor.layout_name if tensor else None
 
+    def block_bytes(self, hf_name: str) -> int:
+        """Bytes its blocks take once read (a GGUF block is d [+ m] + quants, as Blocks holds them)."""
+        return self.tensors[_gguf_name(hf_name)].n_bytes
+
     def read(self, hf_name: str) -> Blocks:
         """The tensor's blocks, rows in the order the float32 import has them."""
         tensor = self.tensors[_gguf_name(hf_name)]

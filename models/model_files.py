@@ -112,9 +112,10 @@ def _read_raw_config(path: Path) -> dict:
     if dtype not in SUPPORTED_DTYPES:
         raise ModelDirError(f"{config_file}: dtype {dtype!r} is not one of {sorted(SUPPORTED_DTYPES)}")
     if raw.get("quantization_config"):
-        raise ModelDirError(f"{config_file} declares quantization {raw['quantization_config'].get('quant_method')!r}; "
-                            "layerbus loads plain safetensors weights (for a GGUF file use "
-                            "`layerbus model import-gguf FILE --out DIR`)")
+        try:
+            compressed_scheme(raw)  # the one pre-quantized format read as it is; others are refused here
+        except ModelDirError as error:
+            raise ModelDirError(f"{config_file}: {error}") from None
     return raw
 
 
@@ -175,3 +176,32 @@ def _check_layer_tensors(path: Path, num_layers: int, tensor_files: dict[str, Pa
                             "the checkpoint is incomplete or uses a layout other than model.layers.N")
     if "model.embed_tokens.weight" not in tensor_files:
         raise ModelDirError(f"{path}: no model.embed_tokens.weight; the checkpoint uses another layout")
+
+
+@dataclass(frozen=True)
+class CompressedScheme:
+    """The one compressed-tensors scheme layerbus reads."""
+
+    group_size: int  # weights per scale along the input dimension (a multiple of 32)
+
+
+def compressed_scheme(raw_config: dict) -> CompressedScheme | None:
+    """The scheme of a config.json (as a dict) declaring compressed-tensors, None when it declares no
+    quantization; ModelDirError naming what is read when it is another one."""
+    quantization = raw_config.get("quantization_config")
+    if not quantization:
+        return None
+    method = quantization.get("quant_method")
+    groups = list((quantization.get("config_groups") or {}).values())
+    weights = groups[0].get("weights") or {} if len(groups) == 1 else {}
+    group_size = weights.get("group_size") or 0
+    readable = (method == "compressed-tensors" and quantization.get("format") == "pack-quantized"
+                and weights.get("num_bits") == 4 and weights.get("type") == "int" and weights.get("symmetric")
+                and weights.get("strategy") == "group" and group_size % 32 == 0 and group_size > 0
+                and not groups[0].get("input_activations"))
+    if not readable:
+        raise ModelDirError(
+            f"config.json declares quantization {method!r} ({quantization.get('format', '?')}); layerbus reads "
+            "compressed-tensors pack-quantized 4-bit symmetric groups of a multiple of 32 (W4A16), a GGUF "
+            "(`layerbus model import-gguf FILE --out DIR`) or plain safetensors")
+    return CompressedScheme(group_size)

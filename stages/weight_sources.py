@@ -13,10 +13,11 @@ from pathlib import Path
 
 import torch
 
+from layerbus.models.compressed_tensors import CompressedBlocks
 from layerbus.models.gguf_blocks import GGUFBlocks, model_gguf
-from layerbus.models.model_files import ModelFiles
-from layerbus.models.tensor_reader import TensorReader
-from layerbus.models.weight_blocks import Blocks, quantize
+from layerbus.models.model_files import ModelFiles, compressed_scheme
+from layerbus.models.tensor_reader import SAFETENSORS_DTYPES, TensorReader
+from layerbus.models.weight_blocks import Blocks, quantize_rows
 
 _LAYER_LINEAR = re.compile(r"^model\.layers\.\d+\..+\.weight$")
 
@@ -31,9 +32,13 @@ class QuantizeOnLoad:
         return self.layout_name if _LAYER_LINEAR.match(name) else None
 
     def read(self, name: str) -> Blocks:
-        weight = torch.empty(self.reader.shape(name), dtype=torch.float32)
+        # Read in its stored dtype (no conversion copy), quantized a chunk of rows at a time: the load
+        # holds one stored tensor and a few MiB of float32 beside the blocks.
+        stored = SAFETENSORS_DTYPES.get(self.reader.dtype_name(name))
+        floating = stored is not None and stored.is_floating_point and stored != torch.float64
+        weight = torch.empty(self.reader.shape(name), dtype=stored if floating else torch.float32)
         self.reader.read_into(name, weight)
-        return quantize(weight, self.layout_name)  # the full-precision tensor is freed on return
+        return quantize_rows(weight, self.layout_name)  # the stored tensor is freed on return
 
 
 class NativeBlocks:
@@ -51,7 +56,14 @@ class NativeBlocks:
 
 def block_source(files: ModelFiles, quantize_to: str | None, native: bool, reader: TensorReader):
     """The source of a shard's blocks, or None when it holds every weight in full precision (native on a
-    directory without a GGUF: the safetensors are the checkpoint's own format)."""
+    directory without a GGUF: the safetensors are the checkpoint's own format). A compressed-tensors
+    checkpoint holds no full-precision projections: its own blocks, whatever --weights says."""
+    quantization = getattr(files.config, "quantization_config", None)
+    if quantization is not None and not isinstance(quantization, dict):
+        quantization = quantization.to_dict()
+    scheme = compressed_scheme({"quantization_config": quantization})
+    if scheme is not None:
+        return CompressedBlocks(reader, scheme)
     if quantize_to is not None:
         return QuantizeOnLoad(quantize_to, reader)
     gguf = model_gguf(files.path) if native else None

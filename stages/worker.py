@@ -28,8 +28,8 @@ from layerbus.models.attention_shape import attention_shape
 from layerbus.models.model_files import open_model_dir
 from layerbus.stages.forward import run_step
 from layerbus.stages.heartbeat import HeartbeatThread, busy_for
-from layerbus.stages.host import (check_device, current_rss_bytes, device_memory_bytes, peak_rss_bytes, reset_peak_rss,
-                                  runtime_rss_bytes)
+from layerbus.stages.host import (check_device, current_rss_bytes, device_memory_bytes, peak_rss_bytes,
+                                  release_freed_memory, reset_peak_rss, runtime_rss_bytes)
 from layerbus.stages.kv_cache import KVArena
 from layerbus.stages.peer_links import PeerProbeRequest, PeerProber, is_link_probe, proven_key
 from layerbus.stages.sampling import last_stage_outputs
@@ -333,6 +333,7 @@ class StageWorker:
                                                        "num_slots": int, "max_context": int})
             wire_codec = codecs.check_codec_name(header.get("wire", codecs.DEFAULT_CODEC))
             next_key = self._admit(header)
+            release_freed_memory()  # what earlier work freed (a profile, a load's temporaries) leaves the figures
             reset_peak_rss()
             started, rss_before = time.monotonic(), current_rss_bytes()
             self.busy_since = started

@@ -7,7 +7,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, dequantize as gguf_dequantize, quantize as gguf_quantize
 
-from layerbus.models.weight_blocks import LAYOUTS, dequantize, from_raw, quantize
+from layerbus.models.weight_blocks import LAYOUTS, dequantize, from_raw, quantize, quantize_rows
 
 GGML_TYPES = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1,
               "q8_0": GGMLQuantizationType.Q8_0}
@@ -119,3 +119,14 @@ def test_without_a_compiler_torch_dequantizes(tmp_path, monkeypatch, caplog):
         assert block_kernel.dequantize_rows(quantize(_weight(), "q4_1"), slice(0, 4)) is None
     assert "torch ops dequantize" in caplog.text
     monkeypatch.setattr(block_kernel, "_kernel", False)
+
+
+@pytest.mark.parametrize("layout", ["q8_0", "q4_1", "q4_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantizing_a_chunk_of_rows_at_a_time_gives_the_same_blocks(layout, dtype):
+    weight = (torch.randn(37, 96, generator=torch.Generator().manual_seed(3)) * 0.1).to(dtype)
+    whole = quantize(weight.to(torch.float32), layout)
+    chunked = quantize_rows(weight, layout, chunk_elements=5 * 96)  # 8 chunks, the last one short
+    for name in ("d", "m", "qs"):
+        a, b = getattr(whole, name), getattr(chunked, name)
+        assert (a is None and b is None) or torch.equal(a, b), name

@@ -1,0 +1,60 @@
+"""Which weight format each stage holds, as the planner decides it: pure functions of the format a
+stage was asked for (`--weights`, its own flag over the broker's) and the bytes each format needs.
+
+Under `--weights auto` a stage holds full precision (its --dtype) where its memory allows, else int8,
+else int4. In that order because quality falls in it (measured, issue 19, SmolLM2-135M over the sample
+corpus against float32: int8 g32 KL 0.0013 / 98.1% same top token; 4-bit g32 re-quantized from
+full precision costs more on a model not trained for it) and, on the CPUs measured, so does speed
+(Q4_1/Q8_0 tiles run 1.1-8x slower than the float32 matmul: bench/bench_weights.py). The planner
+plans the cluster at full precision first and allows int8, then int4, only when that plan fails, so
+a roomy cluster never quantizes to go faster on paper (profiles are taken at full precision).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+AUTO_FALLBACKS = ("int8", "int4")  # after full precision, in order of preference under --weights auto
+# Quality cost against float32, for `plan --explain` (issue 19's table: SmolLM2-135M over the sample
+# corpus; format -> (mean KL, same top token, a caveat)). `layerbus quality` measures a model's own.
+MEASURED_QUALITY = {"int8": (0.0013, 0.981, ""),
+                    "int4": (0.0, 1.0, "; that model ships as Q4_1: on others int4 costs more")}
+QUALITY_SOURCE = "SmolLM2-135M, sample corpus"
+
+
+def auto_levels() -> range:
+    """How far down AUTO_FALLBACKS each successive plan may go (0: full precision only)."""
+    return range(len(AUTO_FALLBACKS) + 1)
+
+
+def weight_candidates(requested: str, full: str, level: int, known: Sequence[str]) -> tuple[str, ...]:
+    """The formats a stage asked for `requested` may hold, best first. `full`: the full-precision
+    format of the stages' dtype; `level`: how many of AUTO_FALLBACKS auto may use; `known`: the formats
+    the model's sizes were computed for (auto skips others: a hand-made ModelMemory knows only `full`)."""
+    if requested != "auto":
+        return (requested,)
+    return tuple(name for name in (full, *AUTO_FALLBACKS[:level]) if name == full or name in known)
+
+
+def first_that_fits(candidates: Sequence[str], need: Callable[[str], int], room: int) -> str | None:
+    """The first format whose need (bytes) is within `room`, or None when none is."""
+    for name in candidates:
+        if need(name) <= room:
+            return name
+    return None
+
+
+def assigned_weights(requested: str, chosen: str) -> str:
+    """What the broker tells a stage to hold: the planner's quantized choice under auto, else what was
+    asked. Full precision chosen under auto stays "auto" so each stage keeps its own --dtype."""
+    if requested == "auto" and chosen in AUTO_FALLBACKS:
+        return chosen
+    return requested
+
+
+def quality_note(name: str) -> str:
+    """The measured quality cost of a format, for `plan --explain` ("" for full precision)."""
+    if name not in MEASURED_QUALITY:
+        return ""
+    kl, same_top, caveat = MEASURED_QUALITY[name]
+    return f"quality vs float32: KL {kl:g}, same top token {same_top:.1%} ({QUALITY_SOURCE}{caveat})"
