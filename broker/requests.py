@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from layerbus.wire.constraint import Constraint
 from layerbus.wire.sampling import SamplingParams
 
 
@@ -18,6 +19,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()  # stop strings: generation ends when the output text contains one
     want_logprobs: bool = False  # return the log-probability of every generated token
     score_prompt: bool = False  # return log P(prompt[i] | prompt[:i]) for i >= 1 (teacher-forced evals)
+    constraint: Constraint | None = None  # what the output must match (JSON schema, regex, choice); None: free
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from layerbus.broker.detokenizer import IncrementalDetokenizer
 from layerbus.broker.requests import GenerationRequest, GenerationResult, ScoreRequest
 from layerbus.broker.scoring import ScoringFeed
+from layerbus.wire.constraint import Constraint
+
+if TYPE_CHECKING:
+    from layerbus.broker.grammar import TokenGrammar
 
 Request = GenerationRequest | ScoreRequest
 
@@ -84,6 +88,7 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None = None  # the output text as it grows (None: no tokenizer given)
     stop_at: int | None = None  # where the first stop string found in the output text begins
     feed: ScoringFeed | None = None  # a ScoreRequest's progress (None: a generation)
+    grammar: TokenGrammar | None = None  # a constrained request's grammar state (None: unconstrained)
 
     @property
     def known(self) -> list[int]:
@@ -123,8 +128,13 @@ class Scheduler:
     detokenizer, for stop strings and the result's text; without one, both are left out."""
 
     def __init__(self, config: BatchingConfig, num_stages: int, eos_ids: set[int],
-                 new_detokenizer: Callable[[], IncrementalDetokenizer] | None = None):
+                 new_detokenizer: Callable[[], IncrementalDetokenizer] | None = None,
+                 new_grammar: Callable[[Constraint], TokenGrammar] | None = None):
         config = config.resolved(num_stages)
+        # A constrained request's grammar state, built at submit (so a constraint that does not compile fails its
+        # request there) and handed to its sequence at admission. None: constrained requests fail.
+        self.new_grammar = new_grammar
+        self.grammars: dict[str, TokenGrammar] = {}  # request_id -> grammar of a waiting request
         self.config = config
         self.num_micro_batches = config.num_micro_batches
         self.eos_ids = set(eos_ids)
@@ -158,6 +168,13 @@ class Scheduler:
             return _failed(request, f"prompt of {prompt_len} tokens does not fit the context of "
                                     f"{self.config.max_context} tokens (with at least one new token); "
                                     "shorten the input or raise --max-context up to the model's limit")
+        if request.constraint is not None:
+            if self.new_grammar is None:
+                return _failed(request, "constrained decoding needs the model's tokenizer, which this broker lacks")
+            try:
+                self.grammars[request.request_id] = self.new_grammar(request.constraint)
+            except ValueError as error:
+                return _failed(request, str(error))
         self.waiting.append(request)
         return None
 
@@ -198,7 +215,8 @@ class Scheduler:
                     self.active[slot] = Sequence(request, slot, admitted_at=now, feed=ScoringFeed(request))
                     continue
                 detokenizer = self.new_detokenizer() if self.new_detokenizer is not None else None
-                self.active[slot] = Sequence(request, slot, admitted_at=now, detokenizer=detokenizer)
+                self.active[slot] = Sequence(request, slot, admitted_at=now, detokenizer=detokenizer,
+                                             grammar=self.grammars.pop(request.request_id, None))
         released, self.pending_release[micro_batch] = self.pending_release[micro_batch], []
         sequences = [self.active[s] for s in self.slots_of[micro_batch] if s in self.active]
         suspects = [seq for seq in sequences if seq.suspect]
@@ -256,8 +274,16 @@ class Scheduler:
                 continue
             if seq.request.score_prompt:
                 seq.prompt_logprobs.clear()  # scored again, identically, during the re-prefill
+            if seq.grammar is not None:
+                # From the tokens alone, so the next mask is the one an uninterrupted run would send.
+                seq.grammar.rebuild(seq.generated)
             total += len(seq.known)
         return total
+
+    def token_mask(self, slot: int) -> bytes | None:
+        """The allow-bitmask for the next token of the sequence in `slot`, None when it is unconstrained."""
+        grammar = self.active[slot].grammar
+        return grammar.mask() if grammar is not None else None
 
     # -- results ------------------------------------------------------------------------------
     def apply_result(self, plan: StepPlan, tokens: dict[int, tuple[int, float]], now: float,
@@ -286,6 +312,10 @@ class Scheduler:
             token, logprob = tokens[row.slot]
             seq.generated.append(token)
             seq.logprobs.append(logprob)
+            broken = seq.grammar.advance(token) if seq.grammar is not None and token not in self.eos_ids else None
+            if broken:  # the last stage ignored the mask (a stage of another version): never hand it back as valid
+                finished.append(self._finish(seq, "error", now, broken))
+                continue
             self._read_new_text(seq, token)
             reason = self._finish_reason(seq)
             if reason:

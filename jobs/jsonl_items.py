@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+from layerbus.jobs.constraints import BODY_CONSTRAINT_KEYS, CONSTRAINT_KEY, check_body_constraint
 from layerbus.jobs.records import InputRecord
 
 from layerbus.jobs.item_checks import (
@@ -24,12 +25,13 @@ from layerbus.jobs.item_checks import (
 )
 
 # Top-level keys of the simple form: an id, the content, and per-item parameters.
-SIMPLE_KEYS = ("id", "custom_id", "text", "prompt", "messages", *PARAM_NAMES)
+SIMPLE_KEYS = ("id", "custom_id", "text", "prompt", "messages", *PARAM_NAMES, *BODY_CONSTRAINT_KEYS)
 # Top-level keys of an OpenAI batch line; all four are required, as in OpenAI's own files.
 OPENAI_KEYS = ("custom_id", "method", "url", "body")
 # Body keys we honour. "model" must name the job's model (checked at submit: a job runs one model).
 # Anything else (n, logprobs, tools, ...) is refused rather than silently not done.
-BODY_KEYS = ("model", "messages", "prompt", "max_tokens", "max_completion_tokens", *PARAM_NAMES[1:])
+BODY_KEYS = ("model", "messages", "prompt", "max_tokens", "max_completion_tokens", *PARAM_NAMES[1:],
+             *BODY_CONSTRAINT_KEYS)
 # Each supported endpoint, and the body key holding its content.
 OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 
@@ -100,6 +102,7 @@ def _simple_item(item: dict, task: str, source: str, line: int) -> Checked:
     id_key = "custom_id" if "custom_id" in item else "id"
     custom_id, id_reasons = check_id(item.get(id_key), id_key)
     params, param_reasons = check_params({name: (name, item[name]) for name in PARAM_NAMES if name in item})
+    params, param_reasons = _with_constraint(item, "", params, param_reasons)
     content = {key: item.get(key) for key in ("text", "prompt", "messages")}
     record, content_reasons = make_record(task, custom_id, content, params, source, line)
     reasons += id_reasons + content_reasons + param_reasons
@@ -173,4 +176,12 @@ def _openai_params(body: dict) -> tuple[dict, list[str]]:
         if "max_tokens" in body:
             return {}, ["give body.max_tokens or body.max_completion_tokens, not both"]
         given["max_tokens"] = ("body.max_completion_tokens", body["max_completion_tokens"])
-    return check_params(given)
+    return _with_constraint(body, "body.", *check_params(given))
+
+
+def _with_constraint(fields: dict, where: str, params: dict, reasons: list[str]) -> tuple[dict, list[str]]:
+    """params plus the output constraint the fields give (response_format, guided_regex, guided_choice)."""
+    constraint, constraint_reasons = check_body_constraint(fields, where)
+    if constraint is not None:
+        params = {**params, CONSTRAINT_KEY: constraint}
+    return params, reasons + constraint_reasons

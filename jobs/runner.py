@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from layerbus.broker.control import ClusterError
 from layerbus.broker.requests import GenerationRequest, GenerationResult, ScoreRequest
+from layerbus.jobs.constraints import constraint_of
 from layerbus.jobs.item_params import ADD_SPECIAL_TOKENS_KEY, PROMPT_IDS_KEY
 from layerbus.jobs.leases import LeaseConfig, LeaseKeeper, gone_holders, pid_alive, this_worker
 from layerbus.jobs.score_items import is_scoring, score_output, score_request
@@ -103,7 +104,8 @@ class StoreSource:
                                                verbose=False)
         return GenerationRequest(request_id=str(item.item_id), prompt_ids=list(prompt_ids),
                                  max_new_tokens=int(params.get("max_tokens", job.max_new_tokens)),
-                                 sampling=sampling, stop=tuple([stop] if isinstance(stop, str) else stop))
+                                 sampling=sampling, stop=tuple([stop] if isinstance(stop, str) else stop),
+                                 constraint=constraint_of(params, job.extra))
 
     def _add_special_tokens(self, item: ClaimedItem) -> bool:
         if ADD_SPECIAL_TOKENS_KEY in item.params:

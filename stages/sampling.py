@@ -10,6 +10,7 @@ import torch
 
 from layerbus.stages.forward import head_logits
 from layerbus.stages.shard import StageShard
+from layerbus.wire.constraint import MASK_KEY, unpack_mask
 from layerbus.wire.protocol import StepRow
 from layerbus.wire.sampling import SamplingParams
 
@@ -39,6 +40,18 @@ def choose_token(logits: torch.Tensor, params: SamplingParams, position: int,
     generator = torch.Generator().manual_seed((params.seed * _SEED_MIX + position) % (1 << 63))
     token = int(torch.multinomial(probs, 1, generator=generator))
     return token, float(log_probs[token])
+
+
+def allowed_tokens(packed: str, vocab_size: int) -> torch.Tensor:
+    """A row's token mask (wire/constraint.py) as bool [vocab_size]; tokens past the mask are not allowed."""
+    bitmask = torch.frombuffer(bytearray(unpack_mask(packed)), dtype=torch.uint8)
+    bits = (bitmask.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1  # [bytes, 8], least significant bit first
+    allowed = torch.zeros(vocab_size, dtype=torch.bool)
+    count = min(vocab_size, bits.numel())
+    allowed[:count] = bits.flatten()[:count].bool()
+    if not allowed.any():
+        raise ValueError("the token mask allows no token of this vocabulary")
+    return allowed
 
 
 def target_log_probs(logits: torch.Tensor, targets: list[int]) -> tuple[list[float], list[bool]]:
@@ -79,6 +92,11 @@ def last_stage_outputs(shard: StageShard, rows: list[StepRow], hidden: torch.Ten
         logits = head_logits(shard, hidden[last_positions]).cpu()
         log_probs = torch.log_softmax(logits, dim=-1)  # one pass for the whole batch
         for row, row_logits, row_log_probs in zip(emitting, logits, log_probs):
+            if MASK_KEY in row.sampling:
+                # Constrained: the broker's grammar says which tokens may come next. The log-prob returned stays
+                # the model's own (row_log_probs, unmasked), as OpenAI's logprobs are.
+                allowed = allowed_tokens(row.sampling[MASK_KEY], row_logits.numel())
+                row_logits = row_logits.masked_fill(~allowed, float("-inf"))
             token, logprob = choose_token(row_logits, SamplingParams.from_json(row.sampling),
                                           row.start + row.length, row_log_probs)
             tokens.append([row.slot, token, logprob])

@@ -35,7 +35,7 @@ class SamplingParams:
 
     @classmethod
     def from_json(cls, value: dict) -> "SamplingParams":
-        if not value:
+        if "t" not in value:  # greedy; the row may still carry a token mask (wire/constraint.py)
             return cls()
         return cls(temperature=float(value["t"]), top_k=int(value["k"]), top_p=float(value["p"]),
                    seed=int(value["s"]))
