@@ -175,7 +175,10 @@ def drive(scheduler: Scheduler, requests: list[GenerationRequest], vocab: int, r
             for row in plan.rows:
                 if row.emit:
                     mask = scheduler.token_mask(row.slot)
-                    rows.append((row.slot, row.start + len(row.tokens), {MASK_KEY: pack_mask(mask)} if mask else {}))
+                    sampling = scheduler.active[row.slot].request.sampling.to_json()
+                    if mask is not None:
+                        sampling[MASK_KEY] = pack_mask(mask)
+                    rows.append((row.slot, row.start + len(row.tokens), sampling))
             for result in scheduler.apply_result(plan, fake_last_stage(rows, vocab), 0.0):
                 results[result.request_id] = result
             steps += 1
@@ -206,7 +209,10 @@ def mixed_requests(model_dir, count: int, max_new_tokens: int = 48) -> tuple[lis
     for i in range(count):
         constraint = kinds[i % len(kinds)]
         prompt = tokenizer.encode(f"item {i}: the broker sends rows")
-        requests.append(GenerationRequest(f"r{i}", prompt, max_new_tokens=max_new_tokens, constraint=constraint))
+        # Every other item samples (seeded): a mask must leave the seeded draw reproducible too.
+        sampling = SamplingParams(temperature=0.8, top_k=50, seed=i) if i % 2 else SamplingParams()
+        requests.append(GenerationRequest(f"r{i}", prompt, max_new_tokens=max_new_tokens, constraint=constraint,
+                                          sampling=sampling))
         constraint_by_id[f"r{i}"] = constraint
     return requests, constraint_by_id
 
@@ -332,3 +338,108 @@ def test_plain_jobs_do_not_load_the_grammar_engine(tiny, tmp_path):
     lines.write_text(json.dumps({"id": "a", "prompt": "hello"}) + "\n")
     plain, stderr = submit(tmp_path, str(lines), "--task", "generate", "--model", str(tiny))
     assert plain["code"] == 0 and not plain["llguidance"], stderr
+
+
+# ---- the default model: issue 16's extraction job ----------------------------------------------------
+
+PRODUCT = {"type": "object", "properties": {"product": {"type": "string", "maxLength": 24},
+                                            "price": {"type": "number", "minimum": 0},
+                                            "in_stock": {"type": "boolean"}},
+           "required": ["product", "price", "in_stock"], "additionalProperties": False}
+EVENT = {"type": "object", "properties": {"event": {"type": "string", "maxLength": 24},
+                                          "year": {"type": "integer", "minimum": 1000, "maximum": 2100}},
+         "required": ["event", "year"], "additionalProperties": False}
+PEOPLE = ["Ada Lovelace", "Alan Turing", "Grace Hopper", "Edsger Dijkstra", "Barbara Liskov", "Donald Knuth"]
+CITIES = ["London", "Paris", "Oslo", "Lima", "Boston", "Zurich"]
+
+
+def extraction_items(count: int) -> list[tuple[str, Constraint]]:
+    """Issue 16's job: extraction prompts with per-item schemas (three different ones), a choice and a regex."""
+    items = []
+    for i in range(count):
+        person, city = PEOPLE[i % len(PEOPLE)], CITIES[(i * 5) % len(CITIES)]
+        kind = i % 5
+        if kind == 0:
+            items.append((f"{person} is {20 + i % 60} years old and lives in {city}. Extract the person as JSON "
+                          "with name and age.", Constraint.json_schema(PERSON)))
+        elif kind == 1:
+            items.append((f"The shop in {city} sells a blue kettle for {10 + i % 40}.99 euros; it is "
+                          f"{'in' if i % 2 else 'out of'} stock. Extract the product as JSON.", Constraint.json_schema(PRODUCT)))
+        elif kind == 2:
+            items.append((f"In {1900 + i % 120}, {person} gave a lecture in {city}. Extract the event and its year as "
+                          "JSON.", Constraint.json_schema(EVENT)))
+        elif kind == 3:
+            items.append((f"Review {i}: the {city} hotel was {'wonderful' if i % 2 else 'dirty and loud'}. Is this "
+                          "review positive, negative or neutral?", Constraint.choice(CHOICES)))
+        else:
+            items.append((f"Write the date {1 + i % 28} March {1950 + i % 70} in ISO form (YYYY-MM-DD).",
+                          Constraint("regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}")))
+    return items
+
+
+@pytest.mark.cluster
+def test_default_model_extraction_job_matches_every_constraint_and_survives_a_kill_9(default_model):
+    from tests.test_faults import process_of, run
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model)
+    items = extraction_items(200)
+    requests = [GenerationRequest(f"r{i}", tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                                          add_generation_prompt=True, tokenize=True,
+                                                                          return_dict=False),
+                                  max_new_tokens=48, constraint=constraint)
+                for i, (text, constraint) in enumerate(items)]
+    batching = BatchingConfig(num_slots=32, num_micro_batches=4, max_step_tokens=256)
+    unfaulted, _ = run(default_model, requests, batching=batching)
+    stopped = {kind: 0 for kind in ("json_schema", "choice", "regex")}
+    for i, (_, constraint) in enumerate(items):
+        result = unfaulted[f"r{i}"]
+        assert result.error is None, result.error
+        if result.finish_reason == "stop":
+            check_output(constraint, result.text)
+            stopped[constraint.kind] += 1
+    assert all(count >= 20 for count in stopped.values()), f"too few items finished to check: {stopped}"
+    killed = []
+
+    def kill_middle(cluster, count):
+        if count >= 60 and not killed:
+            process, name = process_of(cluster, 1)
+            killed.append(name)
+            os.kill(process.pid, signal.SIGKILL)
+
+    faulted, stats = run(default_model, requests, batching=batching, on_result=kill_middle)
+    assert killed and len(stats.recoveries) == 1
+    assert {r: (v.token_ids, v.text) for r, v in faulted.items()} == {r: (v.token_ids, v.text)
+                                                                      for r, v in unfaulted.items()}
+
+
+@pytest.mark.cluster
+def test_layerbus_run_constrains_per_item_and_per_job_into_the_results(tiny, tmp_path):
+    """The whole path: batch lines' response_format / guided_* and --choices through the store, the job runner
+    and the broker, into the Parquet and the OpenAI output file."""
+    from layerbus.storage.results import read_results
+    from tests.test_cli_helpers import JOB_ID, layerbus, status_json, write_jsonl
+
+    def line(custom_id: str, **extra) -> dict:
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                "body": {"messages": [{"role": "user", "content": f"Item {custom_id}, answer please."}], **extra}}
+
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    items = [line("schema", response_format=schema), line("regex", guided_regex=REGEX), line("plain")]
+    home, db = tmp_path / "home", f"sqlite:///{tmp_path / 'jobs.db'}"
+    corpus = write_jsonl(tmp_path / "batch.jsonl", items)
+    ran = layerbus(home, "run", corpus, "--task", "generate", "--model", tiny, "--stages", "1", "--db", db,
+                   "--max-new-tokens", "40", "--choices", "yes,no,maybe", timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    job_id = JOB_ID.search(ran.stdout).group()
+    rows = {r["custom_id"]: r for r in read_results(status_json(home, job_id, "--db", db)["results_path"]).to_pylist()}
+    assert rows["plain"]["output"] in ("yes", "no", "maybe"), "the job's --choices holds where the item gives none"
+    assert re.fullmatch(REGEX, rows["regex"]["output"]), "an item's own constraint wins over the job's"
+    if rows["schema"]["finish_reason"] == "stop":
+        jsonschema.validate(json.loads(rows["schema"]["output"]), PERSON)
+    else:
+        assert rows["schema"]["output"].startswith("{")
+    out = tmp_path / "out.jsonl"
+    assert layerbus(home, "results", job_id, "--format", "openai", "--output", out, "--db", db).returncode == 0
+    contents = {json.loads(l)["custom_id"]: json.loads(l)["response"]["body"]["choices"][0]["message"]["content"]
+                for l in out.read_text().splitlines()}
+    assert contents == {custom_id: row["output"] for custom_id, row in rows.items()}
