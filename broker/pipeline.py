@@ -45,6 +45,7 @@ from layerbus.wire.curve import secure_client
 from layerbus.wire.frames import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode, encode
 from layerbus.wire.constraint import MASK_KEY, Constraint, pack_mask
 from layerbus.wire.protocol import StepRow
+from layerbus.wire.sampling import TOP_LOGPROBS_KEY
 
 if TYPE_CHECKING:
     from layerbus.broker.grammar import TokenGrammar
@@ -223,6 +224,8 @@ class Pipeline:
             mask = scheduler.token_mask(row.slot) if row.emit and request.constraint is not None else None
             if mask is not None:  # the grammar's allowed next tokens: the last stage masks its logits with them
                 sampling = {**sampling, MASK_KEY: pack_mask(mask)}
+            if row.emit and request.want_logprobs and request.top_logprobs:
+                sampling = {**sampling, TOP_LOGPROBS_KEY: request.top_logprobs}
             rows.append(StepRow(row.slot, row.start, len(row.tokens), row.emit, sampling, row.targets))
             tokens.extend(row.tokens)
         prefill = sum(len(row.tokens) for row in plan.rows if len(row.tokens) > 1)
@@ -274,7 +277,8 @@ class Pipeline:
                 continue
             del run.inflight[header["mb"]]
             run.stats.steps += 1
-            tokens = {slot: (token, logprob) for slot, token, logprob in header["tokens"]}
+            # [slot, token, logprob] or, for a row that asked for top_logprobs, [slot, token, logprob, [[id, lp], ...]]
+            tokens = {entry[0]: tuple(entry[1:]) for entry in header["tokens"]}
             scores = {entry[0]: (entry[1], entry[2]) for entry in header.get("scores", [])}
             run.deliver(run.scheduler.apply_result(current.plan, tokens, self.clock(), scores))
             if tokens:

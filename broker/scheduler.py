@@ -82,6 +82,7 @@ class Sequence:
     cached: int = 0  # tokens whose keys/values every stage holds
     generated: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # with request.top_logprobs
     prompt_logprobs: list[float] = field(default_factory=list)
     failures: int = 0  # steps with only this sequence that a stage failed to run
     suspect: bool = False  # in a failed step: runs alone until a step with it succeeds
@@ -309,9 +310,11 @@ class Scheduler:
                 seq.prompt_logprobs.extend((scores or {}).get(row.slot, ([], []))[0])
             if not row.emit:
                 continue
-            token, logprob = tokens[row.slot]
+            token, logprob, *top = tokens[row.slot]
             seq.generated.append(token)
             seq.logprobs.append(logprob)
+            if seq.request.top_logprobs:
+                seq.top_logprobs.append([(int(i), float(lp)) for i, lp in top[0]] if top else [])
             broken = seq.grammar.advance(token) if seq.grammar is not None and token not in self.eos_ids else None
             if broken:  # the last stage ignored the mask (a stage of another version): never hand it back as valid
                 finished.append(self._finish(seq, "error", now, broken))
@@ -382,6 +385,8 @@ class Scheduler:
             finish_reason=reason, prompt_tokens=len(request.prompt_ids), error=error,
             latency_s=now - seq.admitted_at,
             logprobs=list(seq.logprobs) if request.want_logprobs else None,
+            top_logprobs=list(seq.top_logprobs) if request.want_logprobs and request.top_logprobs else None,
+            token_texts=_token_texts(seq) if request.want_logprobs else None,
             prompt_logprobs=list(seq.prompt_logprobs) if request.score_prompt else None,
             stop_text_end=stop_at, text=text)
 
@@ -390,6 +395,14 @@ class Scheduler:
             if slots and slots[0] <= slot <= slots[-1]:
                 return j
         raise KeyError(slot)
+
+
+def _token_texts(seq: Sequence) -> dict[int, str] | None:
+    """Each generated and top token decoded alone, for logprobs' "token" fields (None without a tokenizer)."""
+    if seq.detokenizer is None:
+        return None
+    ids = set(seq.generated) | {i for top in seq.top_logprobs for i, _ in top}
+    return {i: seq.detokenizer.tokenizer.decode([i]) for i in sorted(ids)}
 
 
 def _failed(request: Request, error: str) -> GenerationResult:

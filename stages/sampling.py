@@ -13,7 +13,7 @@ from layerbus.stages.forward import head_logits
 from layerbus.stages.shard import StageShard
 from layerbus.wire.constraint import MASK_KEY, unpack_mask
 from layerbus.wire.protocol import StepRow
-from layerbus.wire.sampling import SamplingParams
+from layerbus.wire.sampling import MAX_TOP_LOGPROBS, TOP_LOGPROBS_KEY, SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) over the seed space
 
@@ -100,5 +100,11 @@ def last_stage_outputs(shard: StageShard, rows: list[StepRow], hidden: torch.Ten
                 row_logits = row_logits.masked_fill(~allowed, float("-inf"))
             token, logprob = choose_token(row_logits, SamplingParams.from_json(row.sampling),
                                           row.start + row.length, row_log_probs)
-            tokens.append([row.slot, token, logprob])
+            top = row.sampling.get(TOP_LOGPROBS_KEY)
+            if isinstance(top, int) and 0 < top <= MAX_TOP_LOGPROBS:
+                # The model's own distribution (unmasked, untempered), as OpenAI's top_logprobs are.
+                values, ids = torch.topk(row_log_probs, min(top, row_log_probs.numel()))
+                tokens.append([row.slot, token, logprob, [[int(i), float(v)] for i, v in zip(ids, values)]])
+            else:
+                tokens.append([row.slot, token, logprob])
     return {"tokens": tokens, "scores": scores}
