@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from typing import TYPE_CHECKING
 from dataclasses import dataclass, field, replace
 
 import zmq
@@ -49,6 +50,10 @@ from layerbus.wire.curve import ClusterKeys
 from layerbus.wire.trace_events import PLACE
 from layerbus.wire.spans import LayerRange
 from layerbus.wire.weight_formats import check_weight_format
+from layerbus.wire.constraint import Constraint
+
+if TYPE_CHECKING:
+    from layerbus.broker.grammar import TokenGrammar
 
 log = logging.getLogger("layerbus.broker")
 PARTITIONS = ("planned", "balanced", "equal")
@@ -133,6 +138,7 @@ class Broker:
         self.profiles: tuple[StageProfile, ...] = ()  # every registered stage's profile ("planned"), for re-planning
         self.pipeline: Pipeline | None = None
         self._tokenizer = None
+        self._grammars = None  # broker.grammar.GrammarCompiler, built at the first constrained request
         self.tracer = BrokerTrace(config.trace) if config.trace else None
         self.control.tracer = self.tracer
         self.last_prediction: dict | None = None  # the last run's predicted against measured (see _prediction_report)
@@ -341,7 +347,7 @@ class Broker:
         self.pipeline = Pipeline(self.context, self.control, lambda: self.placement, self.results, self.batching,
                                  set(self.model.eos_ids), self._new_detokenizer, self.config.pipeline,
                                  recover=self.recover, rebalance=self.rebalance, expected=self._expected_busy_s,
-                                 tracer=self.tracer, counts=self.counts)
+                                 tracer=self.tracer, counts=self.counts, new_grammar=self._new_grammar)
 
     # -- re-planning -----------------------------------------------------------------------------
     def _note_exits(self) -> None:
@@ -443,6 +449,15 @@ class Broker:
     # -- serving ---------------------------------------------------------------------------------
     def _new_detokenizer(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer())
+
+    def _new_grammar(self, constraint: Constraint) -> TokenGrammar:
+        if self._grammars is None:
+            # Imported here: jobs without constraints never load the grammar engine.
+            from layerbus.broker.grammar import GrammarCompiler
+
+            vocab_size = int(getattr(self.model.files.config, "vocab_size", 0) or len(self.tokenizer()))
+            self._grammars = GrammarCompiler(self.config.model_dir, set(self.model.eos_ids), vocab_size)
+        return self._grammars.new(constraint)
 
     def run(self, source: RequestSource, sink: ResultSink, should_stop=lambda: False, events=None) -> RunStats:
         if self.pipeline is None:

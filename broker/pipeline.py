@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import zmq
@@ -44,7 +44,12 @@ from layerbus.broker.trace_file import BrokerTrace
 from layerbus.wire import protocol
 from layerbus.wire.curve import secure_client
 from layerbus.wire.frames import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode, encode
+from layerbus.wire.constraint import MASK_KEY, Constraint, pack_mask
 from layerbus.wire.protocol import StepRow
+from layerbus.wire.sampling import TOP_LOGPROBS_KEY
+
+if TYPE_CHECKING:
+    from layerbus.broker.grammar import TokenGrammar
 from layerbus.wire.trace_events import APPLY, PLAN, RESULT, TRANSMIT
 
 log = logging.getLogger("layerbus.broker")
@@ -94,8 +99,10 @@ class Pipeline:
                  config: PipelineConfig = PipelineConfig(), clock: Callable[[], float] = time.monotonic,
                  recover: Recover | None = None, rebalance: Rebalance | None = None,
                  expected: Expected | None = None, tracer: BrokerTrace | None = None,
-                 counts: BrokerCounts | None = None):
+                 counts: BrokerCounts | None = None,
+                 new_grammar: Callable[[Constraint], TokenGrammar] | None = None):
         self.control, self.config, self.clock = control, config, clock
+        self.new_grammar = new_grammar  # a constrained request's grammar state (broker/grammar.py, loaded lazily)
         self.counts = counts if counts is not None else BrokerCounts()  # the owner's, read by its metrics
         self.placement = placement  # the owner's placement in use (it swaps it whole on a re-plan)
         self.batching, self.eos_ids, self.new_detokenizer = batching, eos_ids, new_detokenizer
@@ -153,7 +160,7 @@ class Pipeline:
         hears of every lost stage, wait and recovery (the job runner records them in the store)."""
         self._follow_placement()  # the owner may have re-planned between runs (keep_alive)
         run = RunState(Scheduler(self.batching, len(self.placement().stages), self.eos_ids, self.new_detokenizer,
-                                 self._prefix_index()),
+                                 new_grammar=self.new_grammar, prefix_cache=self._prefix_index()),
                        source, sink, should_stop, events)
         started, cpu_started = self.clock(), time.process_time()
         poller = zmq.Poller()
@@ -242,6 +249,11 @@ class Pipeline:
         for row in plan.rows:
             request = scheduler.active[row.slot].request
             sampling = request.sampling.to_json() if row.emit else {}  # only emitting rows sample
+            mask = scheduler.token_mask(row.slot) if row.emit and request.constraint is not None else None
+            if mask is not None:  # the grammar's allowed next tokens: the last stage masks its logits with them
+                sampling = {**sampling, MASK_KEY: pack_mask(mask)}
+            if row.emit and request.want_logprobs and request.top_logprobs:
+                sampling = {**sampling, TOP_LOGPROBS_KEY: request.top_logprobs}
             rows.append(StepRow(row.slot, row.start, len(row.tokens), row.emit, sampling, row.targets))
             tokens.extend(row.tokens)
         prefill = sum(len(row.tokens) for row in plan.rows if len(row.tokens) > 1)
@@ -298,7 +310,8 @@ class Pipeline:
                 continue
             del run.inflight[header["mb"]]
             run.stats.steps += 1
-            tokens = {slot: (token, logprob) for slot, token, logprob in header["tokens"]}
+            # [slot, token, logprob] or, for a row that asked for top_logprobs, [slot, token, logprob, [[id, lp], ...]]
+            tokens = {entry[0]: tuple(entry[1:]) for entry in header["tokens"]}
             scores = {entry[0]: (entry[1], entry[2]) for entry in header.get("scores", [])}
             run.deliver(run.scheduler.apply_result(current.plan, tokens, self.clock(), scores))
             if tokens:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from layerbus.wire.constraint import Constraint
 from layerbus.wire.sampling import SamplingParams
 
 
@@ -17,7 +18,9 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)  # greedy unless temperature > 0
     stop: tuple[str, ...] = ()  # stop strings: generation ends when the output text contains one
     want_logprobs: bool = False  # return the log-probability of every generated token
+    top_logprobs: int = 0  # with want_logprobs: also the k most likely tokens at each position (0..20)
     score_prompt: bool = False  # return log P(prompt[i] | prompt[:i]) for i >= 1 (teacher-forced evals)
+    constraint: Constraint | None = None  # what the output must match (JSON schema, regex, choice); None: free
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,8 @@ class GenerationResult:
     error: str | None = None  # why it failed, when it did
     latency_s: float = 0.0  # admission to finish, as measured by the broker's clock
     logprobs: list[float] | None = None  # per generated token, when asked for
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per generated token: the k most likely (id, logprob)
+    token_texts: dict[int, str] | None = None  # with logprobs: each token id above, decoded alone
     stop_text_end: int | None = None  # where a matched stop string begins in the decoded output
     text: str | None = None  # the output text, cut before a matched stop string (None: no tokenizer given)
     prompt_logprobs: list[float] | None = None  # with score_prompt: one per prompt token after the first

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from layerbus.broker.detokenizer import IncrementalDetokenizer
 from layerbus.broker.prefix_cache import PrefixCacheConfig, PrefixIndex, PrefixPlan
 from layerbus.broker.requests import GenerationRequest, GenerationResult, ScoreRequest
 from layerbus.broker.scoring import ScoringFeed
+from layerbus.wire.constraint import Constraint
+
+if TYPE_CHECKING:
+    from layerbus.broker.grammar import TokenGrammar
 
 Request = GenerationRequest | ScoreRequest
 
@@ -81,6 +85,7 @@ class Sequence:
     cached: int = 0  # tokens whose keys/values every stage holds
     generated: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # with request.top_logprobs
     prompt_logprobs: list[float] = field(default_factory=list)
     failures: int = 0  # steps with only this sequence that a stage failed to run
     suspect: bool = False  # in a failed step: runs alone until a step with it succeeds
@@ -89,6 +94,7 @@ class Sequence:
     feed: ScoringFeed | None = None  # a ScoreRequest's progress (None: a generation)
     prefix: PrefixPlan | None = None  # what its prefill restores and saves (None: not planned yet, or no cache)
     prefix_hashes: list[bytes] | None = None  # its prompt's block hashes, once the cache has looked
+    grammar: TokenGrammar | None = None  # a constrained request's grammar state (None: unconstrained)
 
     @property
     def known(self) -> list[int]:
@@ -132,8 +138,13 @@ class Scheduler:
 
     def __init__(self, config: BatchingConfig, num_stages: int, eos_ids: set[int],
                  new_detokenizer: Callable[[], IncrementalDetokenizer] | None = None,
+                 new_grammar: Callable[[Constraint], TokenGrammar] | None = None,
                  prefix_cache: PrefixIndex | None = None):
         config = config.resolved(num_stages)
+        # A constrained request's grammar state, built at submit (so a constraint that does not compile fails its
+        # request there) and handed to its sequence at admission. None: constrained requests fail.
+        self.new_grammar = new_grammar
+        self.grammars: dict[str, TokenGrammar] = {}  # request_id -> grammar of a waiting request
         # Shared prompt prefixes computed once (broker.prefix_cache); None: every prompt prefilled whole.
         self.prefix_cache = prefix_cache
         self.config = config
@@ -169,6 +180,13 @@ class Scheduler:
             return _failed(request, f"prompt of {prompt_len} tokens does not fit the context of "
                                     f"{self.config.max_context} tokens (with at least one new token); "
                                     "shorten the input or raise --max-context up to the model's limit")
+        if request.constraint is not None:
+            if self.new_grammar is None:
+                return _failed(request, "constrained decoding needs the model's tokenizer, which this broker lacks")
+            try:
+                self.grammars[request.request_id] = self.new_grammar(request.constraint)
+            except ValueError as error:
+                return _failed(request, str(error))
         self.waiting.append(request)
         return None
 
@@ -209,7 +227,8 @@ class Scheduler:
                     self.active[slot] = Sequence(request, slot, admitted_at=now, feed=ScoringFeed(request))
                     continue
                 detokenizer = self.new_detokenizer() if self.new_detokenizer is not None else None
-                self.active[slot] = Sequence(request, slot, admitted_at=now, detokenizer=detokenizer)
+                self.active[slot] = Sequence(request, slot, admitted_at=now, detokenizer=detokenizer,
+                                             grammar=self.grammars.pop(request.request_id, None))
         released, self.pending_release[micro_batch] = self.pending_release[micro_batch], []
         sequences = [self.active[s] for s in self.slots_of[micro_batch] if s in self.active]
         suspects = [seq for seq in sequences if seq.suspect]
@@ -284,8 +303,16 @@ class Scheduler:
                 continue
             if seq.request.score_prompt:
                 seq.prompt_logprobs.clear()  # scored again, identically, during the re-prefill
+            if seq.grammar is not None:
+                # From the tokens alone, so the next mask is the one an uninterrupted run would send.
+                seq.grammar.rebuild(seq.generated)
             total += len(seq.known)
         return total
+
+    def token_mask(self, slot: int) -> bytes | None:
+        """The allow-bitmask for the next token of the sequence in `slot`, None when it is unconstrained."""
+        grammar = self.active[slot].grammar
+        return grammar.mask() if grammar is not None else None
 
     # -- results ------------------------------------------------------------------------------
     def apply_result(self, plan: StepPlan, tokens: dict[int, tuple[int, float]], now: float,
@@ -315,9 +342,15 @@ class Scheduler:
                 seq.prompt_logprobs.extend((scores or {}).get(row.slot, ([], []))[0])
             if not row.emit:
                 continue
-            token, logprob = tokens[row.slot]
+            token, logprob, *top = tokens[row.slot]
             seq.generated.append(token)
             seq.logprobs.append(logprob)
+            if seq.request.top_logprobs:
+                seq.top_logprobs.append([(int(i), float(lp)) for i, lp in top[0]] if top else [])
+            broken = seq.grammar.advance(token) if seq.grammar is not None and token not in self.eos_ids else None
+            if broken:  # the last stage ignored the mask (a stage of another version): never hand it back as valid
+                finished.append(self._finish(seq, "error", now, broken))
+                continue
             self._read_new_text(seq, token)
             reason = self._finish_reason(seq)
             if reason:
@@ -392,6 +425,8 @@ class Scheduler:
             finish_reason=reason, prompt_tokens=len(request.prompt_ids), error=error,
             latency_s=now - seq.admitted_at,
             logprobs=list(seq.logprobs) if request.want_logprobs else None,
+            top_logprobs=list(seq.top_logprobs) if request.want_logprobs and request.top_logprobs else None,
+            token_texts=_token_texts(seq) if request.want_logprobs else None,
             prompt_logprobs=list(seq.prompt_logprobs) if request.score_prompt else None,
             stop_text_end=stop_at, text=text)
 
@@ -400,6 +435,14 @@ class Scheduler:
             if slots and slots[0] <= slot <= slots[-1]:
                 return j
         raise KeyError(slot)
+
+
+def _token_texts(seq: Sequence) -> dict[int, str] | None:
+    """Each generated and top token decoded alone, for logprobs' "token" fields (None without a tokenizer)."""
+    if seq.detokenizer is None:
+        return None
+    ids = set(seq.generated) | {i for top in seq.top_logprobs for i, _ in top}
+    return {i: seq.detokenizer.tokenizer.decode([i]) for i in sorted(ids)}
 
 
 def _failed(request: Request, error: str) -> GenerationResult:

@@ -79,6 +79,13 @@ def add_job_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", metavar="S", type=seed, default=0,
                         help="job seed: each item samples with a seed derived from it and the item's position")
     parser.add_argument("--name", default="", help="a name for the job, shown by `layerbus status`")
+    constrain = parser.add_mutually_exclusive_group()
+    constrain.add_argument("--json-schema", metavar="FILE", default=None,
+                           help="every output is JSON valid against this JSON schema (constrained decoding; an "
+                                "item's own response_format wins)")
+    constrain.add_argument("--regex", metavar="R", default=None, help="every output fully matches this regex")
+    constrain.add_argument("--choices", metavar="A,B,C", default=None,
+                           help="every output is exactly one of these comma-separated strings")
     add_db(parser)
     parser.add_argument("--skip-invalid", action="store_true",
                         help="queue the valid items and record invalid ones as failed (default: refuse the input)")

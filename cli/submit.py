@@ -76,7 +76,7 @@ def submit_job(store: JobStore, args: argparse.Namespace, check_model: Callable[
     renderer, names = PromptRenderer(spec, tokenizer), names_of(model_dir, args.model)
     settings = JobSettings(task=spec.task, model=str(model_dir), max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, seed=args.seed, target_language=spec.target_language,
-                           name=args.name, input_path=str(path.absolute()))
+                           name=args.name, input_path=str(path.absolute()), extra=_job_extra(args))
     ids, prepare = FirstIds(), _preparer(renderer, model_dir, names)
     intake = JobIntake(store, settings, ids, args.skip_invalid, str(path))
     intake.add_all(stream_outcomes(path, spec.task, ids), prepare)  # interrupted or broken: nothing stays behind
@@ -91,6 +91,19 @@ def submit_job(store: JobStore, args: argparse.Namespace, check_model: Callable[
     print(f"layerbus: queued {job_id}: {intake.queued} item(s){refused_text}, model {model_dir}, store {store.url}",
           file=sys.stderr)
     return job_id
+
+
+def _job_extra(args: argparse.Namespace) -> dict:
+    """Settings beyond JobSettings' fields: the job-wide output constraint, checked by compiling it."""
+    given = [getattr(args, name, None) for name in ("json_schema", "regex", "choices")]
+    if all(value is None for value in given):
+        return {}
+    from layerbus.jobs.constraints import CONSTRAINT_KEY, job_constraint
+
+    try:
+        return {CONSTRAINT_KEY: job_constraint(*given)}
+    except ValueError as error:
+        raise UsageError(str(error)) from None
 
 
 def _job_model(given: str | None, path: Path) -> Path:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+from layerbus.jobs.constraints import BODY_CONSTRAINT_KEYS, CONSTRAINT_KEY, check_body_constraint
 from layerbus.jobs.records import InputRecord
+from layerbus.wire.sampling import MAX_TOP_LOGPROBS
 
 from layerbus.jobs.item_checks import (
     PARAM_NAMES,
@@ -24,12 +26,16 @@ from layerbus.jobs.item_checks import (
 )
 
 # Top-level keys of the simple form: an id, the content, and per-item parameters.
-SIMPLE_KEYS = ("id", "custom_id", "text", "prompt", "messages", *PARAM_NAMES)
+# Asking for log-probabilities: OpenAI's chat form (logprobs: bool, top_logprobs: 0..20); on /v1/completions
+# logprobs is the legacy count of top tokens (0..5).
+LOGPROB_KEYS = ("logprobs", "top_logprobs")
+SIMPLE_KEYS = ("id", "custom_id", "text", "prompt", "messages", *PARAM_NAMES, *BODY_CONSTRAINT_KEYS, *LOGPROB_KEYS)
 # Top-level keys of an OpenAI batch line; all four are required, as in OpenAI's own files.
 OPENAI_KEYS = ("custom_id", "method", "url", "body")
 # Body keys we honour. "model" must name the job's model (checked at submit: a job runs one model).
-# Anything else (n, logprobs, tools, ...) is refused rather than silently not done.
-BODY_KEYS = ("model", "messages", "prompt", "max_tokens", "max_completion_tokens", *PARAM_NAMES[1:])
+# Anything else (n, tools, ...) is refused rather than silently not done.
+BODY_KEYS = ("model", "messages", "prompt", "max_tokens", "max_completion_tokens", *PARAM_NAMES[1:],
+             *BODY_CONSTRAINT_KEYS, *LOGPROB_KEYS)
 # Each supported endpoint, and the body key holding its content.
 OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 
@@ -100,6 +106,8 @@ def _simple_item(item: dict, task: str, source: str, line: int) -> Checked:
     id_key = "custom_id" if "custom_id" in item else "id"
     custom_id, id_reasons = check_id(item.get(id_key), id_key)
     params, param_reasons = check_params({name: (name, item[name]) for name in PARAM_NAMES if name in item})
+    params, param_reasons = _with_constraint(item, "", params, param_reasons)
+    params, param_reasons = _with_logprobs(item, "", "/v1/chat/completions", params, param_reasons)
     content = {key: item.get(key) for key in ("text", "prompt", "messages")}
     record, content_reasons = make_record(task, custom_id, content, params, source, line)
     reasons += id_reasons + content_reasons + param_reasons
@@ -124,7 +132,7 @@ def _openai_item(item: dict, task: str, source: str, line: int) -> Checked:
     if not known_url or not isinstance(body, dict):
         return custom_id, None, reasons
     content, content_reasons = _openai_content(body, url, task)
-    params, param_reasons = _openai_params(body)
+    params, param_reasons = _with_logprobs(body, "body.", url, *_openai_params(body))
     reasons += content_reasons + param_reasons
     if content_reasons:
         return custom_id, None, reasons
@@ -173,4 +181,37 @@ def _openai_params(body: dict) -> tuple[dict, list[str]]:
         if "max_tokens" in body:
             return {}, ["give body.max_tokens or body.max_completion_tokens, not both"]
         given["max_tokens"] = ("body.max_completion_tokens", body["max_completion_tokens"])
-    return check_params(given)
+    return _with_constraint(body, "body.", *check_params(given))
+
+
+def _with_logprobs(fields: dict, where: str, url: str, params: dict, reasons: list[str]) -> tuple[dict, list[str]]:
+    """params plus what the fields ask of log-probabilities, stored as {"logprobs": true, "top_logprobs": k}."""
+    if "logprobs" not in fields and "top_logprobs" not in fields:
+        return params, reasons
+    logprobs, top = fields.get("logprobs"), fields.get("top_logprobs")
+    if url == "/v1/completions":
+        if "top_logprobs" in fields:
+            return params, reasons + [f"{where}top_logprobs is for /v1/chat/completions; on {url} give "
+                                      f"{where}logprobs as the number of top tokens (0 to 5)"]
+        if logprobs is None:
+            return params, reasons
+        if type(logprobs) is not int or not 0 <= logprobs <= 5:
+            return params, reasons + [f"{where}logprobs on {url} must be an integer from 0 to 5, got {show(logprobs)}"]
+        return {**params, "logprobs": True, "top_logprobs": logprobs}, reasons
+    if logprobs is not None and type(logprobs) is not bool:
+        return params, reasons + [f"{where}logprobs must be true or false, got {show(logprobs)}"]
+    if top is not None and (type(top) is not int or not 0 <= top <= MAX_TOP_LOGPROBS):
+        return params, reasons + [f"{where}top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {show(top)}"]
+    if top and not logprobs:
+        return params, reasons + [f"{where}top_logprobs needs {where}logprobs: true"]
+    if not logprobs:
+        return params, reasons
+    return {**params, "logprobs": True, "top_logprobs": top or 0}, reasons
+
+
+def _with_constraint(fields: dict, where: str, params: dict, reasons: list[str]) -> tuple[dict, list[str]]:
+    """params plus the output constraint the fields give (response_format, guided_regex, guided_choice)."""
+    constraint, constraint_reasons = check_body_constraint(fields, where)
+    if constraint is not None:
+        params = {**params, CONSTRAINT_KEY: constraint}
+    return params, reasons + constraint_reasons

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from layerbus.jobs.item_params import ENDPOINT_KEY
+from layerbus.jobs.logprobs import completions_logprobs
 
 CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"
@@ -99,12 +100,14 @@ def _body(job: OutputJob, row: dict[str, Any], digest: str, endpoint: str) -> di
     prompt_tokens, completion_tokens = int(row["prompt_tokens"] or 0), int(row["completion_tokens"] or 0)
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
              "total_tokens": prompt_tokens + completion_tokens}
+    logprobs = json.loads(row["logprobs"]) if row.get("logprobs") else None
     if endpoint == COMPLETIONS_ENDPOINT:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": row["finish_reason"]}
+        logprobs = completions_logprobs(logprobs) if logprobs is not None else None
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": row["finish_reason"]}
         return {"id": f"cmpl-{digest}", "object": "text_completion", "created": job.created, "model": job.model,
                 "choices": [choice], "usage": usage}
     message = {"role": "assistant", "content": text, "refusal": None}
-    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": row["finish_reason"]}
+    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": row["finish_reason"]}
     return {"id": f"chatcmpl-{digest}", "object": "chat.completion", "created": job.created, "model": job.model,
             "choices": [choice], "usage": usage, "system_fingerprint": None}
 

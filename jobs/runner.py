@@ -15,8 +15,10 @@ from typing import Any, Protocol
 
 from layerbus.broker.control import ClusterError
 from layerbus.broker.requests import GenerationRequest, GenerationResult, ScoreRequest
+from layerbus.jobs.constraints import constraint_of
 from layerbus.jobs.finalization import all_failed_message, finish_job  # noqa: F401 (all_failed_message: re-exported)
 from layerbus.jobs.item_params import ADD_SPECIAL_TOKENS_KEY, PROMPT_IDS_KEY
+from layerbus.jobs.logprobs import logprobs_json
 from layerbus.jobs.leases import LeaseConfig, LeaseKeeper, gone_holders, pid_alive, this_worker
 from layerbus.jobs.score_items import is_scoring, score_output, score_request
 from layerbus.jobs.snapshot_keeper import SnapshotConfig, SnapshotKeeper
@@ -103,7 +105,9 @@ class StoreSource:
                                                verbose=False)
         return GenerationRequest(request_id=str(item.item_id), prompt_ids=list(prompt_ids),
                                  max_new_tokens=int(params.get("max_tokens", job.max_new_tokens)),
-                                 sampling=sampling, stop=tuple([stop] if isinstance(stop, str) else stop))
+                                 sampling=sampling, stop=tuple([stop] if isinstance(stop, str) else stop),
+                                 constraint=constraint_of(params, job.extra),
+                                 want_logprobs=bool(params.get("logprobs")), top_logprobs=int(params.get("top_logprobs", 0)))
 
     def _add_special_tokens(self, item: ClaimedItem) -> bool:
         if ADD_SPECIAL_TOKENS_KEY in item.params:
@@ -184,7 +188,7 @@ class StoreSink:
             output = (result.text or "") if result.token_ids or result.error is None else None
         item_result = ItemResult(item_id=item.item_id, output=output, finish_reason=result.finish_reason,
                                  prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
-                                 latency_s=result.latency_s, error=result.error)
+                                 latency_s=result.latency_s, error=result.error, logprobs=logprobs_json(result))
         return item_result, result_row(item, item_result)
 
 

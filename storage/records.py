@@ -155,6 +155,9 @@ class ItemResult:
     latency_s: float
     # Why the item failed; when set the item is stored as failed, otherwise as completed.
     error: str | None = None
+    # Log-probabilities of the generated tokens when the item asked for them: JSON text of OpenAI's chat
+    # choice.logprobs object ({"content": [{"token", "logprob", "bytes", "top_logprobs"}, ...]}); else None.
+    logprobs: str | None = None
 
     @property
     def status(self) -> str:

@@ -23,6 +23,9 @@ RESULT_FIELDS = (
     ("error", "string"),
     ("status", "string"),
     ("seq", "int64"),
+    # JSON of OpenAI's choice.logprobs when the item asked for logprobs, else null; last, so the older columns
+    # keep their places.
+    ("logprobs", "string"),
 )
 RESULT_COLUMNS = tuple(name for name, _ in RESULT_FIELDS)
 
@@ -33,5 +36,5 @@ def result_row(item: ClaimedItem, result: ItemResult) -> dict[str, Any]:
         "custom_id": item.custom_id, "input": item.input, "output": result.output,
         "finish_reason": result.finish_reason, "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens, "latency_s": result.latency_s,
-        "error": result.error, "status": result.status, "seq": item.seq,
+        "error": result.error, "status": result.status, "seq": item.seq, "logprobs": result.logprobs,
     }  # fmt: skip

@@ -99,7 +99,7 @@ def result_params(result: ItemResult, no_nul: bool = False) -> dict[str, Any]:
         "b_id": result.item_id, "b_status": result.status,
         "b_output": output, "b_finish_reason": result.finish_reason,
         "b_prompt_tokens": result.prompt_tokens, "b_completion_tokens": result.completion_tokens,
-        "b_latency_s": result.latency_s, "b_error": error,
+        "b_latency_s": result.latency_s, "b_error": error, "b_logprobs": result.logprobs,
     }  # fmt: skip
 
 

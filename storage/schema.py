@@ -132,6 +132,7 @@ class Item(Base):
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
     latency_s: Mapped[float | None] = mapped_column(Float)
     error: Mapped[str | None]  # why the item failed
+    logprobs: Mapped[str | None]  # JSON of OpenAI's choice.logprobs, when the item asked for them (added, nullable)
     finished_at: Mapped[datetime | None]  # entered completed, failed or cancelled
 
 

@@ -274,7 +274,8 @@ class JobStore:
                         status=bindparam("b_status"), output=bindparam("b_output"),
                         finish_reason=bindparam("b_finish_reason"), prompt_tokens=bindparam("b_prompt_tokens"),
                         completion_tokens=bindparam("b_completion_tokens"), latency_s=bindparam("b_latency_s"),
-                        error=bindparam("b_error"), finished_at=now, lease_expires_at=None,
+                        error=bindparam("b_error"), logprobs=bindparam("b_logprobs"), finished_at=now,
+                        lease_expires_at=None,
                     ),  # fmt: skip
                     [result_params(first[item_id], no_nul=self._no_nul) for item_id, _ in live],
                 )

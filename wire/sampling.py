@@ -5,6 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The step row's sampling key asking the last stage for the k most likely tokens beside the chosen one
+# (OpenAI's top_logprobs); absent or 0: none, and the result's token entry keeps its three fields.
+TOP_LOGPROBS_KEY = "l"
+# OpenAI's own limit on top_logprobs.
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -35,7 +41,7 @@ class SamplingParams:
 
     @classmethod
     def from_json(cls, value: dict) -> "SamplingParams":
-        if not value:
+        if "t" not in value:  # greedy; the row may still carry a token mask (wire/constraint.py)
             return cls()
         return cls(temperature=float(value["t"]), top_k=int(value["k"]), top_p=float(value["p"]),
                    seed=int(value["s"]))

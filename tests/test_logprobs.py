@@ -1,0 +1,156 @@
+"""logprobs and top_logprobs (issue 16): asked per item on a batch line, computed on the last stage from the model's
+own distribution, kept in the store and the Parquet as OpenAI's choice.logprobs, and written into the output
+file in each endpoint's form; checked against transformers on the tiny model."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from layerbus.broker.requests import GenerationRequest, GenerationResult
+from layerbus.jobs.item_params import item_params
+from layerbus.jobs.jsonl_items import parse_jsonl_line
+from layerbus.jobs.logprobs import completions_logprobs, logprobs_json
+from layerbus.jobs.openai_output import OutputJob, join_by_seq, write_openai_files
+from layerbus.storage import ItemResult, JobSettings, JobStore, NewItem
+from layerbus.wire.constraint import Constraint
+
+
+def line(url: str, **body) -> str:
+    content = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in url else {"prompt": "hi"}
+    return json.dumps({"custom_id": "a", "method": "POST", "url": url, "body": {**content, **body}})
+
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+@pytest.mark.parametrize("url, body, params", [
+    (CHAT, {"logprobs": True, "top_logprobs": 3}, {"logprobs": True, "top_logprobs": 3}),
+    (CHAT, {"logprobs": True}, {"logprobs": True, "top_logprobs": 0}),
+    (CHAT, {"logprobs": False}, {}),
+    (COMPLETIONS, {"logprobs": 2}, {"logprobs": True, "top_logprobs": 2}),
+    (COMPLETIONS, {"logprobs": 0}, {"logprobs": True, "top_logprobs": 0}),
+])
+def test_batch_lines_ask_for_logprobs_in_their_endpoints_form(url, body, params):
+    outcome = parse_jsonl_line(line(url, **body), "generate", "in.jsonl", 1)
+    assert outcome.problems == []
+    assert {k: v for k, v in outcome.record.params.items() if k in ("logprobs", "top_logprobs")} == params
+
+
+@pytest.mark.parametrize("url, body, words", [
+    (CHAT, {"logprobs": 3}, "logprobs must be true or false"),
+    (CHAT, {"logprobs": True, "top_logprobs": 21}, "from 0 to 20"),
+    (CHAT, {"top_logprobs": 2}, "needs body.logprobs: true"),
+    (COMPLETIONS, {"logprobs": 6}, "from 0 to 5"),
+    (COMPLETIONS, {"logprobs": 1, "top_logprobs": 1}, "top_logprobs is for /v1/chat/completions"),
+])
+def test_bad_logprob_requests_are_refused_with_their_line(url, body, words):
+    outcome = parse_jsonl_line(line(url, **body), "generate", "in.jsonl", 4)
+    assert outcome.record is None and len(outcome.problems) == 1
+    assert str(outcome.problems[0]).startswith("in.jsonl:4: body.") and words in str(outcome.problems[0])
+
+
+def sample_result() -> GenerationResult:
+    return GenerationResult("r", [11, 12], "stop", 3, logprobs=[-0.5, -1.25],
+                            top_logprobs=[[(11, -0.5), (13, -1.0)], [(12, -1.25), (11, -2.0)]],
+                            token_texts={11: "Hé", 12: " there", 13: "x"})
+
+
+def test_the_stored_form_is_openais_chat_logprobs_and_rewrites_into_the_completions_form():
+    stored = json.loads(logprobs_json(sample_result()))
+    assert stored["content"][0] == {"token": "Hé", "logprob": -0.5, "bytes": list("Hé".encode()),
+                                    "top_logprobs": [{"token": "Hé", "logprob": -0.5, "bytes": list("Hé".encode())},
+                                                     {"token": "x", "logprob": -1.0, "bytes": [120]}]}
+    assert completions_logprobs(stored) == {"tokens": ["Hé", " there"], "token_logprobs": [-0.5, -1.25],
+                                            "top_logprobs": [{"Hé": -0.5, "x": -1.0}, {" there": -1.25, "Hé": -2.0}],
+                                            "text_offset": [0, 2]}
+    assert logprobs_json(GenerationResult("r", [1], "stop", 3)) is None, "not asked for: nothing stored"
+
+
+def test_the_output_file_carries_them_and_parses_as_openais_types(tmp_path):
+    with JobStore.open(f"sqlite:///{tmp_path / 's.db'}") as store:
+        items = [NewItem(cid, "in", "prompt", {**item_params({}, True, url), "logprobs": True, "top_logprobs": 2},
+                         seq) for seq, (cid, url) in enumerate((("chat", CHAT), ("text", COMPLETIONS)), 1)]
+        job_id = store.create_job(JobSettings(task="generate", model="tiny"), items, [])
+        claimed = store.claim_items(job_id, "w", 2)
+        stored = logprobs_json(sample_result())
+        store.complete_items([ItemResult(c.item_id, "Hé there", "stop", 3, 2, 0.1, logprobs=stored) for c in claimed])
+        assert [row["logprobs"] for row in store.item_results(job_id)] == [stored, stored]
+        output = io.StringIO()
+        write_openai_files(OutputJob(job_id, "tiny", 1_900_000_000),
+                           join_by_seq(store.item_results(job_id), store.job_items(job_id)), output, io.StringIO())
+    chat, text = (json.loads(l)["response"]["body"] for l in output.getvalue().splitlines())
+    parsed_chat, parsed_text = ChatCompletion.model_validate(chat), Completion.model_validate(text)
+    assert [t.logprob for t in parsed_chat.choices[0].logprobs.content] == [-0.5, -1.25]
+    assert [t.token for t in parsed_chat.choices[0].logprobs.content[1].top_logprobs] == [" there", "Hé"]
+    assert parsed_text.choices[0].logprobs.token_logprobs == [-0.5, -1.25]
+    assert parsed_chat.model_dump(mode="json", exclude_unset=True) == chat
+
+
+@pytest.mark.cluster
+def test_logprobs_match_transformers_on_the_tiny_model(tiny_models):
+    """The chosen token's log-prob and the top 4 are the model's own distribution at each position, constrained
+    item or not (a mask changes what is chosen, not what the model thought), as transformers computes them."""
+    from tests.test_faults import run
+
+    model_dir = tiny_models("llama", num_hidden_layers=4)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tokenizer.encode(f"the stage {i} sends rows") for i in range(4)]
+    requests = [GenerationRequest(f"r{i}", prompt, max_new_tokens=10, want_logprobs=True, top_logprobs=4,
+                                  constraint=Constraint("regex", "[a-z ]{3,20}") if i % 2 else None)
+                for i, prompt in enumerate(prompts)]
+    results, _ = run(model_dir, requests, num_stages=2)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for request in requests:
+        result = results[request.request_id]
+        ids = torch.tensor([request.prompt_ids + result.token_ids])
+        with torch.no_grad():
+            reference = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+        start = len(request.prompt_ids) - 1
+        assert len(result.logprobs) == len(result.top_logprobs) == len(result.token_ids)
+        for k, token in enumerate(result.token_ids):
+            expected = reference[start + k]
+            assert result.logprobs[k] == pytest.approx(float(expected[token]), abs=1e-4)
+            values, top_ids = torch.topk(expected, 4)
+            assert [i for i, _ in result.top_logprobs[k]] == top_ids.tolist()
+            assert [lp for _, lp in result.top_logprobs[k]] == pytest.approx(values.tolist(), abs=1e-4)
+            if request.constraint is None:
+                assert token == top_ids[0], "greedy takes the top token"
+        stored = json.loads(logprobs_json(result))
+        assert [entry["token"] for entry in stored["content"]] == [tokenizer.decode([t]) for t in result.token_ids]
+
+
+@pytest.mark.cluster
+def test_layerbus_run_writes_logprobs_into_the_parquet_and_the_output_file(tiny_models, tmp_path):
+    from layerbus.storage.results import read_results
+    from tests.test_cli_helpers import JOB_ID, layerbus, status_json, write_jsonl
+
+    items = [json.loads(line(CHAT, logprobs=True, top_logprobs=2, max_tokens=6)),
+             {**json.loads(line(COMPLETIONS, logprobs=1, max_tokens=6)), "custom_id": "b"},
+             {**json.loads(line(CHAT, max_tokens=6)), "custom_id": "c"}]
+    home, db = tmp_path / "home", f"sqlite:///{tmp_path / 'jobs.db'}"
+    ran = layerbus(home, "run", write_jsonl(tmp_path / "batch.jsonl", items), "--task", "generate", "--model",
+                   tiny_models("llama"), "--stages", "1", "--db", db, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    job_id = JOB_ID.search(ran.stdout).group()
+    rows = {r["custom_id"]: r for r in read_results(status_json(home, job_id, "--db", db)["results_path"]).to_pylist()}
+    assert rows["c"]["logprobs"] is None, "not asked for: null"
+    chat_logprobs = json.loads(rows["a"]["logprobs"])["content"]
+    assert len(chat_logprobs) == rows["a"]["completion_tokens"] and all(len(t["top_logprobs"]) == 2
+                                                                        for t in chat_logprobs)
+    out = tmp_path / "out.jsonl"
+    assert layerbus(home, "results", job_id, "--format", "openai", "--output", out, "--db", db).returncode == 0
+    bodies = {json.loads(l)["custom_id"]: json.loads(l)["response"]["body"] for l in out.read_text().splitlines()}
+    chat = ChatCompletion.model_validate(bodies["a"])
+    assert [t.logprob for t in chat.choices[0].logprobs.content] == [t["logprob"] for t in chat_logprobs]
+    text = Completion.model_validate(bodies["b"])
+    assert len(text.choices[0].logprobs.tokens) == rows["b"]["completion_tokens"]
+    assert all(len(top) == 1 for top in text.choices[0].logprobs.top_logprobs)
+    assert bodies["c"]["choices"][0]["logprobs"] is None
