@@ -50,7 +50,12 @@ class GrammarCompiler:
     grammars compiled so far."""
 
     def __init__(self, model_dir: str | Path, eos_ids: set[int], vocab_size: int):
-        tokenizer_json = (Path(model_dir) / "tokenizer.json").read_text(encoding="utf-8")
+        path = Path(model_dir) / "tokenizer.json"
+        try:
+            tokenizer_json = path.read_text(encoding="utf-8")
+        except OSError as error:  # a ValueError fails the constrained requests, not the run
+            raise ValueError(f"constrained decoding needs the model's {path} (a fast tokenizer's file): {error}; "
+                             "save the tokenizer with transformers' save_pretrained to write it") from None
         # n_vocab: the logits' width, so a mask covers every token the head can score (padding rows included).
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_ids))
         self._grammars: dict[Constraint, str] = {}

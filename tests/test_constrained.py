@@ -443,3 +443,13 @@ def test_layerbus_run_constrains_per_item_and_per_job_into_the_results(tiny, tmp
     contents = {json.loads(l)["custom_id"]: json.loads(l)["response"]["body"]["choices"][0]["message"]["content"]
                 for l in out.read_text().splitlines()}
     assert contents == {custom_id: row["output"] for custom_id, row in rows.items()}
+
+
+def test_a_model_without_tokenizer_json_fails_constrained_requests_not_the_run(tmp_path):
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        GrammarCompiler(tmp_path, {2}, 384)
+    scheduler = Scheduler(BatchingConfig(num_slots=2, num_micro_batches=1), 1, {2},
+                          new_grammar=lambda c: GrammarCompiler(tmp_path, {2}, 384).new(c))
+    failed = scheduler.submit(GenerationRequest("r", [5, 6], constraint=Constraint("json_object")), 0.0)
+    assert failed.finish_reason == "error" and "tokenizer.json" in failed.error
+    assert scheduler.submit(GenerationRequest("free", [5, 6]), 0.0) is None
