@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import logging
 import socket
-from typing import TYPE_CHECKING
+import threading
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import zmq
 
@@ -55,6 +56,7 @@ from layerbus.wire.constraint import Constraint
 if TYPE_CHECKING:
     from layerbus.broker.grammar import TokenGrammar
 
+T = TypeVar("T")
 log = logging.getLogger("layerbus.broker")
 PARTITIONS = ("planned", "balanced", "equal")
 
@@ -236,13 +238,36 @@ class Broker:
         plan = None
         if measured and self.placement is None and self.requested_batching.chosen_by_broker:
             # Chosen once, with the first profiles: the stages size their KV caches for these slots.
-            plan = self._size_batches(names, stages, inputs.memory)
+            plan = self._heartbeating(lambda: self._size_batches(names, stages, inputs.memory))
         for reason in self.batching_reasons:
             log.info("batching: %s", reason)
-        plan = plan or plan_chain(names, self.profiles, self._plan_inputs(stages))
+        plan = plan or self._heartbeating(lambda: plan_chain(names, self.profiles, self._plan_inputs(stages)))
         for line in format_plan(plan).splitlines():
             log.info("%s", line)
         return planned(plan)
+
+    def _heartbeating(self, compute: Callable[[], T]) -> T:
+        """`compute()` (pure planning) on a thread of its own while this one keeps the stages' heartbeats
+        going: planning a job of a few hundred items takes seconds (11 s for the README's command on this
+        2-core machine under load), and a stage that hears nothing for its --broker-timeout (15 s) leaves.
+        The control socket stays with this thread; `compute` touches no socket."""
+        outcome: dict[str, object] = {}
+
+        def run() -> None:
+            try:
+                outcome["value"] = compute()
+            except BaseException as error:  # noqa: BLE001 - re-raised below, on the caller's thread
+                outcome["error"] = error
+
+        worker = threading.Thread(target=run, name="layerbus-planning", daemon=True)
+        worker.start()
+        while worker.is_alive():
+            worker.join(self.config.pipeline.heartbeat_interval_s / 2)
+            self.control.poll(0)
+            self.control.heartbeat(self.config.pipeline.heartbeat_interval_s)
+        if "error" in outcome:
+            raise outcome["error"]  # type: ignore[misc]
+        return outcome["value"]  # type: ignore[return-value]
 
     def _size_batches(self, names: list[str], stages: list[StageInfo], memory) -> Plan:
         """Choose the sizes left to the broker (each candidate count of micro-batches planned, the
