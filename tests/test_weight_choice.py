@@ -4,6 +4,8 @@ sizes themselves are checked against what a loaded shard holds)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from layerbus.broker.chain import Placement
@@ -161,3 +163,27 @@ def test_planned_native_bytes_are_what_the_default_model_s_shard_holds(default_m
     assert memory.weights_in("int8").layer_weight_bytes[0] == 3_764_736
     shard = load_shard(files, ShardSpec(LayerRange(0, files.num_layers), True, True, native=True))
     assert shard.parameter_bytes() == sum(native.layer_weight_bytes) + native.head_bytes
+
+
+@pytest.mark.parametrize("sizes, stages, expected", [
+    ([], 3, ()),
+    (["1GiB"], 2, (("--memory-budget", "1GiB"), ("--memory-budget", "1GiB"))),
+    (["1GiB", "-"], 2, (("--memory-budget", "1GiB"), ())),
+])
+def test_run_memory_budget_gives_each_local_stage_its_budget(sizes, stages, expected):
+    from argparse import Namespace
+
+    from layerbus.cli.run import stage_budgets
+
+    assert stage_budgets(Namespace(memory_budget=sizes, stages=stages)) == expected
+
+
+@pytest.mark.parametrize("sizes, named", [(["1GiB", "2GiB"], "one per stage (--stages 3)"), (["lots"], "not a size")])
+def test_run_memory_budget_refuses_what_it_cannot_use(sizes, named):
+    from argparse import Namespace
+
+    from layerbus.cli.errors import UsageError
+    from layerbus.cli.run import stage_budgets
+
+    with pytest.raises(UsageError, match=re.escape(named)):
+        stage_budgets(Namespace(memory_budget=sizes, stages=3))
