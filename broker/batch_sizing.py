@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from layerbus.broker.plan_values import ModelMemory, StageProfile
+from layerbus.broker.prefix_cache import MAX_SHARE_OF_SLOTS
 from layerbus.broker.scheduler import default_micro_batches
 from layerbus.broker.step_cost import StepWork, prefill_context
 from layerbus.broker.weight_choice import AUTO_FALLBACKS, weight_candidates
@@ -177,7 +178,6 @@ def fitting_slots(profiles: Sequence[StageProfile], memory: ModelMemory, max_con
     vocabulary per row), so a job of many items, sized to a slot each, must leave room for them; counting one
     row only, a 500-item job at a 4,096-token context was sized 90 MiB past what the planner then accepted."""
     room = sum(p.memory_budget * (1 - reserve_fraction) for p in profiles)
-    room -= memory.num_layers * memory.kv_bytes_per_token * prefix_cache_tokens
     room -= sum(memory.workspace_bytes(step_tokens, 0, max_context, i == 0) for i in range(len(profiles)))
     per_slot = (memory.num_layers * memory.kv_bytes_per_token * max_context
                 + memory.workspace_bytes(0, 1, 0, True) / max(micro_batches, 1))
@@ -190,7 +190,16 @@ def fitting_slots(profiles: Sequence[StageProfile], memory: ModelMemory, max_con
     totals = [_total(memory, name) for name in names]
     weights = next((total for total in totals if room - total >= per_slot), totals[-1])
     free = room - weights
-    return int(free // per_slot) if per_slot > 0 else MAX_MICRO_BATCH
+    if per_slot <= 0:
+        return MAX_MICRO_BATCH
+    if not prefix_cache_tokens:
+        return int(free // per_slot)
+    # The prefix cache takes a quarter of the slots' positions, up to its budget (broker.prefix_cache).
+    slot_kv = memory.num_layers * memory.kv_bytes_per_token * max_context
+    slots = int(free // (per_slot + MAX_SHARE_OF_SLOTS * slot_kv))
+    if slots * MAX_SHARE_OF_SLOTS * max_context > prefix_cache_tokens:  # the budget binds, not the share
+        slots = int((free - memory.num_layers * memory.kv_bytes_per_token * prefix_cache_tokens) // per_slot)
+    return slots
 
 
 def _total(memory: ModelMemory, name: str) -> int:

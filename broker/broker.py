@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 import zmq
 
 from layerbus.broker.chain import Placement
+from layerbus.broker.weight_choice import AUTO_FALLBACKS
 from layerbus.broker.control import ClusterError, ControlPlane, StageInfo, StageLost, StageState
 from layerbus.broker.drift import Work
 from layerbus.broker.detokenizer import IncrementalDetokenizer
@@ -328,6 +329,11 @@ class Broker:
         wire, auto = link_codec_inputs(self.config.wire, self.config.wire_auto, placement, self.profiles)
         codecs = plan_link_codecs(wire, len(placement.stages) - 1, self.step_bytes, self.config.model_dir, auto)
         self.placement = placement.with_codecs(codecs)
+        if placement.plan is not None and self.config.plan_options.max_auto_level > 0:
+            # Re-plans keep the precision this first placement chose (see PlanOptions.max_auto_level).
+            quantized = {stage.weights for stage in placement.plan.stages} & set(AUTO_FALLBACKS)
+            level = max((AUTO_FALLBACKS.index(name) + 1 for name in quantized), default=0)
+            self.config = replace(self.config, plan_options=replace(self.config.plan_options, max_auto_level=level))
         log.info("placing %s: %s", self.model.path, self.placement.text())
         if self.tracer is not None:
             self.tracer.placed(self.placement, {stage.name: stage.host for stage in self.chain})

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -29,7 +29,7 @@ from layerbus.broker.chain import Placement
 from layerbus.broker.control import ControlPlane, StageInfo, StageLost
 from layerbus.broker.detokenizer import IncrementalDetokenizer
 from layerbus.broker.drift import DriftConfig, DriftWatch, Expected, Work
-from layerbus.broker.prefix_cache import PrefixIndex
+from layerbus.broker.prefix_cache import PrefixIndex, prefix_positions
 from layerbus.broker.run_state import (
     BrokerCounts,
     EventSink,
@@ -192,10 +192,13 @@ class Pipeline:
     def _prefix_index(self) -> PrefixIndex | None:
         """The prefix cache's bookkeeping for a run. It outlives the run, as the stages' entries do: the next
         job of this broker restores what this one saved. A new epoch means new arenas, so new bookkeeping."""
-        if not self.batching.prefix_cache.enabled:
+        batching = self.batching.resolved(len(self.placement().stages))
+        positions = prefix_positions(batching.prefix_cache, batching.num_slots, batching.max_context)
+        if not positions:
             return None
         if self._prefixes is None or self._prefixes_epoch != self.control.epoch:
-            self._prefixes, self._prefixes_epoch = PrefixIndex(self.batching.prefix_cache), self.control.epoch
+            config = replace(batching.prefix_cache, budget_tokens=positions)  # as the plan counted it
+            self._prefixes, self._prefixes_epoch = PrefixIndex(config), self.control.epoch
         self._prefixes.start_run()
         return self._prefixes
 

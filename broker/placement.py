@@ -283,7 +283,8 @@ def plan_placement(stages: Sequence[StageProfile], model: ModelMemory, batching,
         raise PlacementError(f"stage names must be unique, got {names}")
     shapes = batching if isinstance(batching, Shapes) else Shapes.from_batching(batching, len(stages))
     # Stages under --weights auto: full precision first; int8, then int4, only if that finds no placement.
-    levels = auto_levels() if any(s.weights == "auto" for s in stages) else [len(AUTO_FALLBACKS)]
+    levels = ([level for level in auto_levels() if level <= options.max_auto_level]
+              if any(s.weights == "auto" for s in stages) else [len(AUTO_FALLBACKS)])
     for level in levels:
         costs = _CostModel(stages, model, shapes, options, job, network, level)
         if network is None:

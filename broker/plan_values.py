@@ -173,6 +173,11 @@ class PlanOptions:
     """Choices the planner does not measure."""
 
     prompt_tokens_per_new_token: float = 1.0  # workload mix: prompt tokens prefilled per generated token
+    # Under --weights auto, how far down int8, int4 a plan may go (broker.weight_choice.AUTO_FALLBACKS; 0:
+    # full precision only). The broker lowers it to the first placement's level for its re-plans: a job
+    # whose stages held full precision must not switch to int8 after a lost stage, which would change the
+    # outputs of the items still to come; it waits for a stage to join instead.
+    max_auto_level: int = 2
     reserve_fraction: float = 0.05  # of each budget kept free (allocator slack, fragmentation, the runtime)
     allow_reorder: bool = True  # choose the order of the stages (else: as given)
     allow_drop: bool = True  # leave out stages that would only slow the chain
@@ -209,9 +214,11 @@ class Shapes:
     @classmethod
     def from_batching(cls, batching, num_stages: int) -> "Shapes":
         resolved = batching if batching.num_slots and batching.num_micro_batches else batching.resolved(num_stages)
-        prefixes = resolved.prefix_cache
+        from layerbus.broker.prefix_cache import prefix_positions
+
         return cls(resolved.num_slots, resolved.micro_batch_size, resolved.num_micro_batches,
-                   resolved.max_context, resolved.max_step_tokens, prefixes.budget_tokens if prefixes.enabled else 0)
+                   resolved.max_context, resolved.max_step_tokens,
+                   prefix_positions(resolved.prefix_cache, resolved.num_slots, resolved.max_context))
 
     @property
     def kv_positions(self) -> int:

@@ -56,6 +56,21 @@ class PrefixCacheConfig:
         return self.budget_tokens >= self.block_tokens
 
 
+# The cache never holds more positions than this share of the slots' own (slots x context): where memory
+# is tight the slots were sized to fit it, and a fixed 4096 positions (180 MiB on the default model) would
+# crowd them out; a quarter adds at most a quarter to the KV memory.
+MAX_SHARE_OF_SLOTS = 0.25
+
+
+def prefix_positions(config: PrefixCacheConfig, num_slots: int, max_context: int) -> int:
+    """The positions every stage keeps for prefixes: the configured budget, at most MAX_SHARE_OF_SLOTS of
+    the slots' positions (0: off, or too small for one block)."""
+    if not config.enabled:
+        return 0
+    positions = min(config.budget_tokens, int(num_slots * max_context * MAX_SHARE_OF_SLOTS))
+    return positions if positions >= config.block_tokens else 0
+
+
 def block_hashes(tokens: list[int], block_tokens: int) -> list[bytes]:
     """The chained hash of each full block of `tokens`: entry k covers tokens[:(k + 1) * block_tokens]."""
     hashes: list[bytes] = []
