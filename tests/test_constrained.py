@@ -9,9 +9,7 @@ here without processes on seeded random logits; the cluster tests run it through
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 
@@ -267,18 +265,13 @@ def test_unconstrained_steps_carry_no_mask_and_load_no_grammar(tiny):
 
 @pytest.mark.cluster
 def test_constrained_outputs_match_and_survive_a_kill_9_of_the_middle_stage(tiny_models):
-    from tests.test_faults import process_of, run
+    from tests.test_faults import kill_middle_after, run
 
     model_dir = tiny_models("llama", num_hidden_layers=6)
     requests, constraint_by_id = mixed_requests(model_dir, 18, max_new_tokens=40)
     unfaulted, _ = run(model_dir, requests)
-    killed = []
-
-    def kill_middle(cluster, count):
-        if count >= 4 and not killed:
-            process, name = process_of(cluster, 1)
-            killed.append(name)
-            os.kill(process.pid, signal.SIGKILL)
+    killed: list[str] = []
+    kill_middle = kill_middle_after(4, killed)
 
     faulted, stats = run(model_dir, requests, on_result=kill_middle)
     assert killed and len(stats.recoveries) == 1
@@ -379,7 +372,7 @@ def extraction_items(count: int) -> list[tuple[str, Constraint]]:
 
 @pytest.mark.cluster
 def test_default_model_extraction_job_matches_every_constraint_and_survives_a_kill_9(default_model):
-    from tests.test_faults import process_of, run
+    from tests.test_faults import kill_middle_after, run
 
     tokenizer = AutoTokenizer.from_pretrained(default_model)
     items = extraction_items(200)
@@ -398,13 +391,8 @@ def test_default_model_extraction_job_matches_every_constraint_and_survives_a_ki
             check_output(constraint, result.text)
             stopped[constraint.kind] += 1
     assert all(count >= 20 for count in stopped.values()), f"too few items finished to check: {stopped}"
-    killed = []
-
-    def kill_middle(cluster, count):
-        if count >= 60 and not killed:
-            process, name = process_of(cluster, 1)
-            killed.append(name)
-            os.kill(process.pid, signal.SIGKILL)
+    killed: list[str] = []
+    kill_middle = kill_middle_after(60, killed)
 
     faulted, stats = run(default_model, requests, batching=batching, on_result=kill_middle)
     assert killed and len(stats.recoveries) == 1
