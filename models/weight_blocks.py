@@ -84,7 +84,7 @@ def quantize(weight: torch.Tensor, layout_name: str) -> Blocks:
 # Rows quantized at once by quantize_rows: its float32 temporaries (the chunk, its scaled and rounded
 # copies) stay near 4 MiB each, whatever the weight. Quantizing a 5952 x 2048 projection whole held six
 # float32 copies of it at once (290 MB) beside the blocks; a 1.28B model's stage went 340 MB past its budget.
-QUANTIZE_CHUNK_ELEMENTS = 1 << 20
+QUANTIZE_CHUNK_ELEMENTS = 1 << 17
 
 
 def quantize_rows(weight: torch.Tensor, layout_name: str, chunk_elements: int = QUANTIZE_CHUNK_ELEMENTS) -> Blocks:

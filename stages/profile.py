@@ -30,7 +30,7 @@ from layerbus.models.attention_shape import attention_shape
 from layerbus.models.home import profile_cache_dir
 from layerbus.models.model_files import open_model_dir
 from layerbus.models.tensor_reader import SAFETENSORS_DTYPES, TensorReader
-from layerbus.stages.host import proc_kib_field, release_freed_memory
+from layerbus.stages.host import current_rss_bytes, proc_kib_field, release_freed_memory
 from layerbus.stages.forward import head_logits, run_step
 from layerbus.stages.kv_cache import KVArena
 from layerbus.stages.shard import ShardSpec, StageShard, load_shard
@@ -94,10 +94,15 @@ def profile_stage(request: ProfileRequest, device: str, dtype: str, threads: int
         cached = False
         started = time.monotonic()
         measured = measure_timings(files, request, device, dtype)
-        release_freed_memory()  # the timed layers' pages: else they stay counted against the budget
         _write_cache(path, key, measured)
         log.info("profiled %s on %s/%s in %.1f s: %s", files.path.name, device, dtype, time.monotonic() - started,
                  ", ".join(f"{k} {1000 * v:.2f} ms" for k, v in measured.items()))
+    # The runtime is what the stage holds besides weights. Timing layers leaves some of it behind for good
+    # (torch's and oneDNN's per-shape caches, the block kernel: 30 MiB on a 1.28B model's first stage after
+    # the freed layers were trimmed), and a span's load starts from there: counted as runtime too, so the
+    # planner does not fill memory the stage no longer has.
+    release_freed_memory()
+    runtime_bytes = max(runtime_bytes, current_rss_bytes()) if runtime_bytes else 0
     return dict(emulated_timings(measured, emulate_speed), **asdict(profile_shapes(request)),
                 **memory_figures(files, device, memory_budget, runtime_bytes, emulate_memory),
                 micro_batch_size=request.micro_batch_size, prefill_tokens=request.prefill_tokens, cached=cached,

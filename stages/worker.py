@@ -29,7 +29,8 @@ from layerbus.models.model_files import open_model_dir
 from layerbus.stages.forward import run_step
 from layerbus.stages.heartbeat import HeartbeatThread, busy_for
 from layerbus.stages.host import (check_device, current_rss_bytes, device_memory_bytes, peak_rss_bytes,
-                                  release_freed_memory, reset_peak_rss, runtime_rss_bytes)
+                                  large_allocations_mapped, release_freed_memory, reset_peak_rss,
+                                  runtime_rss_bytes)
 from layerbus.stages.kv_cache import KVArena
 from layerbus.stages.peer_links import PeerProbeRequest, PeerProber, is_link_probe, proven_key
 from layerbus.stages.sampling import last_stage_outputs
@@ -342,10 +343,11 @@ class StageWorker:
                              self.config.device, weights.dtype, weights.quantize_to, native=weights.name == "native")
             self.shard, self.arena, self.epoch = None, None, -1  # drop the old span before loading the new one
             _hold_while(os.environ.get("LAYERBUS_HOLD_LOAD_WHILE", ""))
-            shard = load_shard(open_model_dir(header["model_dir"]), spec)
-            shape = attention_shape(shard.config)
-            arena = KVArena(list(spec.layers), header["num_slots"], shape.kv_heads, shape.head_dim,
-                            shard.dtype, shard.device, header["max_context"])
+            with large_allocations_mapped():
+                shard = load_shard(open_model_dir(header["model_dir"]), spec)
+                shape = attention_shape(shard.config)
+                arena = KVArena(list(spec.layers), header["num_slots"], shape.kv_heads, shape.head_dim,
+                                shard.dtype, shard.device, header["max_context"])
             self._next_hop(protocol.require_endpoint(header["next_address"], "next_address"), next_key)
             # Only a fully set-up stage serves the new epoch: a failure above leaves it serving none.
             self.shard, self.arena, self.epoch = shard, arena, header["epoch"]

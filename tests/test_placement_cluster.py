@@ -14,6 +14,7 @@ from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.requests import GenerationRequest
 from layerbus.broker.scheduler import BatchingConfig
 from layerbus.models.model_files import open_model_dir
+from layerbus.stages.host import current_rss_bytes
 from layerbus.stages.profile import TIMING_FIELDS, ProfileRequest, emulated_timings, profile_stage
 
 
@@ -105,8 +106,15 @@ def test_profile_cache_is_reused_and_emulated_speed_divides_the_measurement(tiny
         path.write_text("{broken")
     assert not profile_stage(request, "cpu", "float32", 1, cache_dir=tmp_path)["cached"]  # a bad file is re-measured
     assert profile_stage(request, "cpu", "float32", 1, emulate_memory=12345, cache_dir=tmp_path)["memory_budget"] == 12345
-    given = profile_stage(request, "cpu", "float32", 1, memory_budget=1 << 30, runtime_bytes=400 << 20, cache_dir=tmp_path)
-    assert given["memory_budget"] == (1 << 30) - (400 << 20) - given["loader_peak_bytes"]  # the whole stage's memory
+    # The whole stage's memory: less its runtime, and the loader's transient
+    runtime = current_rss_bytes() + (400 << 20)  # more than this process holds: counted as given
+    given = profile_stage(request, "cpu", "float32", 1, memory_budget=4 << 30, runtime_bytes=runtime, cache_dir=tmp_path)
+    assert given["runtime_bytes"] == runtime
+    assert given["memory_budget"] == (4 << 30) - runtime - given["loader_peak_bytes"]
+    # Less than this process holds after timing layers: what it holds is the runtime (what a load starts from)
+    held = profile_stage(request, "cpu", "float32", 1, memory_budget=4 << 30, runtime_bytes=1 << 20, cache_dir=tmp_path)
+    assert held["runtime_bytes"] > 1 << 20
+    assert held["memory_budget"] == (4 << 30) - held["runtime_bytes"] - held["loader_peak_bytes"]
 
 
 @pytest.mark.parametrize("text, expected", [("1500", 1500), ("300MB", 300_000_000), ("1.5GiB", 1.5 * 2**30),
