@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import socket
 import time
 from collections.abc import Callable, MutableMapping
 from contextlib import AbstractContextManager, nullcontext
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -192,6 +194,52 @@ class StoreSink:
         return item_result, result_row(item, item_result)
 
 
+class StrandedWatch:
+    """`should_stop` for the pipeline: true once this broker has waited `grace_s` for a stage to register
+    (its chain lost stages and the rest cannot hold the model) while other brokers work the job. A broker
+    alone on the job waits for as long as it takes; beside others it would hold its items (renewing their
+    leases) while they finish everything else and wait for those items forever. Its run then ends, its
+    items go back to the queue, and run_job leaves the job to the others (`_hand_over`)."""
+
+    def __init__(self, store: JobStore, job_id: str, worker_name: str, grace_s: float,
+                 clock: Callable[[], float] = time.monotonic, check_every_s: float = 1.0):
+        self.store, self.job_id, self.worker_name, self.grace_s = store, job_id, worker_name, grace_s
+        self.clock, self.check_every_s = clock, check_every_s
+        self.waiting_since: float | None = None
+        self.last_check = -math.inf
+        self.left, self.reason = False, ""
+
+    def watching(self, record: Callable[..., None]) -> Callable[..., None]:
+        """The pipeline's event callback, passed on to `record`, noting when the broker starts and stops waiting."""
+        def observe(kind: str, message: str, *args: Any, **fields: Any) -> None:
+            if kind == "waiting":
+                if self.waiting_since is None:
+                    self.waiting_since = self.clock()
+                self.reason = message
+            elif kind == "recovered":
+                self.waiting_since = None
+            record(kind, message, *args, **fields)
+
+        return observe
+
+    def __call__(self) -> bool:
+        if self.left:
+            return True
+        now = self.clock()
+        if self.waiting_since is None or now - self.waiting_since < self.grace_s or now - self.last_check < self.check_every_s:
+            return False
+        self.last_check = now
+        try:
+            others = other_workers(self.store, self.job_id, self.worker_name)
+        except Exception:  # noqa: BLE001 (the store unreachable: keep waiting, as a broker alone would)
+            log.warning("job %s: could not look for other brokers", self.job_id, exc_info=True)
+            return False
+        if others:
+            self.left = True
+            self.reason = f"no stage for {now - self.waiting_since:.0f} s: {self.reason}"
+        return self.left
+
+
 class CancelWatch:
     """`should_stop` for the pipeline: true once the job no longer hands out work (cancelled, failed).
 
@@ -259,6 +307,8 @@ def run_job(store: JobStore, job_id: str, broker: Runner, results_dir: Path, pro
         log.error("job %s failed: %s", job_id, error, exc_info=not isinstance(error, ClusterError))
         if _finalized_elsewhere(store, job_id, worker_name):
             return store.job_status(job_id)
+        if isinstance(error, ClusterError) and _hand_over(store, job_id, worker_name, error):
+            return store.job_status(job_id)
         _try_set_status(store, job_id, "failed", error=f"{type(error).__name__}: {error}")
         return store.job_status(job_id)
     finally:
@@ -287,6 +337,33 @@ def _finalized_elsewhere(store: JobStore, job_id: str, worker_name: str) -> bool
     except Exception:  # noqa: BLE001 (the store itself failing: fail the job as before, if that still works)
         return False
     return holder.status == "finalizing" and holder.holder not in (None, worker_name)
+
+
+def _hand_over(store: JobStore, job_id: str, worker_name: str, error: ClusterError) -> bool:
+    """When this broker's own stages broke while other brokers work the job: its items in flight go back
+    to the queue at once (not after its lease) and the job stays theirs, in progress; True. A chain that
+    breaks is this broker's failure, not the job's: failing the job would stop every other chain on it.
+    False when no other broker is working it (the job then fails as before)."""
+    try:
+        others = other_workers(store, job_id, worker_name)
+        if not others:
+            return False
+        taken = store.requeue_expired(job_id, holders=[worker_name]).get(worker_name, 0)
+        message = (f"{worker_name} left the job, its stages broken ({error}); {taken} item(s) it held went back "
+                   f"to the queue for {len(others)} other broker(s): {', '.join(others)}")
+        log.error("job %s: %s", job_id, message)
+        store.add_job_event(job_id, "worker_left", message)
+        return True
+    except Exception:  # noqa: BLE001 (the store failing too: fail the job as before, if that still works)
+        log.warning("job %s: could not hand the job over to the other brokers", job_id, exc_info=True)
+        return False
+
+
+def other_workers(store: JobStore, job_id: str, worker_name: str) -> list[str]:
+    """The other brokers working the job now (working or finalizing, their leases renewed in time)."""
+    now = datetime.now(timezone.utc)
+    return [w.worker for w in store.job_workers(job_id)
+            if w.worker != worker_name and w.state_at(now) in ("working", "finalizing")]
 
 
 def _stopped(store: JobStore, job_id: str, worker_name: str) -> None:
@@ -344,15 +421,18 @@ def _run_rounds(store: JobStore, job_id: str, broker: Runner, writer: ResultWrit
         source = StoreSource(store, job_id, tokenizer, settings, worker_name, leases.lease_s)
         sink = StoreSink(store, writer, source.outstanding, progress=progress, holder=worker_name)
         watch = CancelWatch(store, job_id, poll_cancel_s)
+        stranded = StrandedWatch(store, job_id, worker_name, grace_s=leases.lease_s)
 
         def should_stop() -> bool:
             sink.flush_if_due()  # the pipeline calls this every loop: the sink's clock tick
-            return watch()
+            return watch() or stranded()
 
         try:
-            broker.run(source, sink, should_stop=should_stop, events=_event_recorder(store, job_id))
+            broker.run(source, sink, should_stop=should_stop, events=stranded.watching(_event_recorder(store, job_id)))
         finally:
             _hand_back(store, sink, source)
+        if stranded.left:
+            raise ClusterError(stranded.reason)
         status = store.job_status(job_id)
         if watch.stopping or status.status not in RUNNABLE_JOB_STATES:
             return
