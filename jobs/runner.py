@@ -428,7 +428,8 @@ def _run_rounds(store: JobStore, job_id: str, broker: Runner, writer: ResultWrit
             return watch() or stranded()
 
         try:
-            broker.run(source, sink, should_stop=should_stop, events=stranded.watching(_event_recorder(store, job_id)))
+            events = _chain_follower(store, job_id, broker, worker_name, leases, _event_recorder(store, job_id))
+            broker.run(source, sink, should_stop=should_stop, events=stranded.watching(events))
         finally:
             _hand_back(store, sink, source)
         if stranded.left:
@@ -456,6 +457,21 @@ def _wait_for_other_holders(store: JobStore, job_id: str, broker: Runner, in_fli
             keep_alive(leases.renew_every_s, report=_event_recorder(store, job_id))
         else:
             time.sleep(leases.renew_every_s)
+
+
+def _chain_follower(store: JobStore, job_id: str, broker: Runner, worker_name: str, leases: LeaseConfig,
+                    record: Callable[..., None]) -> Callable[..., None]:
+    """The pipeline's event callback, passed on to `record`; after a re-plan (a lost stage, a slowed one)
+    the broker's new chain is recorded as this worker's, so `layerbus status JOB` shows the chain in use."""
+    def follow(kind: str, message: str, *args: Any, **fields: Any) -> None:
+        record(kind, message, *args, **fields)
+        if kind in ("recovered", "rebalanced"):
+            try:
+                store.register_worker(job_id, worker_name, socket.gethostname(), _chain_text(broker), leases.lease_s)
+            except Exception:  # noqa: BLE001 (a figure for status: never what stops the job)
+                log.warning("job %s: could not record the new chain", job_id, exc_info=True)
+
+    return follow
 
 
 def _event_recorder(store: JobStore, job_id: str) -> Callable[..., None]:
