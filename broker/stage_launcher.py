@@ -21,10 +21,6 @@ import sys
 import threading
 from pathlib import Path
 
-# In a child before exec (preexec_fn): SIGTERM when the parent dies; the setting survives exec. The
-# launcher asks the same for the stages it forks: one function for both.
-from layerbus.stages.launcher import die_with_parent  # noqa: F401 (local_cluster imports it from here)
-
 log = logging.getLogger("layerbus.cluster")
 
 READY_TIMEOUT_S = 300.0  # importing torch on a loaded machine; a launcher slower than this is broken
@@ -165,3 +161,17 @@ def forking_supported(environ=os.environ) -> bool:
     """Linux, and not turned off with LAYERBUS_FORK_STAGES=0 (a device driver that dislikes fork, or to
     compare start-up times)."""
     return hasattr(os, "fork") and sys.platform.startswith("linux") and environ.get("LAYERBUS_FORK_STAGES") != "0"
+
+
+def die_with_parent() -> None:
+    """In a child before exec: ask Linux for SIGTERM when the parent dies (prctl PR_SET_PDEATHSIG).
+    The setting survives exec; stages/launcher.py asks the same for the stages it forks."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # without it, orphaned stages still exit once the broker has been silent for --broker-timeout
