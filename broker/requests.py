@@ -84,6 +84,7 @@ class GenerationResult:
     stop_text_end: int | None = None  # where a matched stop string begins in the decoded output
     text: str | None = None  # the output text, cut before a matched stop string (None: no tokenizer given)
     prompt_logprobs: list[float] | None = None  # with score_prompt: one per prompt token after the first
+    prompt_ids: list[int] | None = None  # with score_prompt: the prompt's tokens, which those log-probs are of
     scores: list[ContinuationScore] | None = None  # a ScoreRequest's continuations, segments flattened in order
 
     @property

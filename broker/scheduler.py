@@ -426,8 +426,9 @@ class Scheduler:
             latency_s=now - seq.admitted_at,
             logprobs=list(seq.logprobs) if request.want_logprobs else None,
             top_logprobs=list(seq.top_logprobs) if request.want_logprobs and request.top_logprobs else None,
-            token_texts=_token_texts(seq) if request.want_logprobs else None,
+            token_texts=_token_texts(seq) if request.want_logprobs or request.score_prompt else None,
             prompt_logprobs=list(seq.prompt_logprobs) if request.score_prompt else None,
+            prompt_ids=list(request.prompt_ids) if request.score_prompt else None,
             stop_text_end=stop_at, text=text)
 
     def _micro_batch_of(self, slot: int) -> int:
@@ -438,10 +439,13 @@ class Scheduler:
 
 
 def _token_texts(seq: Sequence) -> dict[int, str] | None:
-    """Each generated and top token decoded alone, for logprobs' "token" fields (None without a tokenizer)."""
+    """Each generated and top token (and a scored prompt's tokens) decoded alone, for logprobs' "token" fields
+    (None without a tokenizer)."""
     if seq.detokenizer is None:
         return None
     ids = set(seq.generated) | {i for top in seq.top_logprobs for i, _ in top}
+    if seq.request.score_prompt:
+        ids |= set(seq.request.prompt_ids)
     return {i: seq.detokenizer.tokenizer.decode([i]) for i in sorted(ids)}
 
 

@@ -27,8 +27,9 @@ from layerbus.jobs.item_checks import (
 
 # Top-level keys of the simple form: an id, the content, and per-item parameters.
 # Asking for log-probabilities: OpenAI's chat form (logprobs: bool, top_logprobs: 0..20); on /v1/completions
-# logprobs is the legacy count of top tokens (0..5).
-LOGPROB_KEYS = ("logprobs", "top_logprobs")
+# logprobs is the legacy count of top tokens (0..5). prompt_logprobs (vLLM's name) asks for the prompt's own
+# tokens' log-probabilities (scoring a text): true, or 0 as vLLM counts it (no alternatives besides the token).
+LOGPROB_KEYS = ("logprobs", "top_logprobs", "prompt_logprobs")
 SIMPLE_KEYS = ("id", "custom_id", "text", "prompt", "messages", *PARAM_NAMES, *BODY_CONSTRAINT_KEYS, *LOGPROB_KEYS)
 # Top-level keys of an OpenAI batch line; all four are required, as in OpenAI's own files.
 OPENAI_KEYS = ("custom_id", "method", "url", "body")
@@ -184,8 +185,22 @@ def _openai_params(body: dict) -> tuple[dict, list[str]]:
     return _with_constraint(body, "body.", *check_params(given))
 
 
+def _with_prompt_logprobs(fields: dict, where: str, params: dict, reasons: list[str]) -> tuple[dict, list[str]]:
+    if "prompt_logprobs" not in fields or fields["prompt_logprobs"] is False:
+        return params, reasons
+    value = fields["prompt_logprobs"]
+    if value is True or (type(value) is int and value == 0):
+        return {**params, "prompt_logprobs": True}, reasons
+    if type(value) is int and value > 0:
+        return params, reasons + [f"{where}prompt_logprobs {value}: the prompt's alternatives are not computed, only "
+                                  f"its own tokens' log-probabilities; give {where}prompt_logprobs: 0 (or true)"]
+    return params, reasons + [f"{where}prompt_logprobs must be true, false or 0, got {show(value)}"]
+
+
 def _with_logprobs(fields: dict, where: str, url: str, params: dict, reasons: list[str]) -> tuple[dict, list[str]]:
-    """params plus what the fields ask of log-probabilities, stored as {"logprobs": true, "top_logprobs": k}."""
+    """params plus what the fields ask of log-probabilities, stored as {"logprobs": true, "top_logprobs": k} and
+    {"prompt_logprobs": true}."""
+    params, reasons = _with_prompt_logprobs(fields, where, params, reasons)
     if "logprobs" not in fields and "top_logprobs" not in fields:
         return params, reasons
     logprobs, top = fields.get("logprobs"), fields.get("top_logprobs")

@@ -12,8 +12,11 @@ if TYPE_CHECKING:  # `layerbus results --format openai` imports this module and 
 
 def logprobs_json(result: GenerationResult) -> str | None:
     """{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}], "refusal":
-    null} for a result that carries logprobs, else None."""
-    if result.logprobs is None:
+    null} for a result that carries logprobs, else None. With the prompt's log-probabilities (an item that
+    asked for prompt_logprobs) also "prompt": [null, {"token", "logprob", "bytes"}, ...], one per prompt token,
+    the first null (nothing comes before it), as vLLM's prompt_logprobs; "content" is then null unless the
+    output's log-probabilities were asked for too."""
+    if result.logprobs is None and result.prompt_logprobs is None:
         return None
     texts = result.token_texts or {}
     tops = result.top_logprobs or [[] for _ in result.token_ids]
@@ -22,9 +25,14 @@ def logprobs_json(result: GenerationResult) -> str | None:
         text = texts.get(token, "")
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    content = [{**entry(token, logprob), "top_logprobs": [entry(i, lp) for i, lp in top]}
-               for token, logprob, top in zip(result.token_ids, result.logprobs, tops)]
-    return json.dumps({"content": content, "refusal": None}, ensure_ascii=False)
+    content = None if result.logprobs is None else [
+        {**entry(token, logprob), "top_logprobs": [entry(i, lp) for i, lp in top]}
+        for token, logprob, top in zip(result.token_ids, result.logprobs, tops)]
+    stored: dict[str, Any] = {"content": content, "refusal": None}
+    if result.prompt_logprobs is not None:
+        prompt = result.prompt_ids or []
+        stored["prompt"] = [None] + [entry(token, logprob) for token, logprob in zip(prompt[1:], result.prompt_logprobs)]
+    return json.dumps(stored, ensure_ascii=False)
 
 
 def completions_logprobs(chat: dict[str, Any]) -> dict[str, Any]:

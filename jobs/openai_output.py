@@ -101,15 +101,20 @@ def _body(job: OutputJob, row: dict[str, Any], digest: str, endpoint: str) -> di
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
              "total_tokens": prompt_tokens + completion_tokens}
     logprobs = json.loads(row["logprobs"]) if row.get("logprobs") else None
+    # The prompt's log-probabilities go where vLLM puts them, beside the choices; the choice's own are the output's.
+    prompt_logprobs = logprobs.pop("prompt", None) if logprobs is not None else None
+    extra = {"prompt_logprobs": prompt_logprobs} if prompt_logprobs is not None else {}
+    if logprobs is not None and logprobs.get("content") is None:
+        logprobs = None  # only the prompt's were asked for
     if endpoint == COMPLETIONS_ENDPOINT:
         logprobs = completions_logprobs(logprobs) if logprobs is not None else None
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": row["finish_reason"]}
         return {"id": f"cmpl-{digest}", "object": "text_completion", "created": job.created, "model": job.model,
-                "choices": [choice], "usage": usage}
+                "choices": [choice], "usage": usage, **extra}
     message = {"role": "assistant", "content": text, "refusal": None}
     choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": row["finish_reason"]}
     return {"id": f"chatcmpl-{digest}", "object": "chat.completion", "created": job.created, "model": job.model,
-            "choices": [choice], "usage": usage, "system_fingerprint": None}
+            "choices": [choice], "usage": usage, "system_fingerprint": None, **extra}
 
 
 def _digest(job_id: str, seq: int) -> str:

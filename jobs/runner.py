@@ -109,7 +109,8 @@ class StoreSource:
                                  max_new_tokens=int(params.get("max_tokens", job.max_new_tokens)),
                                  sampling=sampling, stop=tuple([stop] if isinstance(stop, str) else stop),
                                  constraint=constraint_of(params, job.extra),
-                                 want_logprobs=bool(params.get("logprobs")), top_logprobs=int(params.get("top_logprobs", 0)))
+                                 want_logprobs=bool(params.get("logprobs")), top_logprobs=int(params.get("top_logprobs", 0)),
+                                 score_prompt=bool(params.get("prompt_logprobs")))
 
     def _add_special_tokens(self, item: ClaimedItem) -> bool:
         if ADD_SPECIAL_TOKENS_KEY in item.params:

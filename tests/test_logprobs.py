@@ -57,6 +57,34 @@ def test_bad_logprob_requests_are_refused_with_their_line(url, body, words):
     assert str(outcome.problems[0]).startswith("in.jsonl:4: body.") and words in str(outcome.problems[0])
 
 
+@pytest.mark.parametrize("url, body, params", [
+    (CHAT, {"prompt_logprobs": True}, {"prompt_logprobs": True}),
+    (COMPLETIONS, {"prompt_logprobs": 0}, {"prompt_logprobs": True}),
+    (CHAT, {"prompt_logprobs": False}, {}),
+    (CHAT, {"prompt_logprobs": True, "logprobs": True}, {"prompt_logprobs": True, "logprobs": True, "top_logprobs": 0}),
+])
+def test_batch_lines_ask_for_the_prompts_logprobs(url, body, params):
+    outcome = parse_jsonl_line(line(url, **body), "generate", "in.jsonl", 1)
+    assert outcome.problems == []
+    assert {k: v for k, v in outcome.record.params.items() if "logprobs" in k} == params
+
+
+@pytest.mark.parametrize("value, words", [
+    (2, "body.prompt_logprobs 2: the prompt's alternatives are not computed"),
+    ("yes", "body.prompt_logprobs must be true, false or 0, got 'yes'"),
+    (None, "body.prompt_logprobs must be true, false or 0, got None"),
+])
+def test_bad_prompt_logprob_requests_are_refused_with_their_line(value, words):
+    outcome = parse_jsonl_line(line(CHAT, prompt_logprobs=value), "generate", "in.jsonl", 5)
+    assert outcome.record is None and len(outcome.problems) == 1
+    assert str(outcome.problems[0]).startswith(f"in.jsonl:5: {words}")
+
+
+def test_a_simple_line_asks_for_the_prompts_logprobs_too():
+    outcome = parse_jsonl_line(json.dumps({"id": "a", "prompt": "hi", "prompt_logprobs": True}), "generate", "in.jsonl", 1)
+    assert outcome.problems == [] and outcome.record.params["prompt_logprobs"] is True
+
+
 def sample_result() -> GenerationResult:
     return GenerationResult("r", [11, 12], "stop", 3, logprobs=[-0.5, -1.25],
                             top_logprobs=[[(11, -0.5), (13, -1.0)], [(12, -1.25), (11, -2.0)]],
@@ -72,6 +100,34 @@ def test_the_stored_form_is_openais_chat_logprobs_and_rewrites_into_the_completi
                                             "top_logprobs": [{"Hé": -0.5, "x": -1.0}, {" there": -1.25, "Hé": -2.0}],
                                             "text_offset": [0, 2]}
     assert logprobs_json(GenerationResult("r", [1], "stop", 3)) is None, "not asked for: nothing stored"
+
+
+def test_the_prompts_logprobs_are_stored_beside_the_outputs_and_written_where_vllm_puts_them(tmp_path):
+    scored = GenerationResult("r", [11], "stop", 3, prompt_logprobs=[-2.0, -0.75], prompt_ids=[1, 13, 12],
+                              token_texts={1: "<s>", 11: "Hé", 12: " there", 13: "x"})
+    stored = json.loads(logprobs_json(scored))
+    assert stored == {"content": None, "refusal": None,
+                      "prompt": [None, {"token": "x", "logprob": -2.0, "bytes": [120]},
+                                 {"token": " there", "logprob": -0.75, "bytes": list(b" there")}]}
+    both = json.loads(logprobs_json(GenerationResult(**{**vars(sample_result()), "prompt_logprobs": [-1.0],
+                                                        "prompt_ids": [13, 11]})))
+    assert len(both["content"]) == 2 and both["prompt"] == [None, {"token": "Hé", "logprob": -1.0,
+                                                                     "bytes": list("Hé".encode())}]
+    with JobStore.open(f"sqlite:///{tmp_path / 's.db'}") as store:
+        items = [NewItem(cid, "in", "prompt", {**item_params({}, True, url), "prompt_logprobs": True}, seq)
+                 for seq, (cid, url) in enumerate((("chat", CHAT), ("text", COMPLETIONS)), 1)]
+        job_id = store.create_job(JobSettings(task="generate", model="tiny"), items, [])
+        claimed = store.claim_items(job_id, "w", 2)
+        store.complete_items([ItemResult(c.item_id, "Hé", "stop", 3, 1, 0.1, logprobs=logprobs_json(scored))
+                              for c in claimed])
+        output = io.StringIO()
+        write_openai_files(OutputJob(job_id, "tiny", 1_900_000_000),
+                           join_by_seq(store.item_results(job_id), store.job_items(job_id)), output, io.StringIO())
+    chat, text = (json.loads(l)["response"]["body"] for l in output.getvalue().splitlines())
+    for body in (chat, text):
+        assert body["prompt_logprobs"] == stored["prompt"] and body["choices"][0]["logprobs"] is None
+    assert ChatCompletion.model_validate(chat).choices[0].logprobs is None
+    assert Completion.model_validate(text).choices[0].logprobs is None
 
 
 def test_the_output_file_carries_them_and_parses_as_openais_types(tmp_path):
@@ -132,12 +188,16 @@ def test_layerbus_run_writes_logprobs_into_the_parquet_and_the_output_file(tiny_
     from layerbus.storage.results import read_results
     from tests.test_cli_helpers import JOB_ID, layerbus, status_json, write_jsonl
 
+    scored_prompt = "the stage sends its rows to the next one"
     items = [json.loads(line(CHAT, logprobs=True, top_logprobs=2, max_tokens=6)),
              {**json.loads(line(COMPLETIONS, logprobs=1, max_tokens=6)), "custom_id": "b"},
-             {**json.loads(line(CHAT, max_tokens=6)), "custom_id": "c"}]
+             {**json.loads(line(CHAT, max_tokens=6)), "custom_id": "c"},
+             {"custom_id": "d", "method": "POST", "url": COMPLETIONS,
+              "body": {"prompt": scored_prompt, "max_tokens": 2, "prompt_logprobs": True}}]
     home, db = tmp_path / "home", f"sqlite:///{tmp_path / 'jobs.db'}"
+    model_dir = tiny_models("llama")
     ran = layerbus(home, "run", write_jsonl(tmp_path / "batch.jsonl", items), "--task", "generate", "--model",
-                   tiny_models("llama"), "--stages", "1", "--db", db, timeout=300)
+                   model_dir, "--stages", "1", "--db", db, timeout=300)
     assert ran.returncode == 0, ran.stderr
     job_id = JOB_ID.search(ran.stdout).group()
     rows = {r["custom_id"]: r for r in read_results(status_json(home, job_id, "--db", db)["results_path"]).to_pylist()}
@@ -154,3 +214,15 @@ def test_layerbus_run_writes_logprobs_into_the_parquet_and_the_output_file(tiny_
     assert len(text.choices[0].logprobs.tokens) == rows["b"]["completion_tokens"]
     assert all(len(top) == 1 for top in text.choices[0].logprobs.top_logprobs)
     assert bodies["c"]["choices"][0]["logprobs"] is None
+    # The prompt's own log-probabilities, as transformers computes them (the prompt as the job tokenized it)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = tokenizer(scored_prompt).input_ids
+    with torch.no_grad():
+        reference = torch.log_softmax(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()(
+            torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+    expected = reference.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1).tolist()
+    prompt = json.loads(rows["d"]["logprobs"])["prompt"]
+    assert prompt[0] is None and [t["token"] for t in prompt[1:]] == [tokenizer.decode([i]) for i in ids[1:]]
+    assert [t["logprob"] for t in prompt[1:]] == pytest.approx(expected, abs=1e-4)
+    assert bodies["d"]["prompt_logprobs"] == prompt and bodies["d"]["choices"][0]["logprobs"] is None
+    assert rows["a"]["logprobs"] and "prompt" not in json.loads(rows["a"]["logprobs"]), "only where asked"
