@@ -77,7 +77,8 @@ class StoreSource:
         # Samples of claimed items not yet handed to the broker: an item of n samples is n requests, and a
         # fetch hands out no more than it is asked for.
         self._unsent: deque[GenerationRequest | ScoreRequest] = deque()
-        self._job_samples = max(1, samples_of({}, settings.extra))
+        # Samples per item the next claim expects: the job's n, then what the items claimed last had.
+        self._samples_per_item = max(1, samples_of({}, settings.extra))
 
     @property
     def exhausted(self) -> bool:
@@ -87,14 +88,19 @@ class StoreSource:
         if limit < 1:
             return []
         if len(self._unsent) < limit and not self._exhausted:
-            # Enough items for the samples asked for, when they have the job's n (an item's own n may differ).
-            wanted = math.ceil((limit - len(self._unsent)) / self._job_samples)
+            # Enough items for the samples asked for, at the samples per item seen so far.
+            wanted = math.ceil((limit - len(self._unsent)) / self._samples_per_item)
             claimed = self.store.claim_items(self.job_id, self.worker_name, wanted, lease_s=self.lease_s)
             if not claimed:  # nothing queued, or the job stopped handing out work (cancelled, ...)
                 self._exhausted = True
+            requests = 0
             for item in claimed:
                 self.outstanding[item.item_id] = item
-                self._unsent.extend(self.requests_for(item))
+                item_requests = self.requests_for(item)
+                requests += len(item_requests)
+                self._unsent.extend(item_requests)
+            if claimed:  # the next claim expects the samples per item these had (items' own n may differ)
+                self._samples_per_item = max(1, round(requests / len(claimed)))
         return [self._unsent.popleft() for _ in range(min(limit, len(self._unsent)))]
 
     def requests_for(self, item: ClaimedItem) -> list[GenerationRequest | ScoreRequest]:

@@ -16,7 +16,7 @@ from layerbus.broker.requests import GenerationRequest, GenerationResult
 from layerbus.jobs.inputs import read_inputs
 from layerbus.jobs.item_params import item_params
 from layerbus.jobs.openai_output import OutputJob, join_by_seq, write_openai_files
-from layerbus.jobs.runner import StoreSink, StoreSource, _hand_back
+from layerbus.jobs.runner import StoreSink, StoreSource, _hand_back, run_job
 from layerbus.jobs.samples import parse_request_id, sample_request_id, sample_seed
 from layerbus.storage import JobSettings, JobStore, NewItem
 from layerbus.storage.result_row import RESULT_FIELDS
@@ -135,6 +135,18 @@ def test_the_job_n_applies_where_the_item_gives_none(store, tokenizer):
     assert len(source.fetch(100)) == 5
 
 
+def test_a_fetch_claims_items_for_the_samples_it_is_asked_for(store, tokenizer):
+    job_id = queue(store, [{"n": 4}] * 10, extra={"n": 4})
+    source = StoreSource(store, job_id, tokenizer, store.job_settings(job_id), "w")
+    assert len(source.fetch(8)) == 8 and len(source.outstanding) == 2, "2 items of 4 samples"
+    other = queue(store, [{"n": 4}] * 10)  # items' own n: the first claim takes one item per sample asked
+    source = StoreSource(store, other, tokenizer, store.job_settings(other), "w")
+    assert len(source.fetch(2)) == 2 and len(source.outstanding) == 2
+    source.fetch(6)
+    source.fetch(8)  # 8 samples asked, none left unsent: at 4 samples per item, 2 more items
+    assert len(source.outstanding) == 4
+
+
 def test_an_item_is_recorded_once_all_its_samples_are_in_one_row_each(store, tokenizer, tmp_path):
     job_id = queue(store, [{"n": 3}, {}])
     source = StoreSource(store, job_id, tokenizer, store.job_settings(job_id), "w")
@@ -172,6 +184,59 @@ def test_a_run_that_ends_mid_item_hands_the_whole_item_back(store, tokenizer, tm
     assert (status.queued, status.completed) == (1, 0) and list(store.item_results(job_id)) == []
     again = StoreSource(store, job_id, tokenizer, store.job_settings(job_id), "w2").fetch(10)
     assert [r.sampling for r in again[:2]] == [r.sampling for r in requests], "the rerun draws the same samples"
+
+
+class DyingBroker:
+    """Plays Broker.run over a job of sampled items, `batch` requests a step, committing after each step; in
+    round `die_in` it delivers half the step's samples and dies as `kill -9` would: nothing flushed, nothing
+    handed back."""
+
+    def __init__(self, tokenizer, store: JobStore, batch: int, die_in: int | None = None):
+        self._tokenizer, self.store, self.batch, self.die_in = tokenizer, store, batch, die_in
+
+    def tokenizer(self):
+        return self._tokenizer
+
+    def run(self, source, sink, should_stop, events=None):
+        step = 0
+        while not source.exhausted and not should_stop():
+            requests = source.fetch(self.batch)
+            # The text depends on the sample's seed alone: equal across runs exactly when the seeds are.
+            results = [GenerationResult(r.request_id, [5, 6], "length", len(r.prompt_ids),
+                                        text=f"seed {r.sampling.seed}") for r in requests]
+            if step == self.die_in:
+                sink.deliver(results[: len(results) // 2])
+
+                def dead(*args, **kwargs):
+                    raise SystemExit("killed")
+
+                self.store.complete_items = self.store.requeue_items = dead
+                raise SystemExit("killed")
+            sink.deliver(results)
+            sink.flush()
+            step += 1
+
+
+def test_a_broker_killed_mid_item_then_resumed_records_every_sample_once(tokenizer, tmp_path):
+    rows = {}
+    for name, die_in in (("clean", None), ("killed", 2)):
+        with JobStore.open(f"sqlite:///{tmp_path / name}.db") as store:
+            job_id = queue(store, [{"n": 3}] * 5)
+            if die_in is not None:
+                with pytest.raises(SystemExit):
+                    run_job(store, job_id, DyingBroker(tokenizer, store, 4, die_in), tmp_path / name, poll_cancel_s=0)
+                del store.complete_items, store.requeue_items  # the dead process's store is gone; a new one opens
+                status = store.job_status(job_id)
+                # The first fetch claimed 4 items (the job has no n; their 12 samples then served 3 steps): 2
+                # done, item 2 finished but not committed, item 3 half-sampled, item 4 never claimed.
+                assert (status.completed, status.in_progress, status.queued) == (2, 2, 1), "killed mid-item"
+            status = run_job(store, job_id, DyingBroker(tokenizer, store, 4), tmp_path / name, poll_cancel_s=0)
+            assert (status.status, status.completed) == ("completed", 5)
+            rows[name] = read_results(Path(status.results_path)).to_pylist()
+    assert [(r["custom_id"], r["sample_index"]) for r in rows["killed"]] == [
+        (f"doc-{i}", k) for i in range(5) for k in range(3)], "every sample once"
+    assert [r["output"] for r in rows["killed"]] == [r["output"] for r in rows["clean"]]
+    assert len({r["output"] for r in rows["clean"]}) == 15
 
 
 def test_the_openai_output_has_n_choices_and_usage_over_every_sample(store, tokenizer, tmp_path):
