@@ -9,7 +9,7 @@ the item is recorded once all of its samples have finished.
   tokens of every sample summed, and every sample in the item's `samples` column (JSON, only when n > 1);
   result rows are one per sample, with `sample_index`.
 
-Light on purpose: `layerbus results` imports it, and must import neither SQLAlchemy nor torch.
+Light on purpose (imports neither SQLAlchemy nor torch): the job runner and the planner's workload use it.
 """
 
 from __future__ import annotations
