@@ -178,6 +178,7 @@ def _serve(store: JobStore, broker: Broker, model_dir: Path, args: argparse.Name
            metrics: MetricsServer | None = None) -> int:
     from layerbus.jobs.runner import run_job
     from layerbus.storage.run_info import write_run_info
+    from layerbus.storage.states import RUNNABLE_JOB_STATES
 
     leases = leases_from_args(args)
     keys = broker.config.keys
@@ -218,6 +219,10 @@ def _serve(store: JobStore, broker: Broker, model_dir: Path, args: argparse.Name
             metrics.watch_job(store, job_id)
         ran.append(run_job(store, job_id, broker, results_dir(), leases=leases))
         _report(ran[-1])
+        if ran[-1].status in RUNNABLE_JOB_STATES:  # its stages broke and it left the job to other brokers
+            print(f"layerbus broker: this broker's stages broke; {job_id} is left to the other brokers working it "
+                  f"(`layerbus status {job_id}`): exiting", file=sys.stderr, flush=True)
+            return EXIT_FAILED
 
 
 def exit_code_when_idle(final_states: list[str]) -> int:

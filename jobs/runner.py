@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Callable, MutableMapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -258,6 +259,52 @@ class StoreSink:
         return item_result, [result_row(item, item_result, sample_index)]
 
 
+class StrandedWatch:
+    """`should_stop` for the pipeline: true once this broker has waited `grace_s` for a stage to register
+    (its chain lost stages and the rest cannot hold the model) while other brokers work the job. A broker
+    alone on the job waits for as long as it takes; beside others it would hold its items (renewing their
+    leases) while they finish everything else and wait for those items forever. Its run then ends, its
+    items go back to the queue, and run_job leaves the job to the others (`_hand_over`)."""
+
+    def __init__(self, store: JobStore, job_id: str, worker_name: str, grace_s: float,
+                 clock: Callable[[], float] = time.monotonic, check_every_s: float = 1.0):
+        self.store, self.job_id, self.worker_name, self.grace_s = store, job_id, worker_name, grace_s
+        self.clock, self.check_every_s = clock, check_every_s
+        self.waiting_since: float | None = None
+        self.last_check = -math.inf
+        self.left, self.reason = False, ""
+
+    def watching(self, record: Callable[..., None]) -> Callable[..., None]:
+        """The pipeline's event callback, passed on to `record`, noting when the broker starts and stops waiting."""
+        def observe(kind: str, message: str, *args: Any, **fields: Any) -> None:
+            if kind == "waiting":
+                if self.waiting_since is None:
+                    self.waiting_since = self.clock()
+                self.reason = message
+            elif kind == "recovered":
+                self.waiting_since = None
+            record(kind, message, *args, **fields)
+
+        return observe
+
+    def __call__(self) -> bool:
+        if self.left:
+            return True
+        now = self.clock()
+        if self.waiting_since is None or now - self.waiting_since < self.grace_s or now - self.last_check < self.check_every_s:
+            return False
+        self.last_check = now
+        try:
+            others = other_workers(self.store, self.job_id, self.worker_name)
+        except Exception:  # noqa: BLE001 (the store unreachable: keep waiting, as a broker alone would)
+            log.warning("job %s: could not look for other brokers", self.job_id, exc_info=True)
+            return False
+        if others:
+            self.left = True
+            self.reason = f"no stage for {now - self.waiting_since:.0f} s: {self.reason}"
+        return self.left
+
+
 class CancelWatch:
     """`should_stop` for the pipeline: true once the job no longer hands out work (cancelled, failed).
 
@@ -325,6 +372,8 @@ def run_job(store: JobStore, job_id: str, broker: Runner, results_dir: Path, pro
         log.error("job %s failed: %s", job_id, error, exc_info=not isinstance(error, ClusterError))
         if _finalized_elsewhere(store, job_id, worker_name):
             return store.job_status(job_id)
+        if isinstance(error, ClusterError) and _hand_over(store, job_id, worker_name, error):
+            return store.job_status(job_id)
         _try_set_status(store, job_id, "failed", error=f"{type(error).__name__}: {error}")
         return store.job_status(job_id)
     finally:
@@ -353,6 +402,33 @@ def _finalized_elsewhere(store: JobStore, job_id: str, worker_name: str) -> bool
     except Exception:  # noqa: BLE001 (the store itself failing: fail the job as before, if that still works)
         return False
     return holder.status == "finalizing" and holder.holder not in (None, worker_name)
+
+
+def _hand_over(store: JobStore, job_id: str, worker_name: str, error: ClusterError) -> bool:
+    """When this broker's own stages broke while other brokers work the job: its items in flight go back
+    to the queue at once (not after its lease) and the job stays theirs, in progress; True. A chain that
+    breaks is this broker's failure, not the job's: failing the job would stop every other chain on it.
+    False when no other broker is working it (the job then fails as before)."""
+    try:
+        others = other_workers(store, job_id, worker_name)
+        if not others:
+            return False
+        taken = store.requeue_expired(job_id, holders=[worker_name]).get(worker_name, 0)
+        message = (f"{worker_name} left the job, its stages broken ({error}); {taken} item(s) it held went back "
+                   f"to the queue for {len(others)} other broker(s): {', '.join(others)}")
+        log.error("job %s: %s", job_id, message)
+        store.add_job_event(job_id, "worker_left", message)
+        return True
+    except Exception:  # noqa: BLE001 (the store failing too: fail the job as before, if that still works)
+        log.warning("job %s: could not hand the job over to the other brokers", job_id, exc_info=True)
+        return False
+
+
+def other_workers(store: JobStore, job_id: str, worker_name: str) -> list[str]:
+    """The other brokers working the job now (working or finalizing, their leases renewed in time)."""
+    now = datetime.now(timezone.utc)
+    return [w.worker for w in store.job_workers(job_id)
+            if w.worker != worker_name and w.state_at(now) in ("working", "finalizing")]
 
 
 def _stopped(store: JobStore, job_id: str, worker_name: str) -> None:
@@ -411,15 +487,19 @@ def _run_rounds(store: JobStore, job_id: str, broker: Runner, writer: ResultWrit
         sink = StoreSink(store, writer, source.outstanding, progress=progress, holder=worker_name,
                          job_extra=settings.extra)
         watch = CancelWatch(store, job_id, poll_cancel_s)
+        stranded = StrandedWatch(store, job_id, worker_name, grace_s=leases.lease_s)
 
         def should_stop() -> bool:
             sink.flush_if_due()  # the pipeline calls this every loop: the sink's clock tick
-            return watch()
+            return watch() or stranded()
 
         try:
-            broker.run(source, sink, should_stop=should_stop, events=_event_recorder(store, job_id))
+            events = _chain_follower(store, job_id, broker, worker_name, leases, _event_recorder(store, job_id))
+            broker.run(source, sink, should_stop=should_stop, events=stranded.watching(events))
         finally:
             _hand_back(store, sink, source)
+        if stranded.left:
+            raise ClusterError(stranded.reason)
         status = store.job_status(job_id)
         if watch.stopping or status.status not in RUNNABLE_JOB_STATES:
             return
@@ -443,6 +523,21 @@ def _wait_for_other_holders(store: JobStore, job_id: str, broker: Runner, in_fli
             keep_alive(leases.renew_every_s, report=_event_recorder(store, job_id))
         else:
             time.sleep(leases.renew_every_s)
+
+
+def _chain_follower(store: JobStore, job_id: str, broker: Runner, worker_name: str, leases: LeaseConfig,
+                    record: Callable[..., None]) -> Callable[..., None]:
+    """The pipeline's event callback, passed on to `record`; after a re-plan (a lost stage, a slowed one)
+    the broker's new chain is recorded as this worker's, so `layerbus status JOB` shows the chain in use."""
+    def follow(kind: str, message: str, *args: Any, **fields: Any) -> None:
+        record(kind, message, *args, **fields)
+        if kind in ("recovered", "rebalanced"):
+            try:
+                store.register_worker(job_id, worker_name, socket.gethostname(), _chain_text(broker), leases.lease_s)
+            except Exception:  # noqa: BLE001 (a figure for status: never what stops the job)
+                log.warning("job %s: could not record the new chain", job_id, exc_info=True)
+
+    return follow
 
 
 def _event_recorder(store: JobStore, job_id: str) -> Callable[..., None]:

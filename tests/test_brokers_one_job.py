@@ -201,3 +201,59 @@ def test_kill_9_of_one_broker_mid_job_the_other_finishes_after_its_lease(db, tmp
     assert taken and all(names[victim.pid] in message for message in taken), status["events"]
     with JobStore.open(db) as store:
         assert store.job_finalization(job_id).holder == names[survivor.pid]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (its stages, and a launcher they were forked from), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def test_kill_9_of_one_brokers_stage_leaves_the_job_to_the_other_broker(tmp_path, corpus, model,
+                                                                        single_broker_outputs):
+    """Two chains on one job; one chain's only stage is killed mid-job. Its broker cannot re-plan (no stage
+    left) and waits for one; beside a working broker it leaves the job after a lease's wait, its items go
+    back to the queue, and the other chain finishes the job: every item once, the single broker's outputs.
+    (Before, the broker waited for a stage for ever while renewing its items' leases, and the other broker
+    waited for those items for ever.)"""
+    db = f"sqlite:///{tmp_path / 'jobs.db'}"
+    home, logs = tmp_path / "home", tmp_path / "logs"
+    job_id = submit(home, corpus, model, db)
+    brokers = start_brokers(home, job_id, db, 2, logs)
+    try:
+        with JobStore.open(db) as store:
+            names = release_the_ghosts_items(store, job_id, 2, brokers, logs)
+            stranded, survivor = brokers
+            working = lambda: all(w.items_done > 0 for w in store.job_workers(job_id))  # noqa: E731
+            wait_until(working, "work recorded by both brokers", brokers, logs)
+            stages = descendants(stranded.pid)
+            assert stages, "the broker's stage processes"
+            for pid in stages:
+                os.kill(pid, signal.SIGKILL)
+            assert store.job_status(job_id).completed < ITEMS, "killed mid-job"
+            assert stranded.wait(TIMEOUT_S) != 0, "a broker that left its job exits non-zero"
+            left = [event["message"] for event in status_json(home, job_id, "--db", db)["events"]
+                    if event["kind"] == "worker_left"]
+            assert len(left) == 1 and names[stranded.pid] in left[0], logs_of(logs)
+        assert survivor.wait(TIMEOUT_S) == 0, logs_of(logs)
+    finally:
+        stop(brokers)
+
+    status = assert_each_item_once_with_the_single_brokers_outputs(home, db, job_id, single_broker_outputs)
+    workers = {worker["worker"]: worker for worker in status["workers"]}
+    gone, alive = workers[names[stranded.pid]], workers[names[survivor.pid]]
+    print(f"the broker whose stage was killed recorded {gone['items_done']}, the other {alive['items_done']}")
+    assert gone["items_done"] + alive["items_done"] == ITEMS, "nothing recorded twice"
+    assert gone["state"] == "stopped" and alive["state"] == "stopped"

@@ -321,15 +321,27 @@ def test_a_job_stopped_while_finalizing_is_finalized_on_resume(store, tokenizer,
 def test_recovery_events_of_a_run_are_recorded_in_the_store(store, tokenizer, tmp_path):
     job_id = queue_job(store, 2)
 
+    class Chain:
+        def __init__(self, text: str) -> None:
+            self.chain = text
+
+        def text(self) -> str:
+            return self.chain
+
     class RecoveringBroker(ScriptedBroker):
+        placement = Chain("stage-0 [0, 2) -> stage-1 [2, 4)")
+
         def run(self, source, sink, should_stop, events=None):
             events("stage_lost", "stage stage-1 lost: silent for 5.1 s (liveness window 5 s)", stage="stage-1")
+            self.placement = Chain("stage-0 [0, 4)")
             events("recovered", "re-planned without stage-1 in 1.20 s", stage="stage-1", duration_s=1.2)
             return super().run(source, sink, should_stop, events)
 
     status = run_job(store, job_id, RecoveringBroker(tokenizer), tmp_path, poll_cancel_s=0)
     assert status.status == "completed"
     assert [(e.kind, e.duration_s) for e in store.job_events(job_id)] == [("stage_lost", None), ("recovered", 1.2)]
+    (worker,) = store.job_workers(job_id)
+    assert worker.chain == "stage-0 [0, 4)", "status shows the chain in use after the re-plan, not the first one"
 
 
 def test_scoring_items_become_score_requests_and_their_scores_the_output(store, tokenizer, tmp_path):

@@ -14,7 +14,7 @@ import pytest
 
 from layerbus.broker.requests import GenerationResult
 from layerbus.jobs.leases import LeaseConfig, LeaseKeeper, WorkerId, gone_holders, pid_alive, this_worker
-from layerbus.jobs.runner import StoreSink, StoreSource, default_worker_name, run_job
+from layerbus.jobs.runner import StoreSink, StoreSource, StrandedWatch, default_worker_name, run_job
 from layerbus.storage import ItemResult, JobStore, Lease
 from layerbus.storage.results import ResultWriter
 from tests.test_job_runner import ScriptedBroker, final_rows, queue_job, tokenizer  # noqa: F401 (fixture)
@@ -165,3 +165,40 @@ def test_results_of_items_taken_over_by_another_worker_are_not_recorded(store, t
     outputs = {row["custom_id"]: row["output"] for row in store.item_results(job_id)}
     assert outputs == {"doc-0": "fast's answer"}, "slow's late results are refused; doc-1 is still fast's"
     assert [(lease.holder, lease.items) for lease in store.job_leases(job_id)] == [("fast:2:bb", 1)]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_broker_left_without_stages_stops_after_its_grace_only_beside_a_working_broker(store):
+    """StrandedWatch: never before the broker waits for a stage, nor within the grace, nor while it is alone
+    on the job (or beside a stopped or lost broker); after the grace beside a working one, it stops; a
+    recovery in between starts the grace again."""
+    job_id = queue_job(store, 2)
+    store.register_worker(job_id, "me", "here", lease_s=60)
+    clock, recorded = FakeClock(), []
+    watch = StrandedWatch(store, job_id, "me", grace_s=10, clock=clock, check_every_s=0)
+    events = watch.watching(lambda kind, message, *a, **k: recorded.append(kind))
+    events("stage_lost", "stage-0 left")
+    clock.now += 60
+    assert not watch(), "not waiting for a stage: running on"
+    events("waiting", "the stages left cannot hold tiny")
+    clock.now += 60
+    assert not watch(), "alone on the job: waits as long as it takes"
+    store.register_worker(job_id, "stopped-one", "there", lease_s=60)
+    store.set_worker_state(job_id, "stopped-one", "stopped")
+    store.register_worker(job_id, "lost-one", "there", lease_s=5, now=datetime.now(timezone.utc) - timedelta(seconds=60))
+    assert not watch(), "beside brokers that stopped or are lost: still alone"
+    store.register_worker(job_id, "other", "there", lease_s=60)
+    events("recovered", "re-planned")
+    events("waiting", "the stages left cannot hold tiny")
+    clock.now += 9
+    assert not watch(), "within the grace, counted from the new wait"
+    clock.now += 2
+    assert watch() and watch.left and "no stage for 11 s" in watch.reason
+    assert recorded == ["stage_lost", "waiting", "recovered", "waiting"], "every event is passed on"

@@ -156,13 +156,21 @@ def run_and_read_stages(model_dir, num_stages: int, requests, **batching):
     config = BrokerConfig(str(model_dir), num_stages, batching=BatchingConfig(**batching))
     with LocalCluster(config, LocalStageOptions(threads_per_stage=1)) as cluster:
         results, stats = cluster.broker.generate(requests)
-        seen = {stage.name: stage.stats.get("steps") for stage in cluster.broker.chain}
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(stage.stats.get("steps") != seen[stage.name] or
-                                                  "prefix_tokens_peak" not in stage.stats
-                                                  for stage in cluster.broker.chain):
+        # Until each stage's step count has held still over a heartbeat (the figures of its last step have
+        # arrived) and its prefix figures are there. (Waiting for the count to differ from the one seen at
+        # the end of the run, as this did, waited out the whole deadline whenever the last heartbeat of the
+        # run was already final: 30 s per run.)
+        def reported():
+            return {stage.name: stage.stats.get("steps") for stage in cluster.broker.chain}
+
+        before, deadline = None, time.monotonic() + 30
+        while time.monotonic() < deadline:
             cluster.broker.keep_alive(0.6)
-        cluster.broker.keep_alive(1.2)  # two heartbeats more: each stage's figures after its last step
+            now = reported()
+            if now == before and all("prefix_tokens_peak" in stage.stats for stage in cluster.broker.chain):
+                break
+            before = now
+        cluster.broker.keep_alive(0.6)  # one heartbeat more
         stages = {stage.name: dict(stage.stats) for stage in cluster.broker.chain}
     return results, stats, stages
 
