@@ -51,6 +51,14 @@ def seed(text: str) -> int:
     return value
 
 
+def sample_count(text: str) -> int:
+    """--n: samples per item, 1 to 128 (as jobs.item_checks.MAX_SAMPLES, without importing it for --help)."""
+    value = int(text)
+    if not 1 <= value <= 128:
+        raise argparse.ArgumentTypeError(f"must be an integer from 1 to 128 (samples per item), got {text}")
+    return value
+
+
 def add_verbose(parser: argparse.ArgumentParser) -> None:
     # SUPPRESS: a subcommand's -v adds to the top-level one instead of resetting it.
     parser.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
@@ -78,6 +86,9 @@ def add_job_options(parser: argparse.ArgumentParser) -> None:
                         help="sampling temperature; 0 = greedy (default: 0)")
     parser.add_argument("--seed", metavar="S", type=seed, default=0,
                         help="job seed: each item samples with a seed derived from it and the item's position")
+    parser.add_argument("--n", metavar="N", type=sample_count, default=1,
+                        help="samples per item unless the item says n (OpenAI's n), 1 to 128; each sample has a seed "
+                             "derived from the item's seed, its id and the sample's index (default: 1)")
     parser.add_argument("--name", default="", help="a name for the job, shown by `layerbus status`")
     constrain = parser.add_mutually_exclusive_group()
     constrain.add_argument("--json-schema", metavar="FILE", default=None,

@@ -94,14 +94,16 @@ def submit_job(store: JobStore, args: argparse.Namespace, check_model: Callable[
 
 
 def _job_extra(args: argparse.Namespace) -> dict:
-    """Settings beyond JobSettings' fields: the job-wide output constraint, checked by compiling it."""
+    """Settings beyond JobSettings' fields: samples per item (--n, kept only when not 1, so a job without it is
+    stored as before) and the job-wide output constraint, checked by compiling it."""
+    extra = {"n": args.n} if getattr(args, "n", 1) != 1 else {}
     given = [getattr(args, name, None) for name in ("json_schema", "regex", "choices")]
     if all(value is None for value in given):
-        return {}
+        return extra
     from layerbus.jobs.constraints import CONSTRAINT_KEY, job_constraint
 
     try:
-        return {CONSTRAINT_KEY: job_constraint(*given)}
+        return {**extra, CONSTRAINT_KEY: job_constraint(*given)}
     except ValueError as error:
         raise UsageError(str(error)) from None
 

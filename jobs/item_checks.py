@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from layerbus.jobs.records import InputProblem, InputRecord
 
 # Per-item sampling parameters an item may override, in the order error messages list them.
-PARAM_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+PARAM_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n")
+# Samples per item (OpenAI's n): each is its own sequence, so the cap bounds what one item can take of a job.
+MAX_SAMPLES = 128
 # Chat roles the chat templates we target all understand.
 MESSAGE_ROLES = ("system", "user", "assistant")
 # Seeds are stored in int64 columns (job store, Parquet), so they must fit one.
@@ -153,6 +155,11 @@ def check_param(name: str, value: object, key: str) -> tuple[object, str | None]
         if number is None or number < 1:
             hint = "" if name == "max_tokens" else " (leave it out to keep every token)"
             return None, f"{key} must be a positive integer{hint}, {got}"
+        return number, None
+    if name == "n":
+        number = _as_int(value)
+        if number is None or not 1 <= number <= MAX_SAMPLES:
+            return None, f"{key} must be an integer from 1 to {MAX_SAMPLES} (samples per item), {got}"
         return number, None
     if name == "seed":
         number = _as_int(value)

@@ -8,6 +8,7 @@ from typing import Any
 from layerbus.broker.requests import GenerationRequest
 from layerbus.broker.workload import Workload
 from layerbus.jobs.runner import StoreSource
+from layerbus.jobs.samples import samples_of
 from layerbus.storage import ClaimedItem, JobStore
 
 
@@ -31,8 +32,9 @@ def job_workload(store: JobStore, job_id: str, tokenizer: Any) -> Workload | Non
                                                  params=item.params, attempts=0))
         if not isinstance(request, GenerationRequest):
             return None
-        prompts.append(len(request.prompt_ids))
-        budgets.append(request.max_new_tokens)
+        samples = samples_of(item.params, source.settings.extra)  # each of an item's n samples is a sequence
+        prompts.extend([len(request.prompt_ids)] * samples)
+        budgets.extend([request.max_new_tokens] * samples)
     settings = store.job_settings(job_id)
     return Workload.of(prompts, budgets, output_fraction(store, job_id, settings.model, settings.task))
 

@@ -34,7 +34,7 @@ SIMPLE_KEYS = ("id", "custom_id", "text", "prompt", "messages", *PARAM_NAMES, *B
 # Top-level keys of an OpenAI batch line; all four are required, as in OpenAI's own files.
 OPENAI_KEYS = ("custom_id", "method", "url", "body")
 # Body keys we honour. "model" must name the job's model (checked at submit: a job runs one model).
-# Anything else (n, tools, ...) is refused rather than silently not done.
+# Anything else (tools, functions, ...) is refused rather than silently not done.
 BODY_KEYS = ("model", "messages", "prompt", "max_tokens", "max_completion_tokens", *PARAM_NAMES[1:],
              *BODY_CONSTRAINT_KEYS, *LOGPROB_KEYS)
 # Each supported endpoint, and the body key holding its content.

@@ -9,8 +9,10 @@ import logging
 import math
 import socket
 import time
+from collections import deque
 from collections.abc import Callable, MutableMapping
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,6 +25,7 @@ from layerbus.jobs.item_params import ADD_SPECIAL_TOKENS_KEY, PROMPT_IDS_KEY
 from layerbus.jobs.logprobs import logprobs_json
 from layerbus.jobs.leases import LeaseConfig, LeaseKeeper, gone_holders, pid_alive, this_worker
 from layerbus.jobs.score_items import is_scoring, score_output, score_request
+from layerbus.jobs.samples import parse_request_id, sample_request_id, sample_seed, samples_json, samples_of
 from layerbus.jobs.snapshot_keeper import SnapshotConfig, SnapshotKeeper
 from layerbus.storage import ClaimedItem, ItemResult, JobSettings, JobStatus, JobStore, StoreError
 from layerbus.storage.result_row import result_row
@@ -72,20 +75,44 @@ class StoreSource:
         # item once its result is committed; whatever is left when a run ends goes back to the store.
         self.outstanding: dict[int, ClaimedItem] = {}
         self._exhausted = False
+        # Samples of claimed items not yet handed to the broker: an item of n samples is n requests, and a
+        # fetch hands out no more than it is asked for.
+        self._unsent: deque[GenerationRequest | ScoreRequest] = deque()
+        # Samples per item the next claim expects: the job's n, then what the items claimed last had.
+        self._samples_per_item = max(1, samples_of({}, settings.extra))
 
     @property
     def exhausted(self) -> bool:
-        return self._exhausted
+        return self._exhausted and not self._unsent
 
     def fetch(self, limit: int) -> list[GenerationRequest]:
-        if self._exhausted or limit < 1:
+        if limit < 1:
             return []
-        claimed = self.store.claim_items(self.job_id, self.worker_name, limit, lease_s=self.lease_s)
-        if not claimed:  # nothing queued, or the job stopped handing out work (cancelled, ...)
-            self._exhausted = True
-        for item in claimed:
-            self.outstanding[item.item_id] = item
-        return [self.request_for(item) for item in claimed]
+        if len(self._unsent) < limit and not self._exhausted:
+            # Enough items for the samples asked for, at the samples per item seen so far.
+            wanted = math.ceil((limit - len(self._unsent)) / self._samples_per_item)
+            claimed = self.store.claim_items(self.job_id, self.worker_name, wanted, lease_s=self.lease_s)
+            if not claimed:  # nothing queued, or the job stopped handing out work (cancelled, ...)
+                self._exhausted = True
+            requests = 0
+            for item in claimed:
+                self.outstanding[item.item_id] = item
+                item_requests = self.requests_for(item)
+                requests += len(item_requests)
+                self._unsent.extend(item_requests)
+            if claimed:  # the next claim expects the samples per item these had (items' own n may differ)
+                self._samples_per_item = max(1, round(requests / len(claimed)))
+        return [self._unsent.popleft() for _ in range(min(limit, len(self._unsent)))]
+
+    def requests_for(self, item: ClaimedItem) -> list[GenerationRequest | ScoreRequest]:
+        """The item's requests: one per sample (jobs/samples.py), sample 0 exactly request_for's."""
+        first = self.request_for(item)
+        n = samples_of(item.params, self.settings.extra) if isinstance(first, GenerationRequest) else 1
+        if n == 1:
+            return [first]
+        return [replace(first, request_id=sample_request_id(item.item_id, index, n),
+                        sampling=replace(first.sampling, seed=sample_seed(first.sampling.seed, item.custom_id, index)))
+                for index in range(n)]
 
     def request_for(self, item: ClaimedItem) -> GenerationRequest | ScoreRequest:
         """The item's own params override the job's settings."""
@@ -136,25 +163,43 @@ class StoreSink:
 
     def __init__(self, store: JobStore, writer: ResultWriter, claimed: MutableMapping[int, ClaimedItem],
                  flush_every: int = 64, flush_interval_s: float = 2.0, progress: ProgressBar | None = None,
-                 clock: Callable[[], float] = time.monotonic, holder: str | None = None):
+                 clock: Callable[[], float] = time.monotonic, holder: str | None = None,
+                 job_extra: dict[str, Any] | None = None):
         self.store, self.writer = store, writer
+        # The job's settings.extra, for its --n (read from the store on first need when not given).
+        self._extra = job_extra
         self.claimed = claimed  # StoreSource.outstanding: the items whose results may arrive
         # The worker the items were claimed as: the store records only what it still holds (None: no check).
         self.holder = holder
         self.flush_every, self.flush_interval_s = flush_every, flush_interval_s
         self.progress, self.clock = progress, clock
-        self.pending: list[tuple[ItemResult, dict[str, Any]]] = []
+        self.pending: list[tuple[ItemResult, list[dict[str, Any]]]] = []
+        # Finished samples of items with n > 1 whose other samples are still running: item_id -> {index: result}.
+        # An item is recorded once all its samples are here; a run that ends before hands the item back whole.
+        self.samples: dict[int, dict[int, GenerationResult]] = {}
         self.last_flush = clock()
 
     def deliver(self, results: list[GenerationResult]) -> None:
+        done = 0
         for result in results:
-            item = self.claimed.get(int(result.request_id))
+            item_id, index = parse_request_id(result.request_id)
+            item = self.claimed.get(item_id)
             if item is None:
                 log.warning("result for item %s, which this run does not hold; dropped", result.request_id)
                 continue
-            self.pending.append(self._record(item, result))
+            n = 1 if is_scoring(item.params) else samples_of(item.params, self._job_extra())
+            if n == 1:
+                self.pending.append(self._record(item, result))
+                done += 1
+                continue
+            finished = self.samples.setdefault(item_id, {})
+            finished.setdefault(index, result)  # a late duplicate of a sample never replaces the first
+            if len(finished) == n:
+                del self.samples[item_id]
+                self.pending.append(self._record_samples(item, [finished[i] for i in range(n)]))
+                done += 1
         if self.progress is not None:
-            self.progress.update(len(results))
+            self.progress.update(done)
         if len(self.pending) >= self.flush_every:
             self.flush()
         else:
@@ -170,7 +215,7 @@ class StoreSink:
         if not self.pending:
             return
         batch, self.pending = self.pending, []
-        self.writer.write_part([row for _, row in batch])
+        self.writer.write_part([row for _, rows in batch for row in rows])
         written = set(self.store.complete_items([result for result, _ in batch], holder=self.holder))
         skipped = [result.item_id for result, _ in batch if result.item_id not in written]
         if skipped:
@@ -181,7 +226,27 @@ class StoreSink:
         for result, _ in batch:
             self.claimed.pop(result.item_id, None)
 
-    def _record(self, item: ClaimedItem, result: GenerationResult) -> tuple[ItemResult, dict[str, Any]]:
+    def _job_extra(self) -> dict[str, Any]:
+        if self._extra is None:
+            self._extra = self.store.job_settings(next(iter(self.claimed.values())).job_id).extra
+        return self._extra
+
+    def _record_samples(self, item: ClaimedItem, results: list[GenerationResult]) -> tuple[ItemResult, list[dict]]:
+        """One item of n > 1 samples: sample 0 in the item's own fields, the completion tokens summed (what
+        the samples cost, as OpenAI's usage counts them), the first sample's error, and every sample in
+        its samples field; one result row per sample."""
+        recorded = [self._record(item, result, index)[0] for index, result in enumerate(results)]
+        rows = [result_row(item, sample, index) for index, sample in enumerate(recorded)]
+        error = next((f"sample {i}: {r.error}" for i, r in enumerate(recorded) if r.error is not None), None)
+        first = recorded[0]
+        combined = replace(first, completion_tokens=sum(r.completion_tokens for r in recorded),
+                           latency_s=max(r.latency_s for r in recorded), error=error,
+                           finish_reason="error" if error is not None else first.finish_reason,
+                           samples=samples_json([vars(r) for r in recorded]))
+        return combined, rows
+
+    def _record(self, item: ClaimedItem, result: GenerationResult,
+                sample_index: int = 0) -> tuple[ItemResult, list[dict[str, Any]]]:
         if result.text is None and result.token_ids:
             raise ValueError(f"result for item {item.item_id} has {len(result.token_ids)} token(s) but no text: "
                              "the broker's scheduler needs a detokenizer (Broker passes one)")
@@ -192,7 +257,7 @@ class StoreSink:
         item_result = ItemResult(item_id=item.item_id, output=output, finish_reason=result.finish_reason,
                                  prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
                                  latency_s=result.latency_s, error=result.error, logprobs=logprobs_json(result))
-        return item_result, result_row(item, item_result)
+        return item_result, [result_row(item, item_result, sample_index)]
 
 
 class StrandedWatch:
@@ -420,7 +485,8 @@ def _run_rounds(store: JobStore, job_id: str, broker: Runner, writer: ResultWrit
             progress.reset(total=status.total)
             progress.update(status.completed + status.failed + status.cancelled)
         source = StoreSource(store, job_id, tokenizer, settings, worker_name, leases.lease_s)
-        sink = StoreSink(store, writer, source.outstanding, progress=progress, holder=worker_name)
+        sink = StoreSink(store, writer, source.outstanding, progress=progress, holder=worker_name,
+                         job_extra=settings.extra)
         watch = CancelWatch(store, job_id, poll_cancel_s)
         stranded = StrandedWatch(store, job_id, worker_name, grace_s=leases.lease_s)
 

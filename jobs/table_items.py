@@ -5,9 +5,9 @@ from __future__ import annotations
 from layerbus.jobs.item_checks import ItemOutcome, check_id, check_params, make_record, show, unknown_names
 
 # Every column a CSV or Parquet input may have; id (or custom_id) and text (or prompt) are required.
-TABLE_COLUMNS = ("id", "custom_id", "text", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed")
+TABLE_COLUMNS = ("id", "custom_id", "text", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "n")
 # Parameter columns, and for CSV (where every cell is a string) the type to read the cell as.
-_PARAM_COLUMNS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int}
+_PARAM_COLUMNS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int, "n": int}
 
 
 def check_columns(names: list[str]) -> list[str]:

@@ -158,6 +158,9 @@ class ItemResult:
     # Log-probabilities of the generated tokens when the item asked for them: JSON text of OpenAI's chat
     # choice.logprobs object ({"content": [{"token", "logprob", "bytes", "top_logprobs"}, ...]}); else None.
     logprobs: str | None = None
+    # With n > 1 samples: JSON of every sample (jobs/samples.samples_json); the fields above then describe
+    # sample 0, completion_tokens is the sum over samples and error the first sample's error. Else None.
+    samples: str | None = None
 
     @property
     def status(self) -> str:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from layerbus.storage.result_row import RESULT_FIELDS
@@ -82,7 +83,7 @@ class ResultWriter:
         return path
 
     def finalize(self, metadata: dict[str, str], store_rows: Iterable[dict[str, Any]] = ()) -> Path:
-        """Merge the parts into <job_id>.parquet, one row per custom_id, and delete the parts.
+        """Merge the parts into <job_id>.parquet, one row per custom_id and sample_index, and delete the parts.
 
         Later parts win over earlier ones; `store_rows` (from JobStore.item_results: items failed at
         submit, cancelled items, or every finished item) win over all parts. `metadata` (model,
@@ -98,7 +99,7 @@ class ResultWriter:
         store_rows = list(store_rows)
         if store_rows:
             tables.append(_to_table(store_rows))
-        merged = _last_row_per_custom_id(pa.concat_tables(tables) if tables else RESULT_SCHEMA.empty_table())
+        merged = _last_row_per_sample(pa.concat_tables(tables) if tables else RESULT_SCHEMA.empty_table())
         # A re-run of finalize keeps what an earlier one recorded unless told otherwise.
         earlier = results_metadata(self.final_path) if self.final_path.exists() else {}
         file_metadata = {**earlier, **metadata, "job_id": self.job_id}
@@ -170,13 +171,16 @@ def _to_table(rows: list[dict[str, Any]]) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=RESULT_SCHEMA)
 
 
-def _last_row_per_custom_id(table: pa.Table) -> pa.Table:
-    """Keep the last row of each custom_id, ordered by seq (rows without seq last, in arrival order)."""
+def _last_row_per_sample(table: pa.Table) -> pa.Table:
+    """Keep the last row of each (custom_id, sample_index), ordered by seq then sample_index (rows without seq
+    last, in arrival order). A row without sample_index (a part written before the column) is sample 0."""
+    index = table.schema.get_field_index("sample_index")
+    table = table.set_column(index, "sample_index", pc.fill_null(table.column("sample_index"), 0))
     order = pa.array(range(table.num_rows), pa.int64())
     table = table.append_column("_order", order)
-    last = table.group_by("custom_id", use_threads=False).aggregate([("_order", "max")])["_order_max"]
+    last = table.group_by(["custom_id", "sample_index"], use_threads=False).aggregate([("_order", "max")])["_order_max"]
     # Arrow puts nulls last by default, which is where rows without a seq belong.
-    kept = table.take(last).sort_by([("seq", "ascending"), ("_order", "ascending")])
+    kept = table.take(last).sort_by([("seq", "ascending"), ("sample_index", "ascending"), ("_order", "ascending")])
     return kept.drop_columns(["_order"])
 
 

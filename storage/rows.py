@@ -100,6 +100,8 @@ def result_params(result: ItemResult, no_nul: bool = False) -> dict[str, Any]:
         "b_output": output, "b_finish_reason": result.finish_reason,
         "b_prompt_tokens": result.prompt_tokens, "b_completion_tokens": result.completion_tokens,
         "b_latency_s": result.latency_s, "b_error": error, "b_logprobs": result.logprobs,
+        # JSON text: a NUL of a sample's output is escaped there (\u0000), which PostgreSQL stores.
+        "b_samples": result.samples,
     }  # fmt: skip
 
 

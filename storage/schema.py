@@ -133,6 +133,9 @@ class Item(Base):
     latency_s: Mapped[float | None] = mapped_column(Float)
     error: Mapped[str | None]  # why the item failed
     logprobs: Mapped[str | None]  # JSON of OpenAI's choice.logprobs, when the item asked for them (added, nullable)
+    # With n > 1 samples (jobs/samples.py): JSON list of every sample's output, finish_reason, completion_tokens,
+    # latency_s, error and logprobs; the columns above then hold sample 0, completion_tokens the sum (added, nullable)
+    samples: Mapped[str | None]
     finished_at: Mapped[datetime | None]  # entered completed, failed or cancelled
 
 

@@ -35,7 +35,7 @@ from layerbus.storage import job_workers as workers
 from layerbus.storage.leases import DEFAULT_LEASE_S, held_by, job_leases, lease_end, reclaimable
 from layerbus.storage.records import (ClaimedItem, Finalization, InvalidItem, ItemResult, JobEvent, JobSettings,
                                       JobStatus, JobWorker, Lease, NewItem)
-from layerbus.storage.result_row import RESULT_COLUMNS
+from layerbus.storage.result_row import RESULT_COLUMNS, expand_samples
 from layerbus.storage.snapshot_records import (MAX_BROKER_CHARS, StageSnapshot, snapshot_from_row, snapshot_order,
                                                snapshot_row)
 from layerbus.storage.rows import (claimed_item, duplicate_message, insert_new_items, invalid_item_row, new_item_row,
@@ -274,7 +274,8 @@ class JobStore:
                         status=bindparam("b_status"), output=bindparam("b_output"),
                         finish_reason=bindparam("b_finish_reason"), prompt_tokens=bindparam("b_prompt_tokens"),
                         completion_tokens=bindparam("b_completion_tokens"), latency_s=bindparam("b_latency_s"),
-                        error=bindparam("b_error"), logprobs=bindparam("b_logprobs"), finished_at=now,
+                        error=bindparam("b_error"), logprobs=bindparam("b_logprobs"),
+                        samples=bindparam("b_samples"), finished_at=now,
                         lease_expires_at=None,
                     ),  # fmt: skip
                     [result_params(first[item_id], no_nul=self._no_nul) for item_id, _ in live],
@@ -583,7 +584,8 @@ class JobStore:
         """Finished items (completed, failed, cancelled) of a job in seq order, as result rows.
 
         Keys: custom_id, seq, input, output, finish_reason, prompt_tokens, completion_tokens,
-        latency_s, error, status. Read in pages, each its own short transaction.
+        latency_s, error, status, logprobs, sample_index: one row per sample of an item asked for n > 1
+        samples (jobs/samples.py), each with its own output, finish_reason, completion_tokens, ... Read in pages, each its own short transaction.
         """
         with self._read() as conn:
             cancelled_at = self._job_field(conn, job_id, JOB.cancelling_at)
@@ -756,9 +758,10 @@ class JobStore:
                 conn.execute(update(jobs_table).where(JOB.id == job_id).values(status="cancelled", cancelled_at=now))
 
     def _result_pages(self, job_id: str, cancelled: bool) -> Iterator[dict[str, Any]]:
-        """Result rows in seq order; with `cancelled` (the job was cancelled), its still-queued items too,
-        as the cancelled items they are (storage/item_counts.py)."""
-        columns = [ITEM[name] for name in RESULT_COLUMNS]
+        """Result rows in seq order, one per sample (an item of n samples gives n rows, sample_index 0 to n-1);
+        with `cancelled` (the job was cancelled), its still-queued items too, as the cancelled items they are
+        (storage/item_counts.py)."""
+        columns = [ITEM[name] for name in RESULT_COLUMNS if name != "sample_index"] + [ITEM.samples]
         states = FINISHED_ITEM_STATES + (("queued",) if cancelled else ())
         last_seq: int | None = None
         while True:
@@ -768,7 +771,12 @@ class JobStore:
             with self._read() as conn:
                 page = conn.execute(query.order_by(ITEM.seq).limit(_PAGE)).mappings().all()
             for row in page:
-                yield _as_cancelled(dict(row)) if row["status"] == "queued" else dict(row)
+                fields = dict(row)
+                samples = fields.pop("samples")
+                if row["status"] == "queued":
+                    yield {**_as_cancelled(fields), "sample_index": 0}
+                else:
+                    yield from expand_samples(fields, samples)
             if len(page) < _PAGE:
                 return
             last_seq = page[-1]["seq"]

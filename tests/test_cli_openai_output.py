@@ -48,7 +48,7 @@ def test_openai_files_of_a_finished_job(home, tmp_path, tiny):
          "body": {"prompt": "The stage sends", "max_tokens": 3}},
         chat_line("too-long", "word " * 150),  # over --max-context: fails while running
         {"custom_id": "refused", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"messages": [{"role": "user", "content": "hi"}], "n": 2}},  # refused at submit
+         "body": {"messages": [{"role": "user", "content": "hi"}], "n": 0}},  # refused at submit (n is 1 to 128)
     ]
     result, job_id, db = run(home, tmp_path, tiny, items, "--skip-invalid")
     assert result.returncode == 0, result.stderr
@@ -67,7 +67,8 @@ def test_openai_files_of_a_finished_job(home, tmp_path, tiny):
     assert all(1 <= line["response"]["body"]["usage"]["completion_tokens"] <= 4 for line in done)
     assert {line["response"]["body"]["model"] for line in done} == {Path(tiny).name}, "the name, not a local path"
     errors_by_id = {line["custom_id"]: line["error"] for line in failed}
-    assert "context" in errors_by_id["too-long"]["message"] and "body key(s) 'n'" in errors_by_id["refused"]["message"]
+    assert "context" in errors_by_id["too-long"]["message"]
+    assert "body.n must be an integer from 1 to 128" in errors_by_id["refused"]["message"]
 
     to_stdout = layerbus(home, "results", job_id, "--format", "openai", "--db", db)
     assert to_stdout.returncode == 0 and to_stdout.stdout == output.read_text(), "the same lines, to stdout"

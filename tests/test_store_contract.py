@@ -123,7 +123,7 @@ def test_invalid_items_are_recorded_failed_with_their_error(store: JobStore) -> 
     assert failed == [
         {"custom_id": "line-3", "seq": 2, "input": '{"text": ', "output": None, "finish_reason": "error",
          "prompt_tokens": None, "completion_tokens": None, "latency_s": None,
-         "error": "line 3: not valid JSON", "status": "failed", "logprobs": None}
+         "error": "line 3: not valid JSON", "status": "failed", "logprobs": None, "sample_index": 0}
     ]  # fmt: skip
 
 
