@@ -51,4 +51,5 @@ fi
 export LAYERBUS_TEST_MODEL_CACHE="${LAYERBUS_TEST_MODEL_CACHE:-$PWD/.layerbus/test-models}"
 LAYERBUS_MODEL_CACHE="$LAYERBUS_TEST_MODEL_CACHE" .venv/bin/python -c \
     "from layerbus.models.default_model import default_model_dir; default_model_dir()" >/dev/null
-exec .venv/bin/python -m pytest -q --durations=20 "$@"
+# Two workers, a file's tests in one of them (pyproject.toml says why); `-n 0` after it runs in one process.
+exec .venv/bin/python -m pytest -q --durations=20 -n "${LAYERBUS_TEST_WORKERS:-2}" --dist loadfile "$@"
