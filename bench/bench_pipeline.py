@@ -99,12 +99,12 @@ def best_sorted_baseline(model_dir: Path, prompts, max_new_tokens: int, batches:
 def run_layerbus(model_dir: Path, prompts, max_new_tokens: int, stages: int, threads_per_stage: int,
                  batching: BatchingConfig = BatchingConfig(micro_batch_size=0, max_step_tokens=0,
                                                            max_context=4096),
-                 device: str = "cpu", dtype: str = "float32") -> dict:
+                 device: str = "cpu", dtype: str = "float32", weights: str = "auto") -> dict:
     """layerbus on local stage processes; `batching` as given (its defaults: what `layerbus run` uses)."""
     requests = [GenerationRequest(pid, ids, max_new_tokens=max_new_tokens) for pid, ids in prompts]
     # The job's shape, as `layerbus run` gives it from the store (jobs.job_workload): sizes and plan use it.
     workload = Workload.of([len(ids) for _, ids in prompts], max_new_tokens)
-    config = BrokerConfig(str(model_dir), stages, batching=batching, workload=workload)
+    config = BrokerConfig(str(model_dir), stages, batching=batching, workload=workload, weights=weights)
     with LocalCluster(config, LocalStageOptions(threads_per_stage=threads_per_stage, device=device,
                                                 dtype=dtype)) as cluster:
         results, stats = cluster.broker.generate(requests)
@@ -115,7 +115,9 @@ def run_layerbus(model_dir: Path, prompts, max_new_tokens: int, stages: int, thr
         raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
     useful = sum(len(r.token_ids) for r in results)
     busy = {name: s.get("busy_s", 0.0) / stats.wall_s for name, s in sorted(stats.stage_stats.items())}
-    return {"system": f"layerbus, {stages} stage(s)", "threads": threads_per_stage * stages, "spans": spans,
+    system = f"layerbus, {stages} stage(s)" + (f", --weights {weights}" if weights != "auto" else "")
+    return {"system": system, "threads": threads_per_stage * stages, "spans": spans, "weights": weights,
+            "outputs": [r.token_ids for r in results],
             "useful_tokens": useful, "computed_tokens": useful, "wall_s": stats.wall_s,
             "useful_tok_s": useful / stats.wall_s, "busy_fraction": busy,
             "broker_cpu_ms_per_token": 1000 * stats.broker_cpu_s / max(useful, 1), "steps": stats.steps,
@@ -137,6 +139,8 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=0, help="layerbus slots (0 = layerbus's own choice)")
     parser.add_argument("--micro-batches", type=int, default=0, help="layerbus micro-batches (0 = its own choice)")
     parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--weights", nargs="*", default=["auto"],
+                        help="layerbus weight formats, each run on every --stages (e.g. auto native: issue 19's ratio)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bench_pipeline.json")
     args = parser.parse_args()
     from layerbus.models.default_model import default_model_dir
@@ -159,7 +163,20 @@ def main() -> None:
     batching = BatchingConfig(num_slots=args.slots, num_micro_batches=args.micro_batches, micro_batch_size=0,
                               max_step_tokens=0, max_context=4096)
     for stages in args.stages:
-        rows.append(run_layerbus(model_dir, prompts, args.max_new_tokens, stages, max(1, cores // stages), batching))
+        first = None  # this stage count's run in the first of --weights: the others are compared with it
+        for weights in args.weights:
+            row = run_layerbus(model_dir, prompts, args.max_new_tokens, stages, max(1, cores // stages), batching,
+                               weights=weights)
+            rows.append(row)
+            if first is None:
+                first = row
+                continue
+            row["vs_first_weights"] = row["useful_tok_s"] / first["useful_tok_s"]
+            row["same_tokens_as_first_weights"] = row["outputs"] == first["outputs"]
+            print(f"{row['system']}: {row['vs_first_weights']:.2f}x the tokens/s of {first['system']}; "
+                  f"same tokens: {row['same_tokens_as_first_weights']}", flush=True)
+    for row in rows:
+        row.pop("outputs", None)
     for row in rows:
         row["mfu"] = flops_per_token * row["useful_tok_s"] / (peak * 1e9)
     report = {"model": str(model_dir), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
