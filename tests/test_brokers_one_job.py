@@ -112,6 +112,14 @@ def release_the_ghosts_items(store: JobStore, job_id: str, count: int, brokers, 
     return {int(worker.worker.split(":")[-2]): worker.worker for worker in store.job_workers(job_id)}
 
 
+def both_working(store: JobStore, job_id: str, brokers: list[subprocess.Popen], logs: Path) -> dict[int, str]:
+    """Two brokers on the job, the ghost's items released, until each has recorded work; pid -> worker name."""
+    names = release_the_ghosts_items(store, job_id, 2, brokers, logs)
+    working = lambda: all(w.items_done > 0 for w in store.job_workers(job_id))  # noqa: E731
+    wait_until(working, "work recorded by both brokers", brokers, logs)
+    return names
+
+
 def stop(brokers: list[subprocess.Popen]) -> None:
     for broker in brokers:
         if broker.poll() is None:
@@ -176,10 +184,8 @@ def test_kill_9_of_one_broker_mid_job_the_other_finishes_after_its_lease(db, tmp
     brokers = start_brokers(home, job_id, db, 2, logs)
     try:
         with JobStore.open(db) as store:
-            names = release_the_ghosts_items(store, job_id, 2, brokers, logs)
+            names = both_working(store, job_id, brokers, logs)
             victim, survivor = brokers
-            working = lambda: all(w.items_done > 0 for w in store.job_workers(job_id))  # noqa: E731
-            wait_until(working, "work recorded by both brokers", brokers, logs)
             os.killpg(victim.pid, signal.SIGKILL)  # the broker and its stage: a machine gone at once
             victim.wait(30)
             held = {lease.holder: lease.items for lease in store.job_leases(job_id)}
@@ -234,10 +240,8 @@ def test_kill_9_of_one_brokers_stage_leaves_the_job_to_the_other_broker(tmp_path
     brokers = start_brokers(home, job_id, db, 2, logs)
     try:
         with JobStore.open(db) as store:
-            names = release_the_ghosts_items(store, job_id, 2, brokers, logs)
+            names = both_working(store, job_id, brokers, logs)
             stranded, survivor = brokers
-            working = lambda: all(w.items_done > 0 for w in store.job_workers(job_id))  # noqa: E731
-            wait_until(working, "work recorded by both brokers", brokers, logs)
             stages = descendants(stranded.pid)
             assert stages, "the broker's stage processes"
             for pid in stages:
