@@ -94,9 +94,12 @@ class StoreSource:
             claimed = self.store.claim_items(self.job_id, self.worker_name, wanted, lease_s=self.lease_s)
             if not claimed:  # nothing queued, or the job stopped handing out work (cancelled, ...)
                 self._exhausted = True
-            requests = 0
+            # Every claimed item is outstanding before any is tokenized: an interrupt (Ctrl-C) while tokenizing
+            # then still hands them all back (_hand_back), none left in_progress under this worker's name.
             for item in claimed:
                 self.outstanding[item.item_id] = item
+            requests = 0
+            for item in claimed:
                 item_requests = self.requests_for(item)
                 requests += len(item_requests)
                 self._unsent.extend(item_requests)
