@@ -417,9 +417,9 @@ def _hand_over(store: JobStore, job_id: str, worker_name: str, error: ClusterErr
         others = other_workers(store, job_id, worker_name)
         if not others:
             return False
-        taken = store.requeue_expired(job_id, holders=[worker_name]).get(worker_name, 0)
-        message = (f"{worker_name} left the job, its stages broken ({error}); {taken} item(s) it held went back "
-                   f"to the queue for {len(others)} other broker(s): {', '.join(others)}")
+        # Its items in flight went back to the queue already (_hand_back, at the end of its run).
+        message = (f"{worker_name} left the job, its stages broken ({error}); the items it held went back to the "
+                   f"queue for {len(others)} other broker(s): {', '.join(others)}")
         log.error("job %s: %s", job_id, message)
         store.add_job_event(job_id, "worker_left", message)
         return True
