@@ -230,7 +230,7 @@ class Broker:
         rows = self.batching.micro_batch_size if requested.num_slots or requested.micro_batch_size else 32
         measured = collect_profiles(self.control, [s for s in stages if s.name in missing], str(self.model.path),
                                     inputs.memory, rows, requested.max_step_tokens or 256,
-                                    self.max_context, self.config.profiling) if missing else []
+                                    self.max_context, self.config.profiling, self.config.weights) if missing else []
         # Each profile carries the format its stage was asked for: the planner sizes its weights in it.
         requested = {stage.name: stage.own_weights or self.config.weights for stage in stages}
         self.profiles = tuple(replace(p, weights=requested.get(p.name, p.weights))

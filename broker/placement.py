@@ -96,7 +96,8 @@ class _CostModel:
     # -- time --
     def busy_s(self, s: StageProfile, start: int, end: int, work: StepWork, receiver: str = BROKER) -> float:
         """Seconds stage `s` is busy for `work` holding [start, end): compute plus sending on to `receiver`."""
-        return s.busy_s(work, end - start, start == 0, end == self.num_layers) + self.send_s(s, end, work, receiver)
+        return (s.busy_s(work, end - start, start == 0, end == self.num_layers, self.held_format(s, start, end))
+                + self.send_s(s, end, work, receiver))
 
     def mean_send_s(self, s: StageProfile, end: int, receiver: str) -> float:
         """Mean seconds per step `s` spends sending to `receiver` over the job, holding [.., end)."""
@@ -104,7 +105,8 @@ class _CostModel:
 
     def compute_s(self, s: StageProfile, start: int, end: int) -> float:
         """Mean seconds per step `s` computes holding [start, end) over the job, sending aside."""
-        return s.busy_s(self.total, end - start, start == 0, end == self.num_layers) / self.steps
+        return s.busy_s(self.total, end - start, start == 0, end == self.num_layers,
+                        self.held_format(s, start, end)) / self.steps
 
     def send_s(self, s: StageProfile, end: int, work: StepWork, receiver: str = BROKER) -> float:
         if end == self.num_layers:
@@ -157,6 +159,11 @@ class _CostModel:
                                                        lambda name: self.weight_bytes(start, end, name), room)
         return self.chosen_formats[key]
 
+    def held_format(self, s: StageProfile, start: int, end: int) -> str:
+        """The format `s` is priced in for [start, end): the one that fits, else the smallest (the span
+        is then over budget, which `fits` refuses)."""
+        return self.weight_format(s, start, end) or self.candidates(s)[-1]
+
     def workspace_bytes(self, end: int) -> int:
         return self.model.workspace_bytes(self.shapes.max_step_tokens, self.shapes.micro_batch_size,
                                           self.shapes.max_context, end == self.num_layers)
@@ -174,16 +181,17 @@ class _CostModel:
             start, end, receiver = span.start, span.end, _name_after(chain, k)
             send = self.send_s(s, end, self.total, receiver) / self.steps
             link = self.link(s, receiver)
-            weights = self.weight_format(s, start, end) or self.candidates(s)[-1]  # else: the smallest, over budget
+            weights = self.held_format(s, start, end)
             next_layer = self.model.weights_in(weights).layer_weight_bytes[min(end, self.num_layers - 1)]
             placements.append(StagePlacement(
                 name=s.name, layers=LayerRange(start, end), is_first=start == 0, is_last=end == self.num_layers,
                 memory_budget=s.memory_budget, weight_bytes=self.weight_bytes(start, end, weights),
                 kv_bytes=(end - start) * self.kv_per_layer, workspace_bytes=self.workspace_bytes(end),
                 reserve_bytes=self.reserve_bytes(s), compute_s=max(0.0, stage_busy / self.steps - send),
-                send_s=send, latency_s=link.latency_s, layer_s=s.layer.of(self.total) / self.steps,
+                send_s=send, latency_s=link.latency_s, layer_s=s.layer_in(weights).of(self.total) / self.steps,
                 layer_bytes=next_layer + self.kv_per_layer, alone_s=self.step_s(s, start, end, receiver),
-                host=self.host_of(s), link_bandwidth=link.bandwidth, weights=weights, requested_weights=s.weights))
+                host=self.host_of(s), link_bandwidth=link.bandwidth, weights=weights, requested_weights=s.weights,
+                format_speed=s.format_speed(weights)))
         first = self.network.link(BROKER, chain[0].name) if self.network is not None and chain else None
         return summarize(tuple(placements), self.shapes, job_s, self.job.new_tokens, self.steps,
                          first.latency_s if first else 0.0)

@@ -79,6 +79,8 @@ def weights_reason(stage: StagePlacement) -> str:
                   + ("" if stage.weights == AUTO_FALLBACKS[0] else f" nor in {AUTO_FALLBACKS[0]}"))
     else:
         reason = f"weights {stage.weights} (--weights auto): full precision fits"
+    if stage.format_speed is not None:
+        reason += f"; its layers' decode step measured {stage.format_speed:.2f}x full precision's time on this stage"
     note = quality_note(stage.weights)
     return reason + (f"; {note}" if note else "")
 

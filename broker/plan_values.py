@@ -52,6 +52,11 @@ class StageProfile:
     # The --weights it holds its layers in (wire.weight_formats): its own flag, else the broker's. "auto"
     # lets the planner choose per stage (broker.weight_choice): full precision where it fits, else int8, int4.
     weights: str = "auto"
+    # The format the profile was timed in (a stage's --weights; "auto": full precision), and under auto
+    # one decoder layer's cost in each quantized format it may fall back to, measured beside full
+    # precision (broker.profiling.format_layer_costs). A format not listed is priced as `layer`.
+    weights_profiled: str = "auto"
+    format_layer_costs: tuple[tuple[str, LinearCost], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("layer_decode_s", "layer_prefill_s", "embed_s", "head_s", "link_latency_s", "step_overhead_s"):
@@ -75,6 +80,22 @@ class StageProfile:
         return LinearCost(per_row_s=self.layer_decode_s / self.micro_batch_size,
                           per_token_s=self.layer_prefill_s / self.prefill_tokens)
 
+    def layer_in(self, weights: str | None) -> LinearCost:
+        """One decoder layer's cost held in `weights` (None or a format not timed: as profiled)."""
+        for name, cost in self.format_layer_costs:
+            if name == weights:
+                return cost
+        return self.layer
+
+    def format_speed(self, weights: str | None) -> float | None:
+        """A layer's decode step in `weights` over as profiled (None: not timed apart), for the plan's text."""
+        if weights is None or not any(name == weights for name, _ in self.format_layer_costs):
+            return None
+        rows = self.micro_batch_size  # a decode step at 256 cached positions, as the profiles time it
+        work = StepWork(steps=1, passes=1, decode_rows=rows, decode_kv=rows * 257)
+        base = self.layer.of(work)
+        return self.layer_in(weights).of(work) / base if base > 0 else None
+
     @property
     def overhead(self) -> LinearCost:
         """The step's cost whatever the layers (rotary tables, masks, Python)."""
@@ -90,9 +111,11 @@ class StageProfile:
     def head_row_s(self) -> float:
         return max(0.0, self.head_s - self.head_step_s) / (self.head_rows or self.micro_batch_size)
 
-    def busy_s(self, work: StepWork, num_layers: int, is_first: bool, is_last: bool) -> float:
-        """Seconds this stage computes for `work` holding `num_layers` layers (and the ends it holds)."""
-        time = self.overhead.of(work) + num_layers * self.layer.of(work)
+    def busy_s(self, work: StepWork, num_layers: int, is_first: bool, is_last: bool,
+               weights: str | None = None) -> float:
+        """Seconds this stage computes for `work` holding `num_layers` layers (and the ends it holds) in
+        format `weights` (None: the one it was profiled in)."""
+        time = self.overhead.of(work) + num_layers * self.layer_in(weights).of(work)
         if is_first:
             time += self.embed_token_s * work.positions
         if is_last:
@@ -249,6 +272,9 @@ class StagePlacement:
     link_bandwidth: float = math.inf  # bytes/s of the link it sends on (to the next stage; the last: the broker)
     weights: str = "fp32"  # the format it holds its weights in (chosen by the planner under --weights auto)
     requested_weights: str = "auto"  # what it was asked to hold (its own --weights, else the broker's)
+    # Its layers' decode step in `weights` over full precision's, as the stage measured it under --weights
+    # auto (None: not timed apart: profiled in that format, or priced as full precision)
+    format_speed: float | None = None
 
     @property
     def step_s(self) -> float:
@@ -297,7 +323,8 @@ class SplitEstimate:
                 "tokens_per_s": self.tokens_per_s, "bubble": self.bubble, "fits": self.fits, "job_s": self.job_s,
                 "new_tokens": self.new_tokens, "steps": self.steps,
                 "stages": [{"name": s.name, "layers": s.layers.to_json(), "num_layers": len(s.layers),
-                            "embed": s.is_first, "head": s.is_last, "weights": s.weights, "step_ms": 1000 * s.step_s,
+                            "embed": s.is_first, "head": s.is_last, "weights": s.weights,
+                            "weights_speed_vs_full": s.format_speed, "step_ms": 1000 * s.step_s,
                             "compute_ms": 1000 * s.compute_s, "send_ms": 1000 * s.send_s,
                             "memory_budget": s.memory_budget, "weight_bytes": s.weight_bytes,
                             "kv_bytes": s.kv_bytes, "workspace_bytes": s.workspace_bytes,

@@ -25,7 +25,7 @@ import torch
 
 from layerbus.broker.control import ClusterError, ControlPlane, StageInfo
 from layerbus.broker.placement import ModelMemory, StageProfile
-from layerbus.broker.step_cost import ProfilePoint, decode_step, fit_costs, prefill_step
+from layerbus.broker.step_cost import LinearCost, ProfilePoint, StepWork, decode_step, fit_costs, prefill_step
 from layerbus.models.home import profile_cache_dir
 from layerbus.wire import protocol
 
@@ -48,11 +48,12 @@ class ProfilingConfig:
 
 def collect_profiles(control: ControlPlane, stages: list[StageInfo], model_dir: str, model: ModelMemory,
                      micro_batch_size: int, max_step_tokens: int, max_context: int,
-                     config: ProfilingConfig = ProfilingConfig()) -> list[StageProfile]:
-    """One StageProfile per stage, in the order given."""
+                     config: ProfilingConfig = ProfilingConfig(), weights: str = "auto") -> list[StageProfile]:
+    """One StageProfile per stage, in the order given, each timed in its weight format (its own
+    --weights, else `weights`, the broker's)."""
     kv_length = config.kv_length or min(256, max_context // 2)
     request = {"model_dir": model_dir, "micro_batch_size": micro_batch_size, "kv_length": kv_length,
-               "prefill_tokens": max_step_tokens}
+               "prefill_tokens": max_step_tokens, "weights": weights}
     probe_bytes = min(MAX_PROBE_BYTES, (micro_batch_size + max_step_tokens) * model.activation_bytes_per_token)
     profiles = []
     for stage in stages:
@@ -139,7 +140,7 @@ def measure_sharing(control: ControlPlane, stages: list[StageInfo], profiles: li
 
 def _stage_setup(stage: StageInfo, profile: StageProfile) -> list:
     """What a stage's share of a co-run probe depends on, besides the host and the probe itself."""
-    return [stage.device, stage.dtype, stage.threads, round(profile.compute_share, 6)]
+    return [stage.device, stage.dtype, stage.threads, round(profile.compute_share, 6), stage.own_weights or ""]
 
 
 def sharing_cache_key(host: str, setups: list[list], probe: dict) -> dict:
@@ -227,6 +228,9 @@ def profile_from_result(result: dict, name: str, device: str, host: str, threads
             per_row = max(0.0, (float(result["head_s"]) - float(result["head_few_rows_s"])) / (rows - few))
             head_step = max(0.0, float(result["head_s"]) - per_row * rows)
     speed = float(result.get("emulate_speed", 1.0))
+    weights_profiled = str(result.get("weights_profiled", "auto"))
+    format_costs = (format_layer_costs(result.get("format_ratios"), layer, decode_step(rows, kv_length),
+                                       prefill_step(chunk)) if weights_profiled == "auto" else ())
     return StageProfile(
         name=name, layer_decode_s=float(result["layer_decode_s"]), layer_prefill_s=float(result["layer_prefill_s"]),
         embed_s=float(result["embed_s"]), head_s=float(result["head_s"]),
@@ -234,7 +238,48 @@ def profile_from_result(result: dict, name: str, device: str, host: str, threads
         runtime_bytes=_bytes(result.get("runtime_bytes")), loader_bytes=_bytes(result.get("loader_peak_bytes")),
         link_bandwidth=bandwidth, link_latency_s=latency, micro_batch_size=rows, prefill_tokens=chunk, device=device,
         layer_cost=layer, overhead_cost=overhead, head_step_s=head_step, host=host,
-        host_cores=int(result.get("host_cores", 0)), threads=threads, compute_share=min(1.0, max(speed, 1e-6)))
+        host_cores=int(result.get("host_cores", 0)), threads=threads, compute_share=min(1.0, max(speed, 1e-6)),
+        format_layer_costs=format_costs, weights_profiled=weights_profiled)
+
+
+def format_layer_costs(ratios, layer: LinearCost | None, decode: StepWork,
+                       prefill: StepWork) -> tuple[tuple[str, LinearCost], ...]:
+    """A full-precision profile's layer cost in each quantized format it timed (stages/profile.py
+    measure_format_ratios: that format's time over full precision's for the `decode` and the `prefill`
+    step). Weights change the matmuls, not attention over the cache: the per-pass and per-row parts are
+    scaled so the decode step takes its measured ratio, then the per-token part so the prefill chunk
+    does; the KV and context parts stay. () for a stage of an older version or an unfitted profile:
+    the planner then prices every format as full precision."""
+    if layer is None or not isinstance(ratios, dict):
+        return ()
+    costs = []
+    for name, shapes in sorted(ratios.items()):
+        decode_ratio, prefill_ratio = (shapes.get(k) if isinstance(shapes, dict) else None
+                                       for k in ("decode", "prefill"))
+        if not all(isinstance(r, (int, float)) and not isinstance(r, bool) and 0 < r < 1e3
+                   for r in (decode_ratio, prefill_ratio)):
+            continue
+        weights_d = layer.per_step_s * decode.steps + layer.per_pass_s * decode.passes + layer.per_row_s * decode.decode_rows
+        kv_d = layer.per_row_kv_s * decode.decode_kv
+        scale_d = _part_scale(decode_ratio * (weights_d + kv_d) - kv_d, weights_d, decode_ratio)
+        passes_p = layer.per_step_s * prefill.steps + layer.per_pass_s * prefill.passes
+        tokens_p = layer.per_token_s * prefill.prefill_tokens
+        ctx_p = layer.per_token_ctx_s * prefill.prefill_ctx
+        scale_p = _part_scale(prefill_ratio * (passes_p + tokens_p + ctx_p) - scale_d * passes_p - ctx_p, tokens_p,
+                              prefill_ratio)
+        costs.append((str(name), LinearCost(per_step_s=layer.per_step_s * scale_d, per_pass_s=layer.per_pass_s * scale_d,
+                                            per_row_s=layer.per_row_s * scale_d, per_row_kv_s=layer.per_row_kv_s,
+                                            per_token_s=layer.per_token_s * scale_p,
+                                            per_token_ctx_s=layer.per_token_ctx_s)))
+    return tuple(costs)
+
+
+def _part_scale(wanted_s: float, part_s: float, whole_ratio: float) -> float:
+    """What a part costing `part_s` must be scaled by to cost `wanted_s`; the whole step's ratio where
+    the part is too small to carry it (noise), never below a tenth of it."""
+    if part_s <= 0 or wanted_s <= 0:
+        return whole_ratio
+    return max(wanted_s / part_s, whole_ratio / 10)
 
 
 def probe_link(control: ControlPlane, stage: StageInfo, payload_bytes: int, rounds: int) -> tuple[float, float]:

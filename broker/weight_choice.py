@@ -7,7 +7,9 @@ corpus against float32: int8 g32 KL 0.0013 / 98.1% same top token; 4-bit g32 re-
 full precision costs more on a model not trained for it) and, on the CPUs measured, so does speed
 (Q4_1/Q8_0 tiles run 1.1-8x slower than the float32 matmul: bench/bench_weights.py). The planner
 plans the cluster at full precision first and allows int8, then int4, only when that plan fails, so
-a roomy cluster never quantizes to go faster on paper (profiles are taken at full precision).
+a roomy cluster never trades quality for speed: a stage under auto times its layers in int8 and int4
+beside full precision (stages/profile.py measure_format_ratios) and a quantized span is priced at that
+speed, but a format measured faster is not chosen for it where full precision fits.
 """
 
 from __future__ import annotations

@@ -145,7 +145,7 @@ def _local_profiles(model_dir, memory, batching, args):
         print(f"layerbus plan: profiling {args.stages} local stage(s)...", file=sys.stderr, flush=True)
         profiles = collect_profiles(broker.control, stages, str(model_dir), memory,
                                     broker.batching.micro_batch_size, broker.batching.max_step_tokens,
-                                    broker.max_context)
+                                    broker.max_context, weights=args.weights)
         # The links between the stages, as a broker times them (`--explain` says each figure is measured).
         broker.profiles = tuple(profiles)
         broker.time_links(stages)

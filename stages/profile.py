@@ -38,10 +38,11 @@ from layerbus.wire import protocol
 from layerbus.wire.frames import WireError
 from layerbus.wire.protocol import StepRow
 from layerbus.wire.spans import LayerRange
+from layerbus.wire.weight_formats import QUANTIZE_ON_LOAD, WEIGHT_FORMATS, WeightChoice, choose_weights
 
 log = logging.getLogger("layerbus.stage")
 
-PROFILE_VERSION = 3  # bump when what is measured changes: older cache files are then ignored
+PROFILE_VERSION = 4  # bump when what is measured changes: older cache files are then ignored
 # Each shape is timed with one layer and with two: "<shape>_one_layer_s" is overhead + one layer,
 # "<shape>_per_layer_s" what each further layer adds. decode: the requested rows at the requested KV
 # length; few_rows: a quarter of the rows; long_kv: a longer KV length; prefill: one chunk from
@@ -63,6 +64,10 @@ class ProfileRequest:
     prefill_tokens: int  # tokens of one prefill chunk
     # > 0: not a profile but a co-run probe: serve the decode step for this many seconds (see corun_probe)
     probe_s: float = 0.0
+    # The broker's --weights (wire.weight_formats): the stage's own flag wins, as for its assignment. The
+    # profile is taken in that format; under "auto" in full precision, with the quantized formats the
+    # planner may fall back to timed beside it (`format_ratios`).
+    weights: str = "auto"
 
     @classmethod
     def from_header(cls, header: dict) -> "ProfileRequest":
@@ -71,8 +76,11 @@ class ProfileRequest:
         probe_s = header.get("probe_s", 0.0)
         if not isinstance(probe_s, (int, float)) or isinstance(probe_s, bool) or not 0 <= probe_s <= 60:
             raise WireError(f"profile probe_s must be a number of seconds in [0, 60], got {probe_s!r}")
+        weights = header.get("weights", "auto")
+        if weights not in WEIGHT_FORMATS:
+            raise WireError(f"profile weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
         request = cls(header["model_dir"], header["micro_batch_size"], header["kv_length"], header["prefill_tokens"],
-                      float(probe_s))
+                      float(probe_s), weights)
         if min(request.micro_batch_size, request.prefill_tokens) < 1 or request.kv_length < 0:
             raise WireError(f"profile shapes must be positive, got {request}")
         return request
@@ -80,23 +88,28 @@ class ProfileRequest:
 
 def profile_stage(request: ProfileRequest, device: str, dtype: str, threads: int, emulate_speed: float = 1.0,
                   memory_budget: int | None = None, cache_dir: Path | None = None, runtime_bytes: int = 0,
-                  emulate_memory: int | None = None) -> dict:
+                  emulate_memory: int | None = None, own_weights: str | None = None) -> dict:
     """The PROFILE_RESULT fields: timings (measured, or from the cache when this setup was measured
-    before, then slowed by the emulated speed), the memory budget (`memory_figures`) and the shapes they
-    were measured at. `runtime_bytes`: the stage's resident memory before it loaded anything."""
+    before, then slowed by the emulated speed) in the stage's weight format (`own_weights`, its
+    --weights, over the request's), the memory budget (`memory_figures`) and the shapes they were
+    measured at. `runtime_bytes`: the stage's resident memory before it loaded anything."""
     files = open_model_dir(request.model_dir)
+    weights = choose_weights(own_weights, request.weights, dtype)
     if request.probe_s > 0:
-        return corun_probe(files, request, device, dtype, emulate_speed)
-    key = _cache_key(files.path, request, device, dtype, threads)
+        return corun_probe(files, request, device, weights, emulate_speed)
+    key = _cache_key(files.path, request, device, dtype, threads, weights.name)
     path = (cache_dir or profile_cache_dir()) / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}.json"
-    measured, cached = _read_cache(path, key), True
-    if measured is None:
+    stored, cached = _read_cache(path, key), True
+    if stored is None:
         cached = False
         started = time.monotonic()
-        measured = measure_timings(files, request, device, dtype)
-        _write_cache(path, key, measured)
-        log.info("profiled %s on %s/%s in %.1f s: %s", files.path.name, device, dtype, time.monotonic() - started,
-                 ", ".join(f"{k} {1000 * v:.2f} ms" for k, v in measured.items()))
+        stored = measure_timings(files, request, device, weights)
+        _write_cache(path, key, *stored)
+        log.info("profiled %s on %s/%s (weights %s) in %.1f s: %s%s", files.path.name, device, dtype, weights.name,
+                 time.monotonic() - started, ", ".join(f"{k} {1000 * v:.2f} ms" for k, v in stored[0].items()),
+                 "".join(f"; {name} layers {r['decode']:.2f}x decode, {r['prefill']:.2f}x prefill"
+                         for name, r in stored[1].items()))
+    measured, ratios = stored
     # The runtime is what the stage holds besides weights. Timing layers leaves some of it behind for good
     # (torch's and oneDNN's per-shape caches, the block kernel: 30 MiB on a 1.28B model's first stage after
     # the freed layers were trimmed), and a span's load starts from there: counted as runtime too, so the
@@ -106,7 +119,8 @@ def profile_stage(request: ProfileRequest, device: str, dtype: str, threads: int
     return dict(emulated_timings(measured, emulate_speed), **asdict(profile_shapes(request)),
                 **memory_figures(files, device, memory_budget, runtime_bytes, emulate_memory),
                 micro_batch_size=request.micro_batch_size, prefill_tokens=request.prefill_tokens, cached=cached,
-                host_cores=host_cores(), emulate_speed=emulate_speed)
+                host_cores=host_cores(), emulate_speed=emulate_speed, weights_profiled=weights.name,
+                format_ratios=ratios)
 
 
 @dataclass(frozen=True)
@@ -132,14 +146,15 @@ def host_cores() -> int:
         return os.cpu_count() or 1
 
 
-def corun_probe(files, request: ProfileRequest, device: str, dtype: str, emulate_speed: float = 1.0) -> dict:
+def corun_probe(files, request: ProfileRequest, device: str, weights: WeightChoice,
+                emulate_speed: float = 1.0) -> dict:
     """Serve the requested decode step on a few layers for `request.probe_s` seconds, as this stage
     serves steps (an emulated slower device sleeps after each, as the worker does), and report the
     median time of the step itself. Never cached: the broker runs it on each stage alone and then on
     the stages of one machine at once, and the ratio is what sharing that machine costs each
     (cores, memory bandwidth, whatever else runs there now)."""
     held = min(PROFILE_LAYERS, files.num_layers)
-    full = load_shard(files, ShardSpec(LayerRange(0, held), False, False, device, dtype))
+    full = load_shard(files, _spec(held, False, device, weights))
     shape = attention_shape(full.config)
     rows = request.micro_batch_size
     arena = KVArena(list(range(held)), rows, shape.kv_heads, shape.head_dim, full.dtype, full.device,
@@ -170,15 +185,25 @@ def emulated_timings(measured: dict[str, float], emulate_speed: float) -> dict[s
     return {name: value / emulate_speed for name, value in measured.items()}
 
 
-def measure_timings(files, request: ProfileRequest, device: str, dtype: str) -> dict[str, float]:
-    """Median times of the serving code on the first one or two layers (random inputs, real weights)."""
-    held = min(PROFILE_LAYERS, files.num_layers)
-    full = load_shard(files, ShardSpec(LayerRange(0, held), True, True, device, dtype))
-    config = full.config
+def _spec(layers: int, ends: bool, device: str, weights: WeightChoice) -> ShardSpec:
+    """The first `layers` layers (with the embedding and head when `ends`) held in `weights`."""
+    return ShardSpec(LayerRange(0, layers), ends, ends, device, weights.dtype, weights.quantize_to,
+                     native=weights.name == "native")
 
-    def middle(count: int) -> StageShard:  # the same modules without the ends, as a middle stage runs them
+
+def measure_timings(files, request: ProfileRequest, device: str,
+                    weights: WeightChoice) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """(median times of the serving code on the first layers, random inputs and real weights held in
+    `weights`; under "auto" the layers' speed in each quantized format the planner may fall back to,
+    relative to full precision: `measure_format_ratios`)."""
+    held = min(PROFILE_LAYERS, files.num_layers)
+    full = load_shard(files, _spec(held, True, device, weights))
+    config, rotary, full_layers = full.config, full.rotary_emb, list(full.layers)
+    dtype = weights.dtype
+
+    def middle(count: int, layers=None) -> StageShard:  # the same modules without the ends, as a middle stage runs them
         return StageShard(ShardSpec(LayerRange(0, count), False, False, device, dtype), config, None,
-                          list(full.layers)[:count], None, None, full.rotary_emb)
+                          list(layers if layers is not None else full_layers)[:count], None, None, rotary)
 
     shape = attention_shape(config)
     rows = request.micro_batch_size
@@ -233,9 +258,38 @@ def measure_timings(files, request: ProfileRequest, device: str, dtype: str) -> 
     timings.update({"layer_decode_s": timings["decode_per_layer_s"], "layer_prefill_s": timings["prefill_per_layer_s"],
                     "embed_s": embed, "head_s": head_s, "head_few_rows_s": head_few,
                     "step_overhead_s": max(0.0, timings["decode_one_layer_s"] - timings["decode_per_layer_s"])})
-    del full, shards, arena
+    held_shard = shards[held]
+    del full, shards, full_layers
+    ratios = {}
+    if weights.name == "auto":
+        ratios = measure_format_ratios(files, device, weights, held_shard, middle,
+                                       {"decode": shape_runs["decode"], "prefill": shape_runs["prefill"]}, sync)
+    del arena, held_shard, shape_runs
     gc.collect()
-    return timings
+    return timings, ratios
+
+
+def measure_format_ratios(files, device: str, full: WeightChoice, full_layers: StageShard,
+                          middle: Callable[..., StageShard], runs: dict[str, Callable[[StageShard], object]],
+                          sync: Callable[[], None]) -> dict[str, dict[str, float]]:
+    """For each quantized format `--weights auto` may fall back to (broker.weight_choice), how long the
+    same layers take in it against full precision, per shape ("decode", "prefill"): timed in turns
+    with the full-precision layers, so the ratio holds on a machine whose load moves. Measured, not
+    assumed: on the CPUs measured Q8_0/Q4_1 tiles ran 1.1-8x slower than the float32 matmul
+    (bench/bench_weights.py), on others they may run faster."""
+    held = len(full_layers.layers)
+    shards = {"full": full_layers}
+    for name, layout in QUANTIZE_ON_LOAD.items():
+        quantized = load_shard(files, _spec(held, False, device, WeightChoice(name, full.dtype, layout)))
+        shards[name] = middle(held, quantized.layers)
+    ratios: dict[str, dict[str, float]] = {name: {} for name in QUANTIZE_ON_LOAD}
+    for shape, run in runs.items():
+        # Fewer repetitions than the profile's own shapes: a ratio needs less precision than a cost.
+        times = _paired_medians({name: (lambda shard=shard, run=run: run(shard)) for name, shard in shards.items()},
+                                sync, min_reps=3, max_reps=15, budget_s=0.5)
+        for name in QUANTIZE_ON_LOAD:
+            ratios[name][shape] = times[name] / times["full"] if times["full"] > 0 else 1.0
+    return ratios
 
 
 def _per_layer(times: dict[int, float], held: int) -> float:
@@ -348,15 +402,28 @@ def device_description(device: str) -> str:
     return parsed.type
 
 
-def _cache_key(model_path: Path, request: ProfileRequest, device: str, dtype: str, threads: int) -> dict:
+def _cache_key(model_path: Path, request: ProfileRequest, device: str, dtype: str, threads: int,
+               weights: str) -> dict:
     config_text = (model_path / "config.json").read_bytes()
     return {"version": PROFILE_VERSION, "device": device, "device_name": device_description(device),
             "model": str(model_path.resolve()), "config_sha256": hashlib.sha256(config_text).hexdigest(),
-            "dtype": dtype, "threads": threads, "torch": torch.__version__,
-            "shapes": asdict(request) | {"model_dir": None}}
+            "dtype": dtype, "threads": threads, "torch": torch.__version__, "weights": weights,
+            "shapes": asdict(request) | {"model_dir": None, "weights": None}}
 
 
-def _read_cache(path: Path, key: dict) -> dict[str, float] | None:
+def _read_ratios(stored) -> dict[str, dict[str, float]] | None:
+    if not isinstance(stored, dict):
+        return None
+    ratios = {}
+    for name, shapes in stored.items():
+        if (name not in QUANTIZE_ON_LOAD or not isinstance(shapes, dict) or set(shapes) != {"decode", "prefill"}
+                or not all(isinstance(v, (int, float)) and v > 0 for v in shapes.values())):
+            return None
+        ratios[name] = {shape: float(value) for shape, value in shapes.items()}
+    return ratios
+
+
+def _read_cache(path: Path, key: dict) -> tuple[dict[str, float], dict[str, dict[str, float]]] | None:
     try:
         stored = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -368,14 +435,18 @@ def _read_cache(path: Path, key: dict) -> dict[str, float] | None:
         return None
     if not all(isinstance(v, (int, float)) and v >= 0 for v in timings.values()):
         return None
-    return {name: float(timings[name]) for name in TIMING_FIELDS}
+    ratios = _read_ratios(stored.get("format_ratios", {}))
+    if ratios is None:
+        return None
+    return {name: float(timings[name]) for name in TIMING_FIELDS}, ratios
 
 
-def _write_cache(path: Path, key: dict, timings: dict[str, float]) -> None:
+def _write_cache(path: Path, key: dict, timings: dict[str, float], ratios: dict[str, dict[str, float]]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(json.dumps({"key": key, "timings": timings, "measured_at": time.time()}, indent=1))
+        temporary.write_text(json.dumps({"key": key, "timings": timings, "format_ratios": ratios,
+                                         "measured_at": time.time()}, indent=1))
         os.replace(temporary, path)
     except OSError as error:  # a read-only home only costs a re-measurement next time
         log.warning("could not cache the profile in %s: %s", path, error)

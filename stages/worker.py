@@ -385,7 +385,8 @@ class StageWorker:
         try:
             return profile_stage(ProfileRequest.from_header(header), self.config.device, self.config.dtype,
                                  torch.get_num_threads(), self.config.emulate_speed, self.config.memory_budget,
-                                 runtime_bytes=self.runtime_bytes, emulate_memory=self.config.emulate_memory)
+                                 runtime_bytes=self.runtime_bytes, emulate_memory=self.config.emulate_memory,
+                                 own_weights=self.config.weights)
         except Exception as error:  # reported to the broker, which cannot plan without it; the stage stays up
             log.exception("stage %s: profiling failed", self.name)
             return {"error": f"{type(error).__name__}: {error}"}

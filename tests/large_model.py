@@ -19,12 +19,14 @@ DIMENSIONS = dict(hidden_size=2048, num_hidden_layers=24, intermediate_size=5952
                   num_key_value_heads=16, max_position_embeddings=512, tie_word_embeddings=True)
 
 
-def make_large_model(out_dir: Path, seed: int = 0) -> Path:
-    """Write the model directory at `out_dir` (config, tokenizer, one shard per layer) and return it."""
+def make_large_model(out_dir: Path, seed: int = 0, num_layers: int | None = None) -> Path:
+    """Write the model directory at `out_dir` (config, tokenizer, one shard per layer) and return it;
+    `num_layers`: fewer layers of the same shapes (a smaller model whose matmuls are the 1.28B one's)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tiny_tokenizer()
-    config = LlamaConfig(**DIMENSIONS, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+    dimensions = dict(DIMENSIONS, **({"num_hidden_layers": num_layers} if num_layers else {}))
+    config = LlamaConfig(**dimensions, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                          dtype="bfloat16", architectures=["LlamaForCausalLM"])
     config.save_pretrained(out_dir)

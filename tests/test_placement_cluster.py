@@ -15,6 +15,7 @@ from layerbus.broker.requests import GenerationRequest
 from layerbus.broker.scheduler import BatchingConfig
 from layerbus.models.model_files import open_model_dir
 from layerbus.stages.host import current_rss_bytes
+from layerbus.wire.frames import WireError
 from layerbus.stages.profile import TIMING_FIELDS, ProfileRequest, emulated_timings, profile_stage
 
 
@@ -115,6 +116,35 @@ def test_profile_cache_is_reused_and_emulated_speed_divides_the_measurement(tiny
     held = profile_stage(request, "cpu", "float32", 1, memory_budget=4 << 30, runtime_bytes=1 << 20, cache_dir=tmp_path)
     assert held["runtime_bytes"] > 1 << 20
     assert held["memory_budget"] == (4 << 30) - held["runtime_bytes"] - held["loader_peak_bytes"]
+
+
+def test_profile_is_taken_in_the_stage_s_weight_format_and_auto_times_the_fallbacks(tiny_models, tmp_path) -> None:
+    """Under auto the profile is full precision with each quantized fallback timed beside it (a ratio
+    per shape); a stage whose own --weights is int4 is timed holding int4, in a cache entry of its own,
+    with no ratios; the broker's format reaches a stage without its own flag."""
+    model = str(tiny_models("llama"))
+    auto = ProfileRequest(model, micro_batch_size=4, kv_length=16, prefill_tokens=16)
+    full = profile_stage(auto, "cpu", "float32", 1, cache_dir=tmp_path)
+    assert full["weights_profiled"] == "auto"
+    assert set(full["format_ratios"]) == {"int8", "int4"}
+    assert all(set(r) == {"decode", "prefill"} and all(v > 0 for v in r.values()) for r in full["format_ratios"].values())
+    own = profile_stage(auto, "cpu", "float32", 1, cache_dir=tmp_path, own_weights="int4")
+    assert not own["cached"] and own["weights_profiled"] == "int4" and own["format_ratios"] == {}
+    from_broker = profile_stage(ProfileRequest(model, 4, 16, 16, weights="int4"), "cpu", "float32", 1,
+                                cache_dir=tmp_path)
+    assert from_broker["cached"] and from_broker["weights_profiled"] == "int4"
+    assert profile_stage(ProfileRequest(model, 4, 16, 16, weights="int4"), "cpu", "float32", 1, cache_dir=tmp_path,
+                         own_weights="fp32")["weights_profiled"] == "fp32"  # the stage's own flag wins
+    with pytest.raises(WireError, match="profile weights must be one of"):
+        ProfileRequest.from_header({"model_dir": model, "micro_batch_size": 4, "kv_length": 16, "prefill_tokens": 16,
+                                    "weights": "int3"})
+    # A cache entry whose ratios are damaged is measured again
+    for path in tmp_path.glob("*.json"):
+        stored = json.loads(path.read_text())
+        if stored["key"]["weights"] == "auto":
+            stored["format_ratios"]["int4"]["decode"] = -1
+            path.write_text(json.dumps(stored))
+    assert not profile_stage(auto, "cpu", "float32", 1, cache_dir=tmp_path)["cached"]
 
 
 @pytest.mark.parametrize("text, expected", [("1500", 1500), ("300MB", 300_000_000), ("1.5GiB", 1.5 * 2**30),

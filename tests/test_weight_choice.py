@@ -5,6 +5,7 @@ sizes themselves are checked against what a loaded shard holds)."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -12,7 +13,10 @@ from layerbus.broker.chain import Placement
 from layerbus.broker.model_memory import model_memory
 from layerbus.broker.placement import PlacementError, PlanOptions, plan_placement
 from layerbus.broker.plan_values import FormatWeights, ModelMemory
+from layerbus.broker.plan_report import weights_reason
 from layerbus.broker.planning import stage_weights
+from layerbus.broker.profiling import format_layer_costs
+from layerbus.broker.step_cost import LinearCost, decode_step, prefill_step
 from layerbus.broker.weight_choice import assigned_weights, first_that_fits, weight_candidates
 from layerbus.models.model_files import open_model_dir
 from layerbus.models.weight_blocks import LAYOUTS
@@ -100,13 +104,46 @@ def test_auto_chooses_full_precision_where_it_fits_else_int8_else_int4(budgets, 
 
 def test_auto_does_not_quantize_to_be_faster_on_paper():
     """A fast stage with room for one layer in fp32 beside a slow one: quantizing would let the fast one
-    take more layers (a faster plan on paper, since profiles are taken at full precision), but a plan in
-    full precision exists, so the planner keeps it."""
+    take more layers (a faster plan), but a plan in full precision exists, so the planner keeps it: quality
+    first, even where the stages measured the quantized formats faster."""
     fast = profile("fast", 0.1, budget=900)
+    fast = replace(fast, format_layer_costs=(("int8", fast.layer.scaled(0.5)), ("int4", fast.layer.scaled(0.5))))
     slow = profile("slow", 1.0, budget=10_000)
     plan = plan_placement([fast, slow], formats_model(), SHAPES, OPTIONS)
     assert [s.weights for s in plan.stages] == ["fp32", "fp32"]
     assert [len(s.layers) for s in plan.stages] == [1, 3]
+
+
+def test_a_quantized_span_is_priced_at_the_speed_its_stage_measured_in_that_format():
+    """The budgets force int4 onto s1's one layer. Where s1 timed its int4 layers 4x slower than fp32
+    (a 1.28B model's shapes on this CPU), the plan prices that layer at 4x, in its compute time, its
+    tokens/s and `plan --explain`; without that measurement it is priced as fp32, as before."""
+    s0, s1 = profile("s0", 1.0, budget=10_000), profile("s1", 1.0, budget=910)
+    measured = replace(s1, format_layer_costs=(("int8", s1.layer.scaled(1.5)), ("int4", s1.layer.scaled(4.0))))
+    unpriced = plan_placement([s0, s1], formats_model(), SHAPES, OPTIONS)
+    priced = plan_placement([s0, measured], formats_model(), SHAPES, OPTIONS)
+    assert [(s.layers, s.weights) for s in priced.stages] == [(LayerRange(0, 3), "fp32"), (LayerRange(3, 4), "int4")]
+    assert priced.stages[1].compute_s == pytest.approx(4.0 * unpriced.stages[1].compute_s)
+    assert priced.stages[0].compute_s == pytest.approx(unpriced.stages[0].compute_s)
+    assert priced.tokens_per_s < unpriced.tokens_per_s
+    assert priced.stages[1].format_speed == pytest.approx(4.0) and unpriced.stages[1].format_speed is None
+    assert "decode step measured 4.00x full precision's time" in weights_reason(priced.stages[1])
+    assert plan_formats((10_000, 10_000)) == [(LayerRange(0, 2), "fp32"), (LayerRange(2, 4), "fp32")]
+
+
+def test_the_format_costs_scale_the_matmuls_to_the_measured_ratios_and_keep_attention():
+    layer = LinearCost(per_pass_s=1e-3, per_row_s=1e-4, per_row_kv_s=1e-7, per_token_s=2e-4, per_token_ctx_s=1e-8)
+    decode, prefill = decode_step(32, 256), prefill_step(256)
+    (name, cost), = format_layer_costs({"int4": {"decode": 3.0, "prefill": 2.0}}, layer, decode, prefill)
+    assert name == "int4"
+    assert cost.of(decode) == pytest.approx(3.0 * layer.of(decode))
+    assert cost.of(prefill) == pytest.approx(2.0 * layer.of(prefill))
+    assert (cost.per_row_kv_s, cost.per_token_ctx_s) == (layer.per_row_kv_s, layer.per_token_ctx_s)
+    assert cost.of(decode_step(32, 2048)) < 3.0 * layer.of(decode_step(32, 2048))  # longer caches: attention unchanged
+    for broken in (None, {"int4": {"decode": -1.0, "prefill": 2.0}}, {"int4": {"decode": True, "prefill": 2.0}},
+                   {"int4": "fast"}, {"int4": {"decode": 2.0}}):
+        assert format_layer_costs(broken, layer, decode, prefill) == ()
+    assert format_layer_costs({"int4": {"decode": 3.0, "prefill": 2.0}}, None, decode, prefill) == ()
 
 
 def test_too_small_even_in_int4_names_the_format_and_the_ways_out():
