@@ -30,6 +30,7 @@ from layerbus.storage.eval_records import DEFAULT_EVAL_LIMIT, EvalMetric, EvalRu
 from layerbus.storage.eval_store import EvalTables
 from layerbus.storage.events import DEFAULT_EVENT_LIMIT, event_row, events_oldest_first
 from layerbus.storage.item_counts import CountChanges, insert_counts, lock_counts, read_counts
+from layerbus.storage.item_sample import ItemSample, sample_query
 from layerbus.storage import finalization
 from layerbus.storage import job_workers as workers
 from layerbus.storage.leases import DEFAULT_LEASE_S, held_by, job_leases, lease_end, reclaimable
@@ -609,6 +610,16 @@ class JobStore:
             if len(page) < _PAGE:
                 return
             last_seq = page[-1].seq
+
+    def sample_items(self, job_id: str, count: int) -> ItemSample:
+        """At most `count` items of a job as it was queued, spread evenly over it in seq order (all of
+        them when it has no more), and how many it has: what the planner reads of a job too large to
+        read whole (storage/item_sample.py). One query; only the sampled rows' columns are read."""
+        with self._read() as conn:
+            total = int(self._job_field(conn, job_id, JOB.total_count))
+            rows = conn.execute(sample_query(job_id, count, total)).all() if total else []
+        return ItemSample(tuple(NewItem(row.custom_id, row.input, row.prompt or "", json.loads(row.params_json),
+                                        row.seq) for row in rows), total)
 
     # --- eval runs ------------------------------------------------------------------------------------
 

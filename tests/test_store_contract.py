@@ -358,6 +358,26 @@ def test_job_items_give_back_every_item_as_queued_in_seq_order(store: JobStore) 
         list(store.job_items("job_nothere"))
 
 
+def test_a_sample_of_items_is_spread_evenly_over_the_job_whatever_gaps_its_seqs_have(store: JobStore) -> None:
+    # seqs as line numbers give them: from 1, with gaps (blank lines), every other one for a stretch
+    seqs = list(range(1, 41)) + list(range(42, 122, 2)) + list(range(200, 220))
+    items = [NewItem(f"id-{s}", f"in {s}", f"p{s}", {"max_tokens": s}, s) for s in seqs]
+    job_id = store.create_job(SETTINGS, items[:-1], [InvalidItem("bad", "{oops", "not JSON", seqs[-1])], now=T0)
+    sample = store.sample_items(job_id, 10)
+    # one item from the middle of each tenth of the job, by place in seq order (100 items: places 5, 15, ...)
+    assert [item.seq for item in sample.items] == [seqs[p] for p in range(5, 100, 10)]
+    assert sample.items[0] == items[5] and (sample.total, sample.whole) == (100, False)
+    assert [item.seq for item in store.sample_items(job_id, 3).items] == [seqs[16], seqs[50], seqs[83]]
+    everything = store.sample_items(job_id, 100)
+    assert everything.whole and everything.items[:-1] == tuple(items[:-1])
+    assert (everything.items[-1].custom_id, everything.items[-1].prompt) == ("bad", "")  # refused: no prompt
+    assert store.sample_items(job_id, 1000).items == everything.items
+    with pytest.raises(StoreError, match="job_nothere"):
+        store.sample_items("job_nothere", 10)
+    with pytest.raises(ValueError, match="count=0"):
+        store.sample_items(job_id, 0)
+
+
 # --- leases: a claim is held until a time its holder keeps pushing on ---------------------------------------------
 
 
