@@ -17,6 +17,7 @@ from sqlalchemy import create_engine, func, select, text
 from layerbus.storage.errors import StoreError
 from layerbus.storage.item_counts import read_counts, recount
 from layerbus.storage.records import InvalidItem, ItemResult, JobSettings, Lease, NewItem
+from layerbus.storage.sample_places import sample_places
 from layerbus.storage.schema import items as items_table
 from layerbus.storage.schema import jobs as jobs_table
 from layerbus.storage.store import JobStore
@@ -364,10 +365,11 @@ def test_a_sample_of_items_is_spread_evenly_over_the_job_whatever_gaps_its_seqs_
     items = [NewItem(f"id-{s}", f"in {s}", f"p{s}", {"max_tokens": s}, s) for s in seqs]
     job_id = store.create_job(SETTINGS, items[:-1], [InvalidItem("bad", "{oops", "not JSON", seqs[-1])], now=T0)
     sample = store.sample_items(job_id, 10)
-    # one item from the middle of each tenth of the job, by place in seq order (100 items: places 5, 15, ...)
-    assert [item.seq for item in sample.items] == [seqs[p] for p in range(5, 100, 10)]
-    assert sample.items[0] == items[5] and (sample.total, sample.whole) == (100, False)
-    assert [item.seq for item in store.sample_items(job_id, 3).items] == [seqs[16], seqs[50], seqs[83]]
+    # one item from each tenth of the job, by place in seq order (storage.sample_places)
+    places = [6, 12, 28, 34, 40, 57, 63, 79, 85, 91]
+    assert sample_places(10, 100) == places and [item.seq for item in sample.items] == [seqs[p] for p in places]
+    assert sample.items[0] == items[6] and (sample.total, sample.whole) == (100, False)
+    assert [item.seq for item in store.sample_items(job_id, 3).items] == [seqs[p] for p in sample_places(3, 100)]
     everything = store.sample_items(job_id, 100)
     assert everything.whole and everything.items[:-1] == tuple(items[:-1])
     assert (everything.items[-1].custom_id, everything.items[-1].prompt) == ("bad", "")  # refused: no prompt
