@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Select, bindparam, delete, insert, select, update
+from sqlalchemy import Connection, Engine, Select, bindparam, delete, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from layerbus.storage.engine import READ_ONLY_OPTION, create_tables, open_engine
@@ -614,10 +614,15 @@ class JobStore:
     def sample_items(self, job_id: str, count: int) -> ItemSample:
         """At most `count` items of a job as it was queued, spread evenly over it in seq order (all of
         them when it has no more), and how many it has: what the planner reads of a job too large to
-        read whole (storage/item_sample.py). One query; only the sampled rows' columns are read."""
+        read whole (storage/item_sample.py). Only the sampled rows' columns are read."""
         with self._read() as conn:
             total = int(self._job_field(conn, job_id, JOB.total_count))
-            rows = conn.execute(sample_query(job_id, count, total)).all() if total else []
+            # Two subqueries, not min and max in one select: SQLite reads only the index's ends for a lone
+            # min() or max(), and every entry of the job's for both (0.3 s for a million).
+            first, last = (select(end(ITEM.seq)).where(ITEM.job_id == job_id).scalar_subquery()
+                           for end in (func.min, func.max))
+            seqs = conn.execute(select(first, last)).one()
+            rows = conn.execute(sample_query(job_id, count, total, tuple(seqs))).all() if total else []
         return ItemSample(tuple(NewItem(row.custom_id, row.input, row.prompt or "", json.loads(row.params_json),
                                         row.seq) for row in rows), total)
 

@@ -380,6 +380,14 @@ def test_a_sample_of_items_is_spread_evenly_over_the_job_whatever_gaps_its_seqs_
         store.sample_items(job_id, 0)
 
 
+def test_a_sample_of_items_whose_seqs_have_no_gap_is_read_by_seq(store: JobStore) -> None:
+    items = new_items(999, start=1)  # lines 1 to 999, and line 1000 refused: an item too
+    job_id = store.create_job(SETTINGS, items, [InvalidItem("bad", "{oops", "not JSON", 1000)], now=T0)
+    sample = store.sample_items(job_id, 64)
+    assert [item.seq for item in sample.items] == [1 + p for p in sample_places(64, 1000)]
+    assert sample.items[0] == items[sample_places(64, 1000)[0]] and sample.total == 1000
+
+
 # --- leases: a claim is held until a time its holder keeps pushing on ---------------------------------------------
 
 
