@@ -150,3 +150,11 @@ def test_an_eval_job_is_read_whole_so_one_scoring_item_among_many_still_means_no
     scoring = NewItem("s", "x", "three", {"score": [[[1, 2, 3], [[4], [5, 6]]]]}, seq=200)
     job = store.create_job(JobSettings(task="eval", model="tiny"), generation + [scoring])
     assert job_workload(store, job, tokenizer, sample_items=10) is None  # a sample of 10 would miss it
+
+
+def test_a_job_with_nothing_completed_is_not_paged_through_for_where_outputs_end(store, tokenizer,
+                                                                                 monkeypatch) -> None:
+    job = queued_job(store, 100)
+    read = []
+    monkeypatch.setattr(store, "item_results", lambda job_id: read.append(job_id) or iter(()))
+    assert job_workload(store, job, tokenizer).output_fraction == 1.0 and read == []
