@@ -51,6 +51,14 @@ def make_job(folder: Path, items: int) -> tuple[str, str]:
     return url, job_id
 
 
+def rss_mb() -> float:
+    """This process's resident memory now (its peak, ru_maxrss, hides growth below an earlier peak)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def measure(url: str, job_id: str) -> dict[str, Any]:
     """In this process: load the tokenizer, then time job_workload and price its shape."""
     from layerbus.broker.scheduler import BatchingConfig
@@ -62,11 +70,11 @@ def measure(url: str, job_id: str) -> dict[str, Any]:
 
     tokenizer = load_tokenizer(default_model_dir())
     with JobStore.open(url) as store:
-        idle_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        idle_rss_mb, rss_before_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, rss_mb()
         wall, cpu = time.perf_counter(), time.process_time()
         workload = job_workload(store, job_id, tokenizer)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        peak_rss_mb, rss_after_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, rss_mb()
     assert workload is not None
     batching = BatchingConfig(micro_batch_size=32, num_micro_batches=4, max_step_tokens=256).resolved(4)
     start = time.perf_counter()
@@ -74,6 +82,7 @@ def measure(url: str, job_id: str) -> dict[str, Any]:
     shape_s = time.perf_counter() - start
     total = shape.total
     return {"job_workload_s": wall, "job_workload_cpu_s": cpu, "idle_rss_mb": idle_rss_mb, "peak_rss_mb": peak_rss_mb,
+            "rss_before_mb": rss_before_mb, "rss_after_mb": rss_after_mb,
             "describe": workload.describe(), "items": workload.items,
             "sampled": len(workload.prompt_lengths), "job_shape_s": shape_s,
             "shape": {"steps": total.steps, "prefill_tokens": total.prefill_tokens, "decode_rows": total.decode_rows,

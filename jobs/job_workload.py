@@ -22,13 +22,13 @@ from layerbus.storage import ClaimedItem, JobStore, NewItem
 HISTORY_JOBS = 20  # recent jobs looked at for where outputs ended
 HISTORY_ITEMS = 2000  # finished items read at most
 MIN_HISTORY_ITEMS = 8  # fewer say too little about where outputs end
-# Items read (and their prompts tokenized) at most. Reading and tokenizing cost ~0.4 ms of CPU an item
-# (200,000 60-word documents, 103-token prompts: 81 s of CPU, bench/bench_job_workload.py), so this is
-# under 2 s however large the job. The plan's sums from the sample are off by what sampling gives: for
-# items in random order whose prompt lengths vary as much as their mean, ~1/sqrt(4096) = 1.6% at one
-# standard deviation; far less where lengths come in runs (tests/test_job_workload_sample.py). More would
-# buy little: the planner's cost model is not that close, and job_shape simulates at most
-# MAX_SIMULATED_ROWS decode rows (781 items of 256 new tokens) whatever it is given.
+# Items read (and their prompts tokenized) at most. Reading and tokenizing cost ~0.4-0.5 ms of CPU an
+# item (200,000 60-word documents, 103-token prompts: 81-104 s of CPU, bench/bench_job_workload.py), so
+# this is ~2 s however large the job (2.2 s of CPU for all of job_workload on a million). The plan's sums
+# from the sample are off by what sampling gives: for items in random order whose prompt lengths vary as
+# much as their mean, ~1/sqrt(4096) = 1.6% at one standard deviation; far less where lengths come in runs
+# (tests/test_job_workload_sample.py). Halving that error would take four times the items (~8 s), and
+# job_shape simulates at most MAX_SIMULATED_ROWS decode rows (781 items of 256 new tokens) anyway.
 SAMPLE_ITEMS = 4096
 
 
