@@ -7,6 +7,11 @@ fewer sequences are left. Each phase has its own slowest stage, so the plan pric
 separately and adds them up. The steps are the broker's own: the real `Scheduler` is run on the
 items (pure bookkeeping), with each item's output ending after its expected length.
 
+A large job is described by an evenly spread sample of its items (jobs/job_workload.py: reading and
+tokenizing a million prompts would take minutes): `represents` says how many items the sample stands
+for, and every sum the plan takes (steps, prompt and new tokens, hence job seconds and tokens/s) is
+scaled up to them, as job_shape already scales the part of a long job it simulates.
+
 Output lengths: an item runs to its max_new_tokens unless told otherwise (`output_fraction`, or
 the lengths themselves after a run). The planner cannot know where outputs end at EOS; the job
 runner estimates a fraction only from what is measured (items of the same model and task that
@@ -22,6 +27,7 @@ from typing import Sequence
 from layerbus.broker.requests import GenerationRequest
 from layerbus.broker.scheduler import BatchingConfig, Scheduler
 from layerbus.broker.step_cost import StepWork, prefill_context
+from layerbus.storage.sample_places import sample_places
 
 WINDOWS = 16  # windows a job is priced in: enough to tell prefill from decode from the drain
 MAX_SIMULATED_ROWS = 200_000  # decode rows simulated at most; a larger job is simulated on a sample of its items
@@ -30,12 +36,15 @@ _TOKEN, _EOS = 0, 1
 
 @dataclass(frozen=True)
 class Workload:
-    """What a job asks for: per item, its prompt length and output budget."""
+    """What a job asks for: per item (of the job, or of a sample of it), its prompt length and output budget."""
 
     prompt_lengths: tuple[int, ...]
     max_new_tokens: tuple[int, ...]
     output_fraction: float = 1.0  # expected new tokens / budget (1: every item runs to its limit)
     output_lengths: tuple[int, ...] | None = None  # known lengths (after a run), instead of the fraction
+    # Items the lengths stand for when they are an evenly spread sample of a larger job, each standing for
+    # represents / len(prompt_lengths) of them. None: they are the job's own items, one each.
+    represents: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.prompt_lengths) != len(self.max_new_tokens):
@@ -44,17 +53,26 @@ class Workload:
             raise ValueError(f"{len(self.output_lengths)} output lengths for {len(self.prompt_lengths)} items")
         if not 0 < self.output_fraction <= 1:
             raise ValueError(f"output_fraction must be in (0, 1], got {self.output_fraction}")
+        if self.represents is not None and not 0 < len(self.prompt_lengths) <= self.represents:
+            raise ValueError(f"a sample of {len(self.prompt_lengths)} items cannot stand for {self.represents}: "
+                             "a sample has at least one item and at most as many as the job")
 
     @classmethod
     def of(cls, prompt_lengths: Sequence[int], max_new_tokens: int | Sequence[int],
-           output_fraction: float = 1.0) -> "Workload":
+           output_fraction: float = 1.0, represents: int | None = None) -> "Workload":
         budgets = ([int(max_new_tokens)] * len(prompt_lengths) if isinstance(max_new_tokens, int)
                    else [int(m) for m in max_new_tokens])
-        return cls(tuple(int(n) for n in prompt_lengths), tuple(budgets), output_fraction)
+        return cls(tuple(int(n) for n in prompt_lengths), tuple(budgets), output_fraction, None, represents)
 
     @property
     def items(self) -> int:
-        return len(self.prompt_lengths)
+        """Items of the job (what batch sizes and the plan are for), sampled or not."""
+        return self.represents if self.represents is not None else len(self.prompt_lengths)
+
+    @property
+    def weight(self) -> float:
+        """Items of the job each listed item stands for (1 unless the lengths are a sample)."""
+        return self.items / len(self.prompt_lengths) if self.prompt_lengths else 1.0
 
     def expected_lengths(self) -> list[int]:
         if self.output_lengths is not None:
@@ -62,17 +80,24 @@ class Workload:
         return [max(1, round(m * self.output_fraction)) for m in self.max_new_tokens]
 
     def with_output_lengths(self, lengths: Sequence[int]) -> "Workload":
-        return Workload(self.prompt_lengths, self.max_new_tokens, 1.0, tuple(int(n) for n in lengths))
+        """The workload told where outputs ended: one length per listed item, or, for a sample, one per
+        item of the job in the order they ran, of which those at the sample's places are kept (the
+        sample is spread evenly over the queue, which the run follows, so the mix is the job's)."""
+        if self.represents is not None and len(lengths) == self.represents != len(self.prompt_lengths):
+            lengths = [lengths[p] for p in sample_places(len(self.prompt_lengths), self.represents)]
+        return Workload(self.prompt_lengths, self.max_new_tokens, 1.0, tuple(int(n) for n in lengths), self.represents)
 
     def describe(self) -> str:
         if not self.items:
             return "no items"
         prompts = sorted(self.prompt_lengths)
         outputs = self.expected_lengths()
+        sampled = f" (a sample of {len(prompts)} of them)" if self.represents is not None else ""
         told = ("lengths as produced" if self.output_lengths is not None else
                 "every item to its limit" if self.output_fraction == 1 else f"{self.output_fraction:.0%} of the limit")
-        return (f"{self.items} items, prompts {prompts[0]}-{prompts[-1]} tokens (mean {sum(prompts) / len(prompts):.0f}), "
-                f"up to {max(self.max_new_tokens)} new tokens, expected {sum(outputs)} in all ({told})")
+        return (f"{self.items} items{sampled}, prompts {prompts[0]}-{prompts[-1]} tokens "
+                f"(mean {sum(prompts) / len(prompts):.0f}), up to {max(self.max_new_tokens)} new tokens, "
+                f"expected {round(sum(outputs) * self.weight)} in all ({told})")
 
 
 def mean_decode_context(workload: Workload | None) -> float | None:
@@ -80,7 +105,7 @@ def mean_decode_context(workload: Workload | None) -> float | None:
     if workload is None or not workload.items:
         return None
     outputs = workload.expected_lengths()
-    return (sum(workload.prompt_lengths) + sum(outputs) / 2) / workload.items
+    return (sum(workload.prompt_lengths) + sum(outputs) / 2) / len(workload.prompt_lengths)
 
 
 @dataclass(frozen=True)
@@ -126,17 +151,22 @@ def steady_shape(micro_batch_size: int, num_micro_batches: int, prompt_tokens_pe
 
 def job_shape(workload: Workload, batching: BatchingConfig, windows: int = WINDOWS) -> JobShape:
     """Run the scheduler over the workload (a sample of it when it is large) and sum its steps in
-    `windows` windows of equal step counts. `batching` must be resolved (slots, micro-batches)."""
+    `windows` windows of equal step counts, scaled to every item the workload stands for.
+    `batching` must be resolved (slots, micro-batches)."""
     if not workload.items:
         return JobShape(())
     lengths = workload.expected_lengths()
-    items = list(range(workload.items))
-    scale = 1.0
     rows = sum(lengths)
-    if rows > MAX_SIMULATED_ROWS:  # every k-th item: the same mix, fewer of them; sums scaled back
+    # A sample's items each go in for as many of the job's as fit in MAX_SIMULATED_ROWS (one after
+    # another, in the queue's order): scaling a run of the sample alone would scale its ramp-up and
+    # drain with it, where slots are not full (a sample of 600 items on 512 slots: 30% more steps
+    # than the job's), while in the job the full middle dominates.
+    copies = max(1, min(int(workload.weight), MAX_SIMULATED_ROWS // max(1, rows)))
+    items = [i for i in range(len(lengths)) for _ in range(copies)]
+    if rows * copies > MAX_SIMULATED_ROWS:  # every k-th item: the same mix, fewer of them; sums scaled back
         stride = math.ceil(rows / MAX_SIMULATED_ROWS)
         items = items[::stride]
-        scale = sum(lengths) / sum(lengths[i] for i in items)
+    scale = workload.weight * rows / sum(lengths[i] for i in items)  # to every item the workload stands for
     steps = _simulate(workload, lengths, items, batching)
     out = []
     size = max(1, math.ceil(len(steps) / windows))
@@ -158,11 +188,11 @@ def _simulate(workload: Workload, lengths: list[int], items: list[int],
     """(micro-batch, what the step carries, new tokens it emits) for every step, in the order sent."""
     scheduler = Scheduler(batching, batching.num_micro_batches, {_EOS})
     want: dict[str, int] = {}
-    for i in items:
-        request = GenerationRequest(str(i), [_TOKEN] * max(1, workload.prompt_lengths[i]),
+    for n, i in enumerate(items):  # an item may go in more than once (a sample's): ids by place
+        request = GenerationRequest(str(n), [_TOKEN] * max(1, workload.prompt_lengths[i]),
                                     max_new_tokens=max(1, workload.max_new_tokens[i]))
         if scheduler.submit(request, 0.0) is None:  # a prompt too long for the context is refused, not run
-            want[str(i)] = lengths[i]
+            want[str(n)] = lengths[i]
     steps: list[tuple[int, StepWork, int]] = []
     idle_rounds = 0
     while not scheduler.idle and idle_rounds < 2:

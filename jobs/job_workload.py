@@ -1,30 +1,50 @@
 """A queued job's workload for the planner: each generation item's prompt length (tokenized as the
-runner will tokenize it) and output budget, read from the store before the job runs."""
+runner will tokenize it) and output budget, read from the store before the job runs.
+
+A job of more than SAMPLE_ITEMS items is read as an evenly spread sample of them (JobStore.sample_items),
+and its Workload says how many sequences the sample stands for: reading and tokenizing every item of a
+million-item job took minutes before planning, for a plan that simulates only a sample anyway
+(broker.workload.job_shape, MAX_SIMULATED_ROWS)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from layerbus.broker.requests import GenerationRequest
 from layerbus.broker.workload import Workload
 from layerbus.jobs.runner import StoreSource
 from layerbus.jobs.samples import samples_of
-from layerbus.storage import ClaimedItem, JobStore
+from layerbus.jobs.tasks import TASKS
+from layerbus.storage import ClaimedItem, JobStore, NewItem
 
 
 HISTORY_JOBS = 20  # recent jobs looked at for where outputs ended
 HISTORY_ITEMS = 2000  # finished items read at most
 MIN_HISTORY_ITEMS = 8  # fewer say too little about where outputs end
+# Items read (and their prompts tokenized) at most. Reading and tokenizing cost ~0.4-0.5 ms of CPU an
+# item (200,000 60-word documents, 103-token prompts: 81-104 s of CPU, bench/bench_job_workload.py), so
+# this is ~2 s however large the job (2.2 s of CPU for all of job_workload on a million). The plan's sums
+# from the sample are off by what sampling gives: for items in random order whose prompt lengths vary as
+# much as their mean, ~1/sqrt(4096) = 1.6% at one standard deviation; far less where lengths come in runs
+# (tests/test_job_workload_sample.py). Halving that error would take four times the items (~8 s), and
+# job_shape simulates at most MAX_SIMULATED_ROWS decode rows (781 items of 256 new tokens) anyway.
+SAMPLE_ITEMS = 4096
 
 
-def job_workload(store: JobStore, job_id: str, tokenizer: Any) -> Workload | None:
+def job_workload(store: JobStore, job_id: str, tokenizer: Any, sample_items: int = SAMPLE_ITEMS) -> Workload | None:
     """The generation items of `job_id` in queue order (items refused at submit have no prompt and
-    are left out), with the share of their budgets outputs are expected to use (`output_fraction`).
-    None for a job with scoring items (evals): their chunks are cut at the step budget, which must
-    not move with the job, and they generate nothing to plan for."""
-    source = StoreSource(store, job_id, tokenizer, store.job_settings(job_id), "planner")
+    are left out), with the share of their budgets outputs are expected to use (`output_fraction`);
+    of a job of more than `sample_items` items, an evenly spread sample of that many, standing for
+    all of them. None for a job with scoring items (evals): their chunks are cut at the step budget,
+    which must not move with the job, and they generate nothing to plan for."""
+    settings = store.job_settings(job_id)
+    source = StoreSource(store, job_id, tokenizer, settings, "planner")
+    items, total = _items_to_read(store, job_id, settings.task, sample_items)
     prompts, budgets = [], []
-    for item in store.job_items(job_id):
+    read = 0
+    for item in items:
+        read += 1
         if not item.prompt and "prompt_ids" not in item.params:
             continue
         request = source.request_for(ClaimedItem(item_id=item.seq, job_id=job_id, custom_id=item.custom_id,
@@ -35,8 +55,22 @@ def job_workload(store: JobStore, job_id: str, tokenizer: Any) -> Workload | Non
         samples = samples_of(item.params, source.settings.extra)  # each of an item's n samples is a sequence
         prompts.extend([len(request.prompt_ids)] * samples)
         budgets.extend([request.max_new_tokens] * samples)
-    settings = store.job_settings(job_id)
-    return Workload.of(prompts, budgets, output_fraction(store, job_id, settings.model, settings.task))
+    # Sequences the sample stands for: its own, as many times over as the job has items per item read
+    # (refused items and n > 1 samples are then as frequent in the job as in the sample).
+    represents = round(len(prompts) * total / read) if prompts and total is not None and total > read else None
+    return Workload.of(prompts, budgets, output_fraction(store, job_id, settings.model, settings.task), represents)
+
+
+def _items_to_read(store: JobStore, job_id: str, task: str, sample_items: int) -> tuple[Iterable[NewItem], int | None]:
+    """(the items to read, how many items the job has; None: they are all of them).
+
+    Only jobs of the tasks `layerbus submit` queues are sampled: their items are never scoring ones. A
+    job queued by evals may mix a few scoring items among many generation ones, which a sample could
+    miss, and a scoring item anywhere means no workload; such a job is read whole, as before."""
+    if task not in TASKS:
+        return store.job_items(job_id), None
+    sample = store.sample_items(job_id, sample_items)
+    return sample.items, sample.total
 
 
 def output_fraction(store: JobStore, job_id: str, model: str, task: str) -> float:
@@ -46,6 +80,8 @@ def output_fraction(store: JobStore, job_id: str, model: str, task: str) -> floa
     used = budget = items = 0
     for job in store.list_jobs(HISTORY_JOBS):
         if job.model != model or job.task != task or items >= HISTORY_ITEMS:
+            continue
+        if not job.completed:  # nothing to learn, and paging through a million queued items finds none: 1.8 s
             continue
         max_new = store.job_settings(job.job_id).max_new_tokens
         for row in store.item_results(job.job_id):

@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Select, bindparam, delete, insert, select, update
+from sqlalchemy import Connection, Engine, Select, bindparam, delete, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from layerbus.storage.engine import READ_ONLY_OPTION, create_tables, open_engine
@@ -30,6 +30,7 @@ from layerbus.storage.eval_records import DEFAULT_EVAL_LIMIT, EvalMetric, EvalRu
 from layerbus.storage.eval_store import EvalTables
 from layerbus.storage.events import DEFAULT_EVENT_LIMIT, event_row, events_oldest_first
 from layerbus.storage.item_counts import CountChanges, insert_counts, lock_counts, read_counts
+from layerbus.storage.item_sample import ItemSample, sample_query
 from layerbus.storage import finalization
 from layerbus.storage import job_workers as workers
 from layerbus.storage.leases import DEFAULT_LEASE_S, held_by, job_leases, lease_end, reclaimable
@@ -609,6 +610,21 @@ class JobStore:
             if len(page) < _PAGE:
                 return
             last_seq = page[-1].seq
+
+    def sample_items(self, job_id: str, count: int) -> ItemSample:
+        """At most `count` items of a job as it was queued, spread evenly over it in seq order (all of
+        them when it has no more), and how many it has: what the planner reads of a job too large to
+        read whole (storage/item_sample.py). Only the sampled rows' columns are read."""
+        with self._read() as conn:
+            total = int(self._job_field(conn, job_id, JOB.total_count))
+            # Two subqueries, not min and max in one select: SQLite reads only the index's ends for a lone
+            # min() or max(), and every entry of the job's for both (0.3 s for a million).
+            first, last = (select(end(ITEM.seq)).where(ITEM.job_id == job_id).scalar_subquery()
+                           for end in (func.min, func.max))
+            seqs = conn.execute(select(first, last)).one()
+            rows = conn.execute(sample_query(job_id, count, total, tuple(seqs))).all() if total else []
+        return ItemSample(tuple(NewItem(row.custom_id, row.input, row.prompt or "", json.loads(row.params_json),
+                                        row.seq) for row in rows), total)
 
     # --- eval runs ------------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from sqlalchemy import create_engine, func, select, text
 from layerbus.storage.errors import StoreError
 from layerbus.storage.item_counts import read_counts, recount
 from layerbus.storage.records import InvalidItem, ItemResult, JobSettings, Lease, NewItem
+from layerbus.storage.sample_places import sample_places
 from layerbus.storage.schema import items as items_table
 from layerbus.storage.schema import jobs as jobs_table
 from layerbus.storage.store import JobStore
@@ -356,6 +357,35 @@ def test_job_items_give_back_every_item_as_queued_in_seq_order(store: JobStore) 
     assert (got[3].custom_id, got[3].prompt, got[3].seq) == ("bad", "", 9)
     with pytest.raises(StoreError, match="job_nothere"):
         list(store.job_items("job_nothere"))
+
+
+def test_a_sample_of_items_is_spread_evenly_over_the_job_whatever_gaps_its_seqs_have(store: JobStore) -> None:
+    # seqs as line numbers give them: from 1, with gaps (blank lines), every other one for a stretch
+    seqs = list(range(1, 41)) + list(range(42, 122, 2)) + list(range(200, 220))
+    items = [NewItem(f"id-{s}", f"in {s}", f"p{s}", {"max_tokens": s}, s) for s in seqs]
+    job_id = store.create_job(SETTINGS, items[:-1], [InvalidItem("bad", "{oops", "not JSON", seqs[-1])], now=T0)
+    sample = store.sample_items(job_id, 10)
+    # one item from each tenth of the job, by place in seq order (storage.sample_places)
+    places = [6, 12, 28, 34, 40, 57, 63, 79, 85, 91]
+    assert sample_places(10, 100) == places and [item.seq for item in sample.items] == [seqs[p] for p in places]
+    assert sample.items[0] == items[6] and (sample.total, sample.whole) == (100, False)
+    assert [item.seq for item in store.sample_items(job_id, 3).items] == [seqs[p] for p in sample_places(3, 100)]
+    everything = store.sample_items(job_id, 100)
+    assert everything.whole and everything.items[:-1] == tuple(items[:-1])
+    assert (everything.items[-1].custom_id, everything.items[-1].prompt) == ("bad", "")  # refused: no prompt
+    assert store.sample_items(job_id, 1000).items == everything.items
+    with pytest.raises(StoreError, match="job_nothere"):
+        store.sample_items("job_nothere", 10)
+    with pytest.raises(ValueError, match="count=0"):
+        store.sample_items(job_id, 0)
+
+
+def test_a_sample_of_items_whose_seqs_have_no_gap_is_read_by_seq(store: JobStore) -> None:
+    items = new_items(999, start=1)  # lines 1 to 999, and line 1000 refused: an item too
+    job_id = store.create_job(SETTINGS, items, [InvalidItem("bad", "{oops", "not JSON", 1000)], now=T0)
+    sample = store.sample_items(job_id, 64)
+    assert [item.seq for item in sample.items] == [1 + p for p in sample_places(64, 1000)]
+    assert sample.items[0] == items[sample_places(64, 1000)[0]] and sample.total == 1000
 
 
 # --- leases: a claim is held until a time its holder keeps pushing on ---------------------------------------------
