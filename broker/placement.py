@@ -42,6 +42,9 @@ from layerbus.broker.weight_choice import AUTO_FALLBACKS, auto_levels, first_tha
 from layerbus.broker.workload import JobShape, Window, steady_shape
 from layerbus.wire.spans import LayerRange
 
+# A quantized format measured at most this share of full precision's time is worth a line in `plan
+# --explain` (clearly faster than the ratio's noise of a few percent)
+FASTER_FORMAT = 0.8
 SUBSET_DP_LIMIT = 6_000_000  # inner-loop steps above which the order search falls back to (first, last) pairs
 
 
@@ -191,10 +194,19 @@ class _CostModel:
                 send_s=send, latency_s=link.latency_s, layer_s=s.layer_in(weights).of(self.total) / self.steps,
                 layer_bytes=next_layer + self.kv_per_layer, alone_s=self.step_s(s, start, end, receiver),
                 host=self.host_of(s), link_bandwidth=link.bandwidth, weights=weights, requested_weights=s.weights,
-                format_speed=s.format_speed(weights)))
+                format_speed=s.format_speed(weights), faster_format=self.faster_format(s, weights)))
         first = self.network.link(BROKER, chain[0].name) if self.network is not None and chain else None
         return summarize(tuple(placements), self.shapes, job_s, self.job.new_tokens, self.steps,
                          first.latency_s if first else 0.0)
+
+    def faster_format(self, s: StageProfile, held: str) -> tuple[str, float] | None:
+        """A quantized format `s` measured at most FASTER_FORMAT of full precision's time, where auto
+        holds full precision: auto does not trade quality for it, the plan's text tells the user."""
+        if s.weights != "auto" or held in AUTO_FALLBACKS:
+            return None
+        speeds = [(speed, name) for name in AUTO_FALLBACKS
+                  if (speed := s.format_speed(name)) is not None and speed <= FASTER_FORMAT]
+        return (min(speeds)[1], min(speeds)[0]) if speeds else None
 
     def host_of(self, s: StageProfile) -> str:
         return (self.network.host(s.name) if self.network is not None else "") or s.host

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from layerbus.broker.network import BROKER, LinkMatrix
 from layerbus.broker.placement import Plan, SplitEstimate, StagePlacement
-from layerbus.broker.weight_choice import AUTO_FALLBACKS, quality_note
+from layerbus.broker.weight_choice import AUTO_FALLBACKS, BUILT_IN_QUALITY, QualityTable, quality_note
 from layerbus.wire.spans import format_chain
 
 
@@ -53,7 +53,7 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def explain_stage(stage: StagePlacement, plan: Plan) -> str:
+def explain_stage(stage: StagePlacement, plan: Plan, quality: QualityTable = BUILT_IN_QUALITY) -> str:
     """Why this stage holds what it holds and leaves the rest of its memory unused."""
     parts = (f"{stage.name}: budget {size(stage.memory_budget)} = weights {size(stage.weight_bytes)} in "
              f"{stage.weights} + KV cache "
@@ -67,10 +67,10 @@ def explain_stage(stage: StagePlacement, plan: Plan) -> str:
                f"past the pace of {1000 * plan.step_s:.2f} ms")
     else:
         why = "could hold more: the contiguous split gives the extra layers to a stage where they cost no more"
-    return f"{parts}\n    {why}\n    {weights_reason(stage)}"
+    return f"{parts}\n    {why}\n    {weights_reason(stage, quality)}"
 
 
-def weights_reason(stage: StagePlacement) -> str:
+def weights_reason(stage: StagePlacement, quality: QualityTable = BUILT_IN_QUALITY) -> str:
     """Why it holds its weights in the format it does, and what that format costs in quality."""
     if stage.requested_weights != "auto":
         reason = f"weights {stage.weights}: asked for with --weights {stage.requested_weights}"
@@ -79,15 +79,20 @@ def weights_reason(stage: StagePlacement) -> str:
                   + ("" if stage.weights == AUTO_FALLBACKS[0] else f" nor in {AUTO_FALLBACKS[0]}"))
     else:
         reason = f"weights {stage.weights} (--weights auto): full precision fits"
+    if stage.faster_format is not None:
+        name, speed = stage.faster_format
+        reason += (f"; {name} measured {speed:.2f}x its time on this stage: --weights {name} would trade quality "
+                   f"for that speed, auto does not")
     if stage.format_speed is not None:
         reason += f"; its layers' decode step measured {stage.format_speed:.2f}x full precision's time on this stage"
-    note = quality_note(stage.weights)
+    note = quality_note(stage.weights, quality)
     return reason + (f"; {note}" if note else "")
 
 
-def format_explain(plan: Plan) -> str:
+def format_explain(plan: Plan, quality: QualityTable = BUILT_IN_QUALITY) -> str:
+    """`quality`: each format's cost against float32 (`plan --quality`: the model's own, measured)."""
     lines = ["why each stage leaves memory unused:"]
-    lines += ["  " + explain_stage(stage, plan) for stage in plan.stages]
+    lines += ["  " + explain_stage(stage, plan, quality) for stage in plan.stages]
     for name in plan.left_out:
         lines.append(f"  {name}: left out: any layers on it would make it slower than the chosen chain's pace")
     return "\n".join(lines + format_links(plan))

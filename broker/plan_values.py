@@ -275,6 +275,9 @@ class StagePlacement:
     # Its layers' decode step in `weights` over full precision's, as the stage measured it under --weights
     # auto (None: not timed apart: profiled in that format, or priced as full precision)
     format_speed: float | None = None
+    # Under --weights auto in full precision: a quantized format its stage measured clearly faster (below
+    # FASTER_FORMAT), and that speed; auto keeps full precision (quality first), `plan --explain` says it
+    faster_format: tuple[str, float] | None = None
 
     @property
     def step_s(self) -> float:

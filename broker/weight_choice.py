@@ -14,6 +14,8 @@ speed, but a format measured faster is not chosen for it where full precision fi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import PurePath
 from typing import Callable, Sequence
 
 AUTO_FALLBACKS = ("int8", "int4")  # after full precision, in order of preference under --weights auto
@@ -54,9 +56,47 @@ def assigned_weights(requested: str, chosen: str) -> str:
     return requested
 
 
-def quality_note(name: str) -> str:
-    """The measured quality cost of a format, for `plan --explain` ("" for full precision)."""
-    if name not in MEASURED_QUALITY:
+@dataclass(frozen=True)
+class QualityTable:
+    """Quality cost per weight format against float32: format -> (mean KL, same top token, a caveat)."""
+
+    formats: dict[str, tuple[float, float, str]]
+    source: str  # what it was measured on, for the reader
+
+
+BUILT_IN_QUALITY = QualityTable(MEASURED_QUALITY, QUALITY_SOURCE)
+REFERENCE_WIRE = "float32"  # the quality report's pairs on this wire are the weights' own cost
+
+
+def quality_from_report(report, model_name: str, origin: str) -> QualityTable:
+    """The weight formats' cost from a `layerbus quality --json` report (each format's pair on the
+    float32 wire), for `plan --quality`. ValueError naming what is wrong in `origin` and the way out."""
+    remedy = f"make it with `layerbus quality --model MODEL --json > {origin}`"
+    if not isinstance(report, dict) or not isinstance(report.get("pairs"), list) or "model" not in report:
+        raise ValueError(f"{origin}: not a `layerbus quality --json` report (no model and pairs); {remedy}")
+    measured = str(report["model"]).rstrip("/").rsplit("/", 1)[-1]
+    if measured != model_name:
+        raise ValueError(f"{origin}: measured on {measured}, not on {model_name}: a format's cost is the model's "
+                         f"own; {remedy}")
+    formats: dict[str, tuple[float, float, str]] = {}
+    for index, pair in enumerate(report["pairs"]):
+        if not isinstance(pair, dict) or pair.get("wire") != REFERENCE_WIRE:
+            continue
+        kl, same_top = pair.get("mean_kl"), pair.get("same_top")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in (kl, same_top)):
+            raise ValueError(f"{origin}: pair {index} ({pair.get('weights')}) has no numeric mean_kl and same_top; "
+                             f"{remedy}")
+        formats[str(pair.get("weights"))] = (float(kl), float(same_top), "")
+    if not formats:
+        raise ValueError(f"{origin}: no pair on the {REFERENCE_WIRE} wire; measure with `--wire {REFERENCE_WIRE}`")
+    corpus = report.get("corpus", "?")
+    return QualityTable(formats, f"{measured}, {PurePath(str(corpus)).name}, {origin}")
+
+
+def quality_note(name: str, table: QualityTable = BUILT_IN_QUALITY) -> str:
+    """The measured quality cost of a format, for `plan --explain` ("" for full precision, or a format
+    the table did not measure)."""
+    if name not in table.formats or name in ("fp32", "auto"):
         return ""
-    kl, same_top, caveat = MEASURED_QUALITY[name]
-    return f"quality vs float32: KL {kl:g}, same top token {same_top:.1%} ({QUALITY_SOURCE}{caveat})"
+    kl, same_top, caveat = table.formats[name]
+    return f"quality vs float32: KL {kl:g}, same top token {same_top:.1%} ({table.source}{caveat})"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from layerbus.cli.errors import EXIT_OK, UsageError
 from layerbus.cli.options import (
@@ -49,6 +50,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--explain", action="store_true",
                         help="show per stage why it does not use all its memory (weights, KV, workspace, reserve), "
                              "and the chain's hosts and the links it crosses")
+    parser.add_argument("--quality", metavar="FILE", type=Path, default=None,
+                        help="a `layerbus quality --json` report of this model: --explain and --json then give each "
+                             "quantized stage's cost in quality from it (default: SmolLM2-135M's, built in)")
     add_cluster_options(parser, partition=False)
     add_weights(parser, stage_files=True)
     add_verbose(parser)
@@ -65,6 +69,7 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError("--emulate-speed, --memory-budget and --threads-per-stage are for local --stages; "
                          "describe the devices in the --cluster file instead")
     model_dir = resolve_model(args.model)
+    quality = _quality_table(args.quality, Path(model_dir).name)  # read first: a bad file costs no profiling
     info = read_model_info(model_dir)
     batching = batching_from_args(args)
     memory = model_memory(info.files, args.dtype)
@@ -97,14 +102,36 @@ def main(args: argparse.Namespace) -> int:
                                       network=network),
         reserve_fraction=options.reserve_fraction)
     if args.json:
-        print(json.dumps(dict(plan.to_json(), batching_reasons=list(sizing.reasons)), indent=2))
+        report = plan.to_json()
+        for stage in report["chosen"]["stages"]:
+            cost = quality.formats.get(stage["weights"])
+            stage["quality_vs_float32"] = (None if cost is None or stage["weights"] == "fp32" else
+                                           {"mean_kl": cost[0], "same_top": cost[1], "source": quality.source})
+        print(json.dumps(dict(report, batching_reasons=list(sizing.reasons)), indent=2))
     else:
         print(format_plan(plan))
         if args.explain:
             print("batch sizes:")
             print("\n".join(f"  {reason}" for reason in sizing.reasons))
-            print(format_explain(plan))
+            print(format_explain(plan, quality))
     return EXIT_OK
+
+
+def _quality_table(path: Path | None, model_name: str):
+    from layerbus.broker.weight_choice import BUILT_IN_QUALITY, quality_from_report
+
+    if path is None:
+        return BUILT_IN_QUALITY
+    try:
+        report = json.loads(path.read_text())
+    except OSError as error:
+        raise UsageError(f"--quality {path}: {error.strerror or error}; make it with `layerbus quality --json > {path}`")
+    except ValueError as error:
+        raise UsageError(f"--quality {path}: not JSON ({error}); make it with `layerbus quality --json > {path}`")
+    try:
+        return quality_from_report(report, model_name, str(path))
+    except ValueError as error:
+        raise UsageError(f"--quality {error}") from None
 
 
 def _count_stages(path: str) -> int:

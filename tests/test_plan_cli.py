@@ -116,3 +116,54 @@ def test_bad_toml_and_missing_file(tmp_path, capsys, model_dir) -> None:
     assert run_plan(capsys, model_dir, "--cluster", str(path))[2].count("is not valid TOML") == 1
     code, _, err = run_plan(capsys, model_dir, "--cluster", str(tmp_path / "missing.toml"))
     assert code == 2 and "cannot read cluster file" in err
+
+
+def quality_report(model_dir, kl: float = 0.0042, same_top: float = 0.971) -> dict:
+    """What `layerbus quality --json` prints, cut to what `plan --quality` reads."""
+    return {"model": str(model_dir), "corpus": "/data/my_corpus", "cuts": [4], "prompts": 3,
+            "reference": {"weights": "fp32", "wire": "float32"},
+            "pairs": [{"weights": "fp32", "wire": "float32", "mean_kl": 0.0, "same_top": 1.0},
+                      {"weights": "int8", "wire": "float32", "mean_kl": kl, "same_top": same_top},
+                      {"weights": "int8", "wire": "int8", "mean_kl": 0.5, "same_top": 0.5}]}
+
+
+def test_plan_reads_the_model_s_own_quality_report(tmp_path, capsys, model_dir) -> None:
+    """A stage held in int8 is explained with the quality the given report measured for this model (its
+    float32-wire pair), in the text and in JSON; without --quality, the built-in SmolLM2 figures."""
+    cluster = tmp_path / "cluster.toml"
+    cluster.write_text(CLUSTER_TOML.replace('name = "slow"', 'name = "slow"\nweights = "int8"'))
+    report = tmp_path / "quality.json"
+    report.write_text(json.dumps(quality_report(model_dir)))
+    code, out, _ = run_plan(capsys, model_dir, "--cluster", str(cluster), "--explain", "--quality", str(report))
+    assert code == 0
+    assert f"KL 0.0042, same top token 97.1% ({model_dir.name}, my_corpus, {report})" in out
+    code, out, _ = run_plan(capsys, model_dir, "--cluster", str(cluster), "--json", "--quality", str(report))
+    stages = {s["name"]: s for s in json.loads(out)["chosen"]["stages"]}
+    assert stages["slow"]["quality_vs_float32"]["mean_kl"] == 0.0042
+    assert stages["fast"]["quality_vs_float32"] is None  # full precision costs nothing
+    code, out, _ = run_plan(capsys, model_dir, "--cluster", str(cluster), "--explain")
+    assert "KL 0.0013, same top token 98.1% (SmolLM2-135M, sample corpus)" in out
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "No such file"),
+    ("{not json", "not JSON"),
+    (json.dumps({"pairs": []}), "not a `layerbus quality --json` report"),
+    ("OTHER", "measured on SmolLM2-135M-Instruct, not on"),
+    ("NOWIRE", "no pair on the float32 wire"),
+    ("BADKL", "has no numeric mean_kl and same_top"),
+])
+def test_a_bad_quality_report_is_refused_before_any_profiling(tmp_path, capsys, model_dir, content, message) -> None:
+    report = tmp_path / "quality.json"
+    data = quality_report(model_dir)
+    if content == "OTHER":
+        content = json.dumps(dict(data, model="/models/SmolLM2-135M-Instruct"))
+    elif content == "NOWIRE":
+        content = json.dumps(dict(data, pairs=[p for p in data["pairs"] if p["wire"] != "float32"]))
+    elif content == "BADKL":
+        content = json.dumps(dict(data, pairs=[dict(data["pairs"][1], mean_kl="low")]))
+    if content is not None:
+        report.write_text(content)
+    code, _, err = run_plan(capsys, model_dir, "--stages", "2", "--quality", str(report))
+    assert code == 2
+    assert message in err and "quality" in err

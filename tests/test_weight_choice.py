@@ -112,6 +112,9 @@ def test_auto_does_not_quantize_to_be_faster_on_paper():
     plan = plan_placement([fast, slow], formats_model(), SHAPES, OPTIONS)
     assert [s.weights for s in plan.stages] == ["fp32", "fp32"]
     assert [len(s.layers) for s in plan.stages] == [1, 3]
+    assert plan.stages[0].faster_format == ("int4", 0.5)  # told, not chosen
+    assert "int4 measured 0.50x its time on this stage: --weights int4 would trade quality" in weights_reason(plan.stages[0])
+    assert plan.stages[1].faster_format is None  # measured nothing apart
 
 
 def test_a_quantized_span_is_priced_at_the_speed_its_stage_measured_in_that_format():
