@@ -71,8 +71,8 @@ def assert_equivalent(model, requests, results, references=None, tie: float = NE
 
 
 def run_pipeline(model_dir: Path, num_stages: int, requests, num_slots: int, check=None, weights: str = "auto",
-                 **batching):
-    config = BrokerConfig(str(model_dir), num_stages, weights=weights,
+                 partition: str = "planned", **batching):
+    config = BrokerConfig(str(model_dir), num_stages, weights=weights, partition=partition,
                           batching=BatchingConfig(num_slots=num_slots, **batching))
     with LocalCluster(config, LocalStageOptions(threads_per_stage=1)) as cluster:
         if check is not None:

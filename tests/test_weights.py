@@ -130,10 +130,12 @@ def one_stage_outputs(tiny_models):
 @pytest.mark.parametrize("num_stages", [2, 3])
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_quantized_stages_match_one_stage(tiny_models, one_stage_outputs, weights, num_stages):
+    """Every one of the N stages holds the format and takes part: the split is pinned (equal), since on a
+    2-core machine the planner may rightly leave stages of a 4-layer model out (a CI run dropped 2 of 3)."""
     model_dir = tiny_models("llama", num_hidden_layers=4)
     reported = []
     results, stats = run_pipeline(model_dir, num_stages, _requests(model_dir), num_slots=4, max_step_tokens=16,
-                                  min_prefill_chunk=8, weights=weights,
+                                  min_prefill_chunk=8, weights=weights, partition="equal",
                                   check=lambda broker: reported.extend(s.weights for s in broker.chain))
     assert all(r.error is None for r in results)
     assert [r.token_ids for r in results] == one_stage_outputs(weights)
