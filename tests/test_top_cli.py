@@ -109,8 +109,11 @@ def test_once_during_a_real_two_stage_run_lists_both_stages_with_spans_and_busy_
     db = f"sqlite:///{tmp_path / 'jobs.db'}"
     home = tmp_path / "home"
     log = tmp_path / "run.log"
+    # --partition balanced: both stages take part (a fresh-clone run saw the planner, rightly on 2 cores,
+    # leave one as a spare, so there was no second span to list)
     run = start_run(home, log, corpus, "--task", "summarize", "--model", tiny_models("llama"), "--stages", "2",
-                    "--db", db, "--max-new-tokens", "64", "--slots", "2", "--threads-per-stage", "1")
+                    "--db", db, "--max-new-tokens", "64", "--slots", "2", "--threads-per-stage", "1",
+                    "--partition", "balanced")
     try:
         job_id = wait_for_job(db, lambda status: status.in_progress > 0, "claimed items", run, log)
         deadline = time.monotonic() + RUN_TIMEOUT_S
