@@ -162,13 +162,16 @@ class PrefixIndex:
                 return True
         return False
 
-    def plan_prompt(self, prompt: list[int], hashes: list[bytes] | None = None) -> PrefixPlan:
+    def plan_prompt(self, prompt: list[int], hashes: list[bytes] | None = None,
+                    positions: int | None = None) -> PrefixPlan:
         """Where a new sequence's prefill starts, and what of it to keep. At least the prompt's last
-        token is always computed: its logits give the first new token."""
+        token is always computed: its logits give the first new token. `positions`: what the sequence
+        prefills without the cache, for the figures (a scored request's context and continuations;
+        default the prompt's length)."""
         block = self.config.block_tokens
         hashes = hashes if hashes is not None else block_hashes(prompt, block)
         self.stats.prompts += 1
-        self.stats.prompt_tokens += len(prompt)
+        self.stats.prompt_tokens += len(prompt) if positions is None else positions
         plan = PrefixPlan()
         usable = (len(prompt) - 1) // block  # blocks that may be restored
         restored_blocks = 0

@@ -239,21 +239,41 @@ class Scheduler:
         decoding = [seq for seq in sequences if not seq.prefilling]
         rows = [PlannedRow(seq.slot, seq.cached, [seq.generated[-1]], emit=True) for seq in decoding]
         budget = max(self.config.max_step_tokens - len(rows), self.config.min_prefill_chunk)
-        for seq in sequences:
+        # A sequence saving a shared prefix goes first: the ones waiting for that prefix copy it once it is
+        # saved, so a saver left behind them (an eval's fixed-size chunks wait for room) holds them all up.
+        for seq in sorted(sequences, key=lambda s: s.prefix is None or s.prefix.save is None):
             if not seq.prefilling or budget <= 0:
                 continue
             if seq.feed is not None:
+                restore = None
+                context = seq.feed.opening_context() if self.prefix_cache is not None and seq.prefix is None else None
+                if context is not None:
+                    # An eval's context (its few-shot examples, its instructions) goes through the prefix
+                    # cache like a prompt: restored where an earlier request saved it, saved when seen again.
+                    if seq.prefix_hashes is None:
+                        seq.prefix_hashes = self.prefix_cache.hashes(context)
+                    if rows and self.prefix_cache.should_wait(context, seq.prefix_hashes):
+                        continue
+                    seq.prefix = self.prefix_cache.plan_prompt(context, seq.prefix_hashes, seq.feed.positions)
+                    restore = seq.prefix.restore
+                    if restore is not None:
+                        seq.feed.skip_restored(restore[1])
                 # Chunks of max_step_tokens, cut at the same places whatever else shares the step, so a
                 # document's scores depend on its neighbours, the batch or a re-plan only through the
                 # rounding of padded batches (<= 1e-5), never through what it attends over (lm-eval's move
                 # with batch size: its issues #704, #1645). A chunk that does not fit what is
                 # left of the step waits for the next one, unless the step carries no other chunk yet (decode
                 # rows alone never hold it back: the step then runs a little over budget rather than starve it).
+                # (A restored context starts its chunks past the copy: the same places for the same cache.)
                 chunk = seq.feed.next_chunk(self.config.max_step_tokens)
-                if len(chunk.tokens) > budget and len(rows) > len(decoding):
+                if len(chunk.tokens) > budget and len(rows) > len(decoding) and restore is None:
                     continue
                 budget -= len(chunk.tokens)
-                rows.append(PlannedRow(seq.slot, chunk.start, chunk.tokens, emit=False, targets=chunk.targets))
+                end = chunk.start + len(chunk.tokens)
+                save = seq.prefix.save if seq.prefix is not None and seq.prefix.save is not None else None
+                save = save if save is not None and save[1] <= end and chunk.targets is None else None
+                rows.append(PlannedRow(seq.slot, chunk.start, chunk.tokens, emit=False, targets=chunk.targets,
+                                       restore=restore, save=save))
                 continue
             known = seq.known
             start, restore = seq.cached, None
@@ -323,6 +343,10 @@ class Scheduler:
         for row in plan.rows:
             seq = self.active[row.slot]
             if seq.feed is not None:
+                if row.restore is not None or row.save is not None:
+                    self.prefix_cache.step_done(row.restore, row.save)
+                    if row.save is not None:
+                        seq.prefix.save = None
                 logprobs, greedy = (scores or {}).get(row.slot, (None, None))
                 seq.feed.apply(len(row.tokens), logprobs if row.targets else None, greedy if row.targets else None)
                 seq.suspect = False
@@ -370,6 +394,8 @@ class Scheduler:
                 # The sequence computes its prefix itself next time; a partial save is dropped.
                 self.prefix_cache.step_failed(row.restore, row.save)
                 seq.prefix = PrefixPlan()
+                if row.restore is not None and seq.feed is not None:
+                    seq.feed.unskip()
             seq.suspect = True
             if len(plan.rows) == 1:
                 seq.failures += 1

@@ -71,6 +71,25 @@ class ScoringFeed:
     def done(self) -> bool:
         return self.phase == len(self.phases)
 
+    def opening_context(self) -> list[int] | None:
+        """The tokens of the first context phase while nothing of it was fed yet, else None: that phase
+        starts at position 0 with nothing to score, like a generation's prompt, so the prefix cache
+        (broker/prefix_cache.py) can restore its first blocks and save them for the next request."""
+        if self.phase != 0 or self.offset != 0 or not self.phases or self.phases[0].targets is not None:
+            return None
+        return list(self.phases[0].tokens)
+
+    def skip_restored(self, positions: int) -> None:
+        """The first `positions` of the opening context come from a saved prefix, not computed here."""
+        if self.opening_context() is None or not 0 < positions < len(self.phases[0].tokens):
+            raise ValueError(f"cannot restore {positions} positions of this request's opening context")
+        self.offset = positions
+
+    def unskip(self) -> None:
+        """The step that restored them failed: the next try computes the opening context from position 0."""
+        if self.phase == 0:
+            self.offset = 0
+
     def next_chunk(self, budget: int) -> Chunk:
         """At most `budget` (>= 1) positions of the current phase."""
         phase = self.phases[self.phase]

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 from layerbus.broker.broker import BrokerConfig
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.prefix_cache import PrefixCacheConfig, PrefixIndex, block_hashes
-from layerbus.broker.requests import GenerationRequest
-from layerbus.broker.scheduler import BatchingConfig, Scheduler
+from layerbus.broker.requests import GenerationRequest, ScoreRequest, ScoreSegment
+from layerbus.broker.scheduler import BatchingConfig, PlannedRow, Scheduler
 from layerbus.wire import protocol
 from layerbus.wire.frames import WireError
 from tests.test_equivalence import assert_equivalent, run_pipeline
@@ -138,6 +138,63 @@ def test_the_scheduler_starts_a_restored_row_past_its_prefix_and_saves_where_the
     assert restored.start == 12 and restored.restore[1] == 12 and restored.tokens == prompt(12, 3, 2)[12:]
 
 
+def score_request(seed: int, shared: int = 12) -> ScoreRequest:
+    """A two-choice question whose context starts with `shared` tokens every question has."""
+    return ScoreRequest(f"q{seed}", (ScoreSegment(tuple(prompt(shared, 3, seed)), ((7, 8), (9,))),))
+
+
+def run_scores(scheduler: Scheduler, seed: int, fail_first_restore: bool = False) -> list[PlannedRow]:
+    """Feed one question through a 1-slot scheduler to its end; the rows sent (a failed one included)."""
+    scheduler.submit(score_request(seed), now=0.0)
+    sent = []
+    while True:
+        plan = scheduler.plan_step(0, now=0.0)
+        assert plan is not None
+        sent.append(plan.rows[0])
+        if fail_first_restore and plan.rows[0].restore is not None:
+            fail_first_restore = False
+            scheduler.fail_step(plan, "a stage fell over", now=0.0)
+            continue
+        row = plan.rows[0]
+        scores = {row.slot: ([-0.5] * len(row.tokens), [True] * len(row.tokens))} if row.targets else None
+        if scheduler.apply_result(plan, {}, now=0.0, scores=scores):
+            return sent
+
+
+def score_scheduler() -> Scheduler:
+    config = BatchingConfig(num_slots=1, num_micro_batches=1, max_step_tokens=6, min_prefill_chunk=2,
+                            prefix_cache=PrefixCacheConfig(budget_tokens=64, block_tokens=BLOCK))
+    return Scheduler(config, 1, eos_ids={0}, prefix_cache=PrefixIndex(config.prefix_cache))
+
+
+def test_an_eval_context_is_saved_when_seen_again_and_restored_after_and_its_choices_fed_as_before() -> None:
+    scheduler = score_scheduler()
+    rows = {seed: run_scores(scheduler, seed) for seed in range(3)}
+    context = prompt(12, 3, 2)
+    # The context phase is context[:-1] (14 tokens): no cache yet, chunks of 6 from 0.
+    assert [row.start for row in rows[0] if row.targets is None] == [0, 6, 12]
+    assert [row.save is not None for row in rows[1] if row.targets is None] == [False, True, False]
+    first = rows[2][0]
+    assert first.restore[1] == 12 and first.start == 12 and first.tokens == context[12:-1], "restored past the shared 12"
+    # The choices are fed from the context's last token, as without the cache.
+    assert [(row.start, row.tokens, row.targets) for row in rows[2] if row.targets] == [
+        (14, [context[-1], 7], [7, 8]), (14, [context[-1]], [9])]
+    stats = scheduler.prefix_cache.stats
+    assert (stats.hits, stats.restored_tokens, stats.saved_entries) == (1, 12, 1)
+    assert stats.prompt_tokens == 3 * (14 + 2 + 1), "every position a question computes without the cache"
+
+
+def test_a_failed_restoring_step_makes_the_eval_context_compute_from_position_0() -> None:
+    scheduler = score_scheduler()
+    for seed in range(2):
+        run_scores(scheduler, seed)
+    sent = run_scores(scheduler, 2, fail_first_restore=True)
+    assert sent[0].restore is not None and sent[0].start == 12
+    assert sent[1].restore is None and sent[1].start == 0, "the retry holds nothing restored: it starts at 0"
+    assert [row.start for row in sent[1:] if row.targets is None] == [0, 6, 12]
+    assert scheduler.prefix_cache.stats.restored_tokens == 0
+
+
 def test_prefix_ops_are_checked_against_their_rows() -> None:
     rows = [protocol.StepRow(slot=3, start=8, length=4), protocol.StepRow(slot=4, start=0, length=6)]
     ops = protocol.prefix_ops_from_json({"restore": [[3, 1, 8]], "save": [[4, 2, 4]], "drop": [0]}, rows)
@@ -214,6 +271,46 @@ def test_shared_prefixes_match_transformers_with_the_cache_on_and_off(tiny_model
     assert assert_equivalent(model, requests, on) >= len(requests) - 1
     for name, stats in stages.items():
         assert 0 < stats["prefix_tokens_peak"] <= 512, name
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize(("arch", "num_stages", "overrides"), [
+    ("llama", 2, {}), ("mistral", 3, {"sliding_window": 24}),
+])
+def test_eval_contexts_sharing_examples_score_as_a_full_pass_with_the_cache(tiny_models, arch, num_stages, overrides):
+    """Few-shot questions share their examples: each question's context after the first two is copied from
+    the cache, and every choice still scores what one plain forward over context + choice gives."""
+    from transformers import AutoTokenizer
+
+    from tests.test_equivalence import full_pass_scores
+
+    model_dir = tiny_models(arch, num_hidden_layers=4, **overrides)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    examples = tokenizer(SYSTEM + " ".join(DOCUMENTS[:3])).input_ids
+    choices = tuple(tuple(tokenizer(f" {word}").input_ids) for word in ("yes", "no idea at all", "maybe"))
+    requests = [ScoreRequest(f"q{i}", (ScoreSegment(tuple(examples + tokenizer(f" Question: {text}").input_ids),
+                                                    choices),))
+                for i, text in enumerate(DOCUMENTS)]
+    # 4 slots: the cache may hold a quarter of their positions (4 x 256 / 4), room for the 160 shared. One
+    # micro-batch: the schedule does not depend on which stage's result comes back first.
+    results, stats, stages = run_and_read_stages(model_dir, num_stages, requests, num_slots=4, num_micro_batches=1,
+                                                 max_step_tokens=16, min_prefill_chunk=8,
+                                                 prefix_cache=PrefixCacheConfig(budget_tokens=512, block_tokens=8))
+    shared = len(examples) // 8 * 8  # every late question restores the examples' whole blocks
+    figures = stats.prefix_cache
+    # One question sees the examples first, the next saves them (the others wait for the save); the rest copy them.
+    late = len(requests) - 2
+    assert figures["hits"] >= late and figures["restored_tokens"] >= shared * late, figures
+    for request, result in zip(requests, results):
+        assert result.error is None, result.error
+        context = list(request.segments[0].context_ids)
+        for choice, score in zip(choices, result.scores):
+            expected, greedy = full_pass_scores(model, context, list(choice))
+            torch.testing.assert_close(torch.tensor(score.logprobs), expected, atol=1e-4, rtol=0)
+            assert list(score.greedy) == greedy
+    for name, stage_stats in stages.items():
+        assert 0 < stage_stats["prefix_tokens_peak"] <= 512, name
 
 
 @pytest.mark.cluster
