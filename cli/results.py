@@ -132,10 +132,15 @@ def _shown(name: str | None) -> str:
 def head_table(path: Path, rows: int) -> str:
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path, columns=list(HEAD_COLUMNS)).slice(0, rows).to_pylist()
-    cells = [[_cell(row[c]) for c in HEAD_COLUMNS] for row in table]
-    header = [c.upper() for c in HEAD_COLUMNS]
-    widths = [max(len(r[i]) for r in [header, *cells]) for i in range(len(HEAD_COLUMNS) - 1)]
+    columns = list(HEAD_COLUMNS)
+    if "sample_index" in pq.read_schema(path).names:
+        columns.insert(1, "sample_index")  # shown only where an item has several samples (n > 1): see below
+    table = pq.read_table(path, columns=columns).slice(0, rows).to_pylist()
+    if "sample_index" in columns and not any(row["sample_index"] for row in table):
+        columns.remove("sample_index")  # every row is sample 0: the column would only take width
+    cells = [[_cell(row[c]) for c in columns] for row in table]
+    header = ["SAMPLE" if c == "sample_index" else c.upper() for c in columns]
+    widths = [max(len(r[i]) for r in [header, *cells]) for i in range(len(columns) - 1)]
     room = max(20, shutil.get_terminal_size((120, 20)).columns - sum(widths) - 2 * len(widths))
     lines = []
     for row in [header, *cells]:

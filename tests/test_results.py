@@ -11,6 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -205,3 +206,21 @@ def test_a_writers_folder_is_its_name_made_safe(writer: str, folder: str | None)
             writer_folder(writer)
     else:
         assert writer_folder(writer) == folder
+
+
+def test_results_head_shows_the_sample_column_only_where_an_item_has_several(tmp_path: Path) -> None:
+    from layerbus.cli.results import head_table
+
+    single = tmp_path / "single.parquet"
+    pq.write_table(pa.Table.from_pylist([{**row("a", 1), "sample_index": 0}, {**row("b", 2), "sample_index": 0}]),
+                   single)
+    assert head_table(single, 5).splitlines()[0].split()[:2] == ["CUSTOM_ID", "STATUS"]
+    several = tmp_path / "several.parquet"
+    pq.write_table(pa.Table.from_pylist([{**row("a", 1, "first"), "sample_index": 0},
+                                         {**row("a", 1, "second"), "sample_index": 1}]), several)
+    lines = head_table(several, 5).splitlines()
+    assert lines[0].split()[:3] == ["CUSTOM_ID", "SAMPLE", "STATUS"]
+    assert [line.split()[:2] for line in lines[1:]] == [["a", "0"], ["a", "1"]], "the two rows told apart"
+    older = tmp_path / "older.parquet"  # a file written before the column existed
+    pq.write_table(pa.Table.from_pylist([row("a", 1)]), older)
+    assert head_table(older, 5).splitlines()[1].split()[:2] == ["a", "completed"]
