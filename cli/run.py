@@ -43,8 +43,9 @@ if TYPE_CHECKING:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("run", help="submit and run a job on local stage processes",
                                    description="Submit INPUT as a job (or resume --job JOB) and run it on a broker "
-                                               "in this process and N stage processes on this machine. Ctrl-C stops "
-                                               "cleanly; `layerbus run --job JOB` resumes.")
+                                               "in this process and N stage processes on this machine (with --chains "
+                                               "K: K chains of them, each with a broker process of its own). Ctrl-C "
+                                               "stops cleanly; `layerbus run --job JOB` resumes.")
     parser.add_argument("input", metavar="INPUT", nargs="?", help="as for `layerbus submit` (omit with --job)")
     parser.add_argument("--job", metavar="JOB", default=None, help="run (or resume) this queued or interrupted job")
     add_job_options(parser)
