@@ -52,6 +52,9 @@ class LocalStageOptions:
     # Fork the stages from a launcher that imported their libraries once (broker.stage_launcher), where
     # the platform can; False: a fresh `python -m layerbus.stages` each (seconds of imports per stage).
     fork: bool = True
+    # The first stage's overall index: stages are named stage-{first_stage + i} and log to stage-{...}.log,
+    # so the chains of one `run --chains K` (one LocalCluster each) never share a stage's name or log.
+    first_stage: int = 0
 
 
 class LocalCluster:
@@ -114,15 +117,19 @@ class LocalCluster:
 
     def _spawn_stages(self) -> None:
         self.supervisor = StageSupervisor(self._spawn_stage, self._log_path, self.config.num_stages,
-                                          self.options.max_restarts)
+                                          self.options.max_restarts, first_stage=self.options.first_stage)
         self.broker.control.children = self.supervisor
 
     def _log_path(self, i: int) -> Path | None:
-        return self.options.log_dir / f"stage-{i}.log" if self.options.log_dir is not None else None
+        name = self._stage_name(i)
+        return self.options.log_dir / f"{name}.log" if self.options.log_dir is not None else None
+
+    def _stage_name(self, i: int) -> str:
+        return f"stage-{self.options.first_stage + i}"
 
     def _spawn_stage(self, i: int):
         """Stage process i: forked from the launcher where it can be, else a fresh interpreter."""
-        argv = ["--broker", self.broker.address, "--name", f"stage-{i}",
+        argv = ["--broker", self.broker.address, "--name", self._stage_name(i),
                 "--threads", str(self.threads_per_stage()), "--device", self.options.device,
                 "--dtype", self.options.dtype, *self._key_args(), *self.options.extra_args,
                 *(self.options.stage_args[i] if i < len(self.options.stage_args) else ())]
@@ -134,7 +141,7 @@ class LocalCluster:
             try:
                 return shared_launcher().spawn(argv, env, path)
             except LauncherError as error:
-                log.warning("%s; starting stage-%d as a new process instead", error, i)
+                log.warning("%s; starting %s as a new process instead", error, self._stage_name(i))
         stderr = None
         if path is not None:
             stderr = open(path, "ab")

@@ -65,8 +65,9 @@ class StageSupervisor:
     """The stage processes by name; `check()` reports (and during start-up restarts) those that ended."""
 
     def __init__(self, spawn: Callable[[int], subprocess.Popen], log_path: Callable[[int], Path | None],
-                 count: int, max_restarts: int, clock: Callable[[], float] = time.monotonic):
+                 count: int, max_restarts: int, clock: Callable[[], float] = time.monotonic, first_stage: int = 0):
         self.spawn, self.log_path, self.max_restarts, self.clock = spawn, log_path, max_restarts, clock
+        self.first_stage = first_stage  # process i runs stage-{first_stage + i} (one chain of several)
         self.processes: list[subprocess.Popen] = []
         self.log_offsets: list[int] = []
         self.restarts = [0] * count
@@ -94,7 +95,7 @@ class StageSupervisor:
         self.last_check = now
         exits = []
         for i, process in enumerate(self.processes):
-            name = f"stage-{i}"
+            name = f"stage-{self.first_stage + i}"
             if name in self.given_up or process.poll() is None:
                 continue
             why = f"{ending(process.returncode)}; {last_lines(self.log_path(i), self.log_offsets[i])}"

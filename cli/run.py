@@ -34,6 +34,8 @@ from layerbus.cli.status import job_report
 from layerbus.storage.states import FINAL_JOB_STATES
 
 if TYPE_CHECKING:
+    from layerbus.broker.broker import BrokerConfig
+    from layerbus.broker.local_cluster import LocalStageOptions
     from layerbus.broker.metrics_server import MetricsServer
     from layerbus.storage import JobStatus, JobStore
 
@@ -41,12 +43,20 @@ if TYPE_CHECKING:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("run", help="submit and run a job on local stage processes",
                                    description="Submit INPUT as a job (or resume --job JOB) and run it on a broker "
-                                               "in this process and N stage processes on this machine. Ctrl-C stops "
-                                               "cleanly; `layerbus run --job JOB` resumes.")
+                                               "in this process and N stage processes on this machine (with --chains "
+                                               "K: K chains of them, each with a broker process of its own). Ctrl-C "
+                                               "stops cleanly; `layerbus run --job JOB` resumes.")
     parser.add_argument("input", metavar="INPUT", nargs="?", help="as for `layerbus submit` (omit with --job)")
     parser.add_argument("--job", metavar="JOB", default=None, help="run (or resume) this queued or interrupted job")
     add_job_options(parser)
     parser.add_argument("--stages", metavar="N", type=positive_int, default=3, help="stage processes (default: 3)")
+    parser.add_argument("--chains", metavar="K", type=int, default=1,
+                        help="pipelines working the job side by side: the N stages are dealt into K chains in order "
+                             "(N/K stages each, the first chains take the remainder), each driven by a broker process "
+                             "of its own; items are leased, so each is done once, and a chain that loses a stage "
+                             "re-plans or leaves its items to the others. Each chain's broker logs to "
+                             "chain-1.log, chain-2.log, ... beside the stage logs. 1 to N (default: 1: one chain "
+                             "of all N stages)")
     parser.add_argument("--threads-per-stage", metavar="N", type=non_negative_int, default=0,
                         help="torch threads per stage (default: this machine's cores shared evenly)")
     add_cluster_options(parser)
@@ -54,8 +64,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--memory-budget", metavar="SIZE", nargs="+", default=[],
                         help="memory budget of the local stages, each its whole resident memory, runtime included "
                              "(300MB, 1.5GiB): one SIZE for every stage, or one per stage ('-' = free memory); "
-                             "with --weights auto the planner quantizes a stage's span only where full precision "
-                             "does not fit")
+                             "with --chains, the i-th SIZE is stage-i's in whichever chain it lands (chain 1 holds "
+                             "stages 0 to N/K-1, and so on); with --weights auto the planner quantizes a stage's "
+                             "span only where full precision does not fit")
     add_trace(parser)
     add_metrics(parser)
     add_verbose(parser)
@@ -66,6 +77,7 @@ def main(args: argparse.Namespace) -> int:
     if (args.input is None) == (args.job is None):
         raise UsageError("give INPUT (to submit a new job) or --job JOB (to run an existing one)"
                          + (", not both" if args.input else ""))
+    check_chains(args)
     stage_budgets(args)  # a bad size is refused before anything is queued
     metrics = start_metrics(args)  # first: an address it cannot listen on is refused before anything is queued
     try:
@@ -88,12 +100,12 @@ def _submit_and_run(args: argparse.Namespace, metrics: MetricsServer | None) -> 
                 raise UsageError("--job runs the job with the settings it was submitted with: drop --task/--model")
             job_id = args.job
             model_dir = Path(store.job_settings(job_id).model)  # StoreError when there is no such job
-            model_for_stages(model_dir, args.stages)
+            model_for_stages(model_dir, _longest_chain(args))
         else:
             from layerbus.cli.submit import submit_job
 
             # The stages are checked against the model before queueing: a job that cannot run is not queued.
-            job_id = submit_job(store, args, check_model=lambda model: model_for_stages(model, args.stages))
+            job_id = submit_job(store, args, check_model=lambda model: model_for_stages(model, _longest_chain(args)))
             model_dir = Path(store.job_settings(job_id).model)
         status = store.job_status(job_id)
         if status.status not in FINAL_JOB_STATES:  # a finished job needs no cluster
@@ -129,6 +141,8 @@ def run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.Na
                           link_probe=link_probe_from_args(args))
     options = LocalStageOptions(threads_per_stage=args.threads_per_stage, log_dir=log_dir,
                                 stage_args=stage_budgets(args))
+    if getattr(args, "chains", 1) > 1:  # `eval run` shares this function and has no --chains
+        return _run_chains(job_id, config, options, args, log_dir)
     print(f"layerbus: running {job_id} on {args.stages} local stage(s); stage logs in {log_dir}", file=sys.stderr)
     if metrics is not None:
         metrics.watch_job(store, job_id)
@@ -145,6 +159,59 @@ def run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.Na
         raise
     finally:
         report_trace(trace)  # written by the broker as it closes, whatever the run's end
+
+
+def check_chains(args: argparse.Namespace) -> None:
+    """--chains K against --stages N, and the options that serve one broker only."""
+    from layerbus.jobs.chain_split import chains_error
+
+    error = chains_error(args.stages, args.chains)
+    if error is not None:
+        raise UsageError(error)
+    if args.chains > 1 and args.metrics is not None:
+        raise UsageError(f"--metrics serves one broker; --chains {args.chains} runs {args.chains}: drop --metrics, or "
+                         "use --chains 1")
+    if args.chains > 1 and args.trace is not None:
+        raise UsageError(f"--trace records one broker's timeline; --chains {args.chains} runs {args.chains}: drop "
+                         "--trace, or use --chains 1")
+
+
+def _longest_chain(args: argparse.Namespace) -> int:
+    """Stages in the longest chain: each chain must find a layer for every one of its stages."""
+    from layerbus.jobs.chain_split import split_stages
+
+    return max(chain.count for chain in split_stages(args.stages, getattr(args, "chains", 1)))
+
+
+def _run_chains(job_id: str, config: BrokerConfig, options: LocalStageOptions, args: argparse.Namespace,
+                log_dir: Path) -> JobStatus:
+    """run_locally with --chains K > 1: K chain processes, each a broker over its share of the stages, each
+    opening the store itself from --db."""
+    from layerbus.cli.chains import chain_runs, run_chains
+    from layerbus.jobs.chain_split import split_stages
+    from layerbus.storage import default_db_url
+
+    chains = split_stages(args.stages, args.chains)
+    runs = chain_runs(chains, args.db or default_db_url(), job_id, config, options, results_dir(),
+                      leases_from_args(args), log_dir)
+    shares = ", ".join(f"{chain.label}: stage-{chain.first}..stage-{chain.first + chain.count - 1}"
+                       if chain.count > 1 else f"{chain.label}: stage-{chain.first}" for chain in chains)
+    print(f"layerbus: running {job_id} on {args.stages} local stage(s) in {args.chains} chains ({shares}); stage "
+          f"logs and each chain's broker log (chain-I.log) in {log_dir}", file=sys.stderr)
+    try:
+        with stop_on_signals():
+            status = run_chains(runs)
+    except Interrupted as interrupted:
+        print(f"layerbus: stopped by {interrupted}; every chain requeued its items in flight; "
+              f"`layerbus run --job {job_id}` resumes", file=sys.stderr)
+        raise
+    if status.status not in FINAL_JOB_STATES:  # every chain broke or left: the job waits, its items kept
+        with open_store(args.db) as store:
+            why = [event.message for event in store.job_events(job_id) if event.kind == "chain_failed"]
+        raise RunFailed("\n".join([f"every chain stopped before {job_id} ended:", *why,
+                                    f"each chain's log: {log_dir}/chain-I.log; the job keeps its finished items: "
+                                    f"`layerbus run --job {job_id}` resumes it"]))
+    return status
 
 
 def stage_budgets(args: argparse.Namespace) -> tuple[tuple[str, ...], ...]:
