@@ -269,9 +269,7 @@ class Scheduler:
                 if len(chunk.tokens) > budget and len(rows) > len(decoding) and restore is None:
                     continue
                 budget -= len(chunk.tokens)
-                end = chunk.start + len(chunk.tokens)
-                save = seq.prefix.save if seq.prefix is not None and seq.prefix.save is not None else None
-                save = save if save is not None and save[1] <= end and chunk.targets is None else None
+                save = _save_reached(seq, chunk.start + len(chunk.tokens)) if chunk.targets is None else None
                 rows.append(PlannedRow(seq.slot, chunk.start, chunk.tokens, emit=False, targets=chunk.targets,
                                        restore=restore, save=save))
                 continue
@@ -290,8 +288,7 @@ class Scheduler:
             chunk = known[start:start + budget]
             budget -= len(chunk)
             end = start + len(chunk)
-            save = seq.prefix.save if seq.prefix is not None and seq.prefix.save is not None else None
-            save = save if save is not None and save[1] <= end else None
+            save = _save_reached(seq, end)
             prompt = seq.request.prompt_ids
             # Prompt scoring covers prompt positions only; a re-prefill after a recovery scores them again.
             targets = prompt[start + 1:min(end, len(prompt)) + 1] if seq.request.score_prompt else None
@@ -342,11 +339,8 @@ class Scheduler:
         finished = []
         for row in plan.rows:
             seq = self.active[row.slot]
+            self._prefix_ops_done(seq, row)
             if seq.feed is not None:
-                if row.restore is not None or row.save is not None:
-                    self.prefix_cache.step_done(row.restore, row.save)
-                    if row.save is not None:
-                        seq.prefix.save = None
                 logprobs, greedy = (scores or {}).get(row.slot, (None, None))
                 seq.feed.apply(len(row.tokens), logprobs if row.targets else None, greedy if row.targets else None)
                 seq.suspect = False
@@ -356,10 +350,6 @@ class Scheduler:
                 continue
             seq.cached = row.start + len(row.tokens)
             seq.suspect = False
-            if row.restore is not None or row.save is not None:
-                self.prefix_cache.step_done(row.restore, row.save)
-                if row.save is not None:
-                    seq.prefix.save = None
             if not seq.prefilling:
                 self.replaying.discard(row.slot)
             if row.targets:
@@ -380,6 +370,13 @@ class Scheduler:
             if reason:
                 finished.append(self._finish(seq, reason, now))
         return finished
+
+    def _prefix_ops_done(self, seq: Sequence, row: PlannedRow) -> None:
+        """The row's restore and save came back from the last stage: the save is held everywhere now."""
+        if row.restore is not None or row.save is not None:
+            self.prefix_cache.step_done(row.restore, row.save)
+            if row.save is not None:
+                seq.prefix.save = None
 
     def fail_step(self, plan: StepPlan, error: str, now: float) -> list[GenerationResult]:
         """A stage could not run this step. Its sequences become suspects and retry one per step, which
@@ -482,3 +479,9 @@ def _failed(request: Request, error: str) -> GenerationResult:
         prompt_tokens = len(request.prompt_ids)
     return GenerationResult(request_id=request.request_id, token_ids=[], finish_reason="error",
                             prompt_tokens=prompt_tokens, error=error)
+
+
+def _save_reached(seq: Sequence, end: int) -> tuple[int, int] | None:
+    """The prefix save a row ending at position `end` carries: the sequence's pending one, once its chunk reaches it."""
+    save = seq.prefix.save if seq.prefix is not None else None
+    return save if save is not None and save[1] <= end else None
