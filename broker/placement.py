@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from layerbus.broker.partition import equal_partition
@@ -48,6 +48,24 @@ FASTER_FORMAT = 0.8
 SUBSET_DP_LIMIT = 6_000_000  # inner-loop steps above which the order search falls back to (first, last) pairs
 
 
+@dataclass(frozen=True)
+class Neighbour:
+    """A stage of another chain working at the same time (broker.chain_plan). Where it shares a host's
+    cores with this chain's stages, it slows them as a stage of the chain would; it is not part of
+    the chain's own round trip."""
+
+    profile: StageProfile
+    busy: float  # share of the time it is busy (wanting its threads)
+    cores: float  # cores it keeps computing on average: its busy time as if alone, less an emulated device's sleep
+
+
+Neighbours = Sequence[Neighbour]
+
+# Other chains may keep a host's cores busy; this chain is still given at least this share of them
+# (the operating system's scheduler shares cores, it does not starve a process)
+MIN_CORE_SHARE = 0.1
+
+
 # -- the cost model ---------------------------------------------------------------------------------
 
 class _CostModel:
@@ -63,9 +81,11 @@ class _CostModel:
     (broker.weight_choice)."""
 
     def __init__(self, stages: Sequence[StageProfile], model: ModelMemory, shapes: Shapes, options: PlanOptions,
-                 job: JobShape | None = None, network: LinkMatrix | None = None, level: int = len(AUTO_FALLBACKS)):
+                 job: JobShape | None = None, network: LinkMatrix | None = None, level: int = len(AUTO_FALLBACKS),
+                 neighbours: Neighbours = ()):
         self.stages, self.model, self.shapes, self.options = list(stages), model, shapes, options
         self.network = network
+        self.neighbours = tuple(neighbours)
         n = model.num_layers
         self.level = level
         self.known_formats = tuple(f.name for f in model.formats)
@@ -128,7 +148,7 @@ class _CostModel:
         for window in self.windows:
             alone = [self.busy_s(s, sp.start, sp.end, window.work, _name_after(chain, k))
                      for k, (s, sp) in enumerate(zip(chain, spans))]
-            time, stretched = window_s(alone, chain, window, self.shapes.num_micro_batches, latency)
+            time, stretched = window_s(alone, chain, window, self.shapes.num_micro_batches, latency, self.neighbours)
             total += time
             busy = [b + x for b, x in zip(busy, stretched)]
         return total, busy
@@ -218,14 +238,17 @@ def _name_after(chain: Sequence[StageProfile], k: int) -> str:
 
 
 def window_s(alone: list[float], chain: Sequence[StageProfile], window: Window,
-             num_micro_batches: int, latency: float | None = None) -> tuple[float, list[float]]:
+             num_micro_batches: int, latency: float | None = None,
+             neighbours: Neighbours = ()) -> tuple[float, list[float]]:
     """(how long the window lasts, each stage's busy seconds in it) from each stage's busy seconds
     measured alone. CPU stages on one host share its cores and memory bandwidth. Where the broker
     measured it (`corun_factor`: the step with the host's other stages serving at once, over alone),
     a stage is stretched by that factor in proportion to how busy the others are. Otherwise from
     threads and cores: a stage computing while the others compute gets (cores / threads wanted) of
     what it wants, and the host cannot do more thread-seconds than it has cores; a stage emulating a
-    slower device computes only `compute_share` of its busy time (it sleeps the rest, taking no core)."""
+    slower device computes only `compute_share` of its busy time (it sleeps the rest, taking no core).
+    `neighbours`, other chains' stages busy at the same time, take their share of a host's cores and
+    count among the others a stage co-runs with."""
     steps = max(window.work.steps, 1e-12)
     if latency is None:  # one step's one-way latencies round the chain, each stage's own link
         latency = sum(s.link_latency_s for s in chain)
@@ -238,21 +261,25 @@ def window_s(alone: list[float], chain: Sequence[StageProfile], window: Window,
             if any(s.corun_factor > 0 for s in chain if _on(s, host)):
                 continue  # measured together: the factors hold the cores' share too
             demand = sum(b * s.compute_share * max(1, s.threads) for b, s in zip(alone, chain) if _on(s, host))
-            host_bound = max(host_bound, demand / cores)
+            taken = sum(n.cores for n in neighbours if _on(n.profile, host))
+            host_bound = max(host_bound, demand / max(cores - taken, MIN_CORE_SHARE * cores))
         time = max(max(busy, default=0.0), chain_bound, host_bound)
         if time <= 0:
             return 0.0, busy
         stretched = []
         for k, (b, s) in enumerate(zip(alone, chain)):
             others = [j for j, o in enumerate(chain) if j != k and _on(o, s.host)]
-            if not s.shares_cores or not others:
+            near = [(n.profile, min(1.0, n.busy)) for n in neighbours if _on(n.profile, s.host)]
+            if not s.shares_cores or not (others or near):
                 stretched.append(b)
             elif s.corun_factor > 0:
-                overlap = sum(min(1.0, busy[j] / time) for j in others) / len(others)
+                overlaps = [min(1.0, busy[j] / time) for j in others] + [share for _, share in near]
+                overlap = sum(overlaps) / len(overlaps)
                 stretched.append(b * (1 + max(0.0, s.corun_factor - 1) * overlap))
             else:
                 wanted = max(1, s.threads) + sum(max(1, chain[j].threads) * min(1.0, busy[j] * chain[j].compute_share
                                                                                  / time) for j in others)
+                wanted += sum(max(1, o.threads) * share * o.compute_share for o, share in near)
                 stretched.append(b * max(1.0, wanted / s.host_cores))
         busy = stretched
     return max(time, max(busy, default=0.0)), busy
@@ -287,15 +314,15 @@ def summarize(placements: tuple[StagePlacement, ...], shapes: Shapes, job_s: flo
 
 def plan_placement(stages: Sequence[StageProfile], model: ModelMemory, batching,
                    options: PlanOptions = PlanOptions(), job: JobShape | None = None,
-                   network: LinkMatrix | None = None) -> Plan:
+                   network: LinkMatrix | None = None, neighbours: Neighbours = ()) -> Plan:
     """The placement that finishes the job soonest within every stage's memory.
 
     `stages` is any set of profiles (their order is the chain order when `allow_reorder` is off,
     and the equal split's order); `batching` is a BatchingConfig (resolved for len(stages) if it is
     not); `job` is the job's windows (broker.workload.job_shape; None: a steady mix of decode and
     `options.prompt_tokens_per_new_token`); `network` the links between the stages (None: each
-    stage sends at its own `link_bandwidth`, whoever follows it). Raises PlacementError when no
-    placement fits."""
+    stage sends at its own `link_bandwidth`, whoever follows it); `neighbours` other chains' stages
+    working beside this chain (window_s). Raises PlacementError when no placement fits."""
     if not stages:
         raise PlacementError("no stages to place the model on: start at least one stage")
     names = [s.name for s in stages]
@@ -306,7 +333,7 @@ def plan_placement(stages: Sequence[StageProfile], model: ModelMemory, batching,
     levels = ([level for level in auto_levels() if level <= options.max_auto_level]
               if any(s.weights == "auto" for s in stages) else [len(AUTO_FALLBACKS)])
     for level in levels:
-        costs = _CostModel(stages, model, shapes, options, job, network, level)
+        costs = _CostModel(stages, model, shapes, options, job, network, level, neighbours)
         if network is None:
             chain, spans, search = _search(costs, options)
         else:
@@ -326,7 +353,7 @@ def plan_placement(stages: Sequence[StageProfile], model: ModelMemory, batching,
         equal = costs.estimate(stages, equal_partition(model.num_layers, len(stages)))
     blind = None
     if network is not None:  # what ignoring the network would have cost on it
-        ignoring = plan_placement(stages, model, shapes, options, job)
+        ignoring = plan_placement(stages, model, shapes, options, job, neighbours=neighbours)
         by_name = {s.name: s for s in stages}
         blind = costs.estimate([by_name[name] for name in ignoring.order], ignoring.spans)
     return Plan(chosen, tuple(n for n in names if n not in used), equal, shapes, options, job, network, search, blind)
@@ -361,12 +388,12 @@ def _given_order_if_close(costs: _CostModel, options: PlanOptions, stages: Seque
 
 def estimate_split(stages: Sequence[StageProfile], spans: Sequence[LayerRange], model: ModelMemory, batching,
                    options: PlanOptions = PlanOptions(), job: JobShape | None = None,
-                   network: LinkMatrix | None = None) -> SplitEstimate:
+                   network: LinkMatrix | None = None, neighbours: Neighbours = ()) -> SplitEstimate:
     """The figures of a given chain and split (an equal split, a split in use) under the same model."""
     if len(stages) != len(spans):
         raise ValueError(f"{len(stages)} stages but {len(spans)} spans")
     shapes = batching if isinstance(batching, Shapes) else Shapes.from_batching(batching, len(stages))
-    return _CostModel(stages, model, shapes, options, job, network).estimate(stages, spans)
+    return _CostModel(stages, model, shapes, options, job, network, neighbours=neighbours).estimate(stages, spans)
 
 
 ENUMERATION_LIMIT = 4000  # candidate chains x splits priced window by window; beyond, improve the DP's answer

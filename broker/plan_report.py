@@ -53,6 +53,24 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def format_chains(plan) -> str:
+    """The grouping of the stages into chains (a broker.chain_plan.ChainsPlan) beside one chain of all:
+    the best grouping found for each number of chains, its predicted tokens/s, and the choice."""
+    lines = ["chains (each holds the whole model; chains work the job side by side):"]
+    for grouping in plan.best_by_count:
+        mark = "*" if grouping is plan.chosen else " "
+        groups = " | ".join(" -> ".join(group) for group in grouping.groups)
+        lines.append(f" {mark} {grouping.chains} chain(s): {grouping.tokens_per_s:8.1f} tok/s predicted   {groups}")
+    if plan.gain is not None and plan.chosen.chains > 1:
+        lines.append(f"chosen: {plan.chosen.chains} chains, {plan.gain:.2f}x one chain of all stages predicted; "
+                     f"`layerbus run --chains {plan.chosen.chains}` deals local stages into that many chains in order")
+    else:
+        lines.append(f"chosen: {plan.chosen.chains} chain(s)")
+    if plan.search != "every grouping":
+        lines.append(f"search: {plan.search}")
+    return "\n".join(lines)
+
+
 def explain_stage(stage: StagePlacement, plan: Plan, quality: QualityTable = BUILT_IN_QUALITY) -> str:
     """Why this stage holds what it holds and leaves the rest of its memory unused."""
     parts = (f"{stage.name}: budget {size(stage.memory_budget)} = weights {size(stage.weight_bytes)} in "

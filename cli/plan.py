@@ -46,6 +46,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="prompt tokens per generated token in the workload (default: 1)")
     parser.add_argument("--keep-order", action="store_true", help="keep the stages in the given order")
     parser.add_argument("--keep-all", action="store_true", help="give every stage layers, even a slow one")
+    parser.add_argument("--chains", metavar="K", type=non_negative_int, default=0,
+                        help="chains the stages form, each holding the whole model and working the job beside the "
+                             "others (default: 0 = the number predicted fastest, shown beside one chain of all)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--explain", action="store_true",
                         help="show per stage why it does not use all its memory (weights, KV, workspace, reserve), "
@@ -101,20 +104,45 @@ def main(args: argparse.Namespace) -> int:
         lambda chosen: plan_placement(profiles, memory, Shapes.from_batching(chosen, count), options,
                                       network=network),
         reserve_fraction=options.reserve_fraction)
+    chains = _plan_chains(profiles, memory, batching, options, network, args.chains)
     if args.json:
-        report = plan.to_json()
+        report = dict(plan.to_json(), chains=chains.to_json())
         for stage in report["chosen"]["stages"]:
             cost = quality.formats.get(stage["weights"])
             stage["quality_vs_float32"] = (None if cost is None or stage["weights"] == "fp32" else
                                            {"mean_kl": cost[0], "same_top": cost[1], "source": quality.source})
         print(json.dumps(dict(report, batching_reasons=list(sizing.reasons)), indent=2))
     else:
+        from layerbus.broker.plan_report import format_chains
+
         print(format_plan(plan))
+        print(format_chains(chains))
         if args.explain:
             print("batch sizes:")
             print("\n".join(f"  {reason}" for reason in sizing.reasons))
             print(format_explain(plan, quality))
     return EXIT_OK
+
+
+def _plan_chains(profiles, memory, batching, options, network, chains: int):
+    """The grouping of the stages into chains (broker/chain_plan.py), each chain's batch sizes chosen from
+    its own stages' profiles, as that chain's broker would."""
+    from layerbus.broker.batch_sizing import choose_by_plan
+    from layerbus.broker.chain_plan import ChainPlanOptions, plan_chains
+    from layerbus.broker.placement import PlacementError, Shapes, plan_placement
+
+    def plan_one(group, neighbours):
+        count = len(group)
+        return choose_by_plan(
+            batching, count, group, memory,
+            lambda chosen: plan_placement(group, memory, Shapes.from_batching(chosen, count), options,
+                                          network=network, neighbours=neighbours),
+            reserve_fraction=options.reserve_fraction)[1]
+
+    try:
+        return plan_chains(profiles, plan_one, ChainPlanOptions(chains=chains))
+    except PlacementError as error:
+        raise UsageError(f"--chains {chains}: {error}") from None
 
 
 def _quality_table(path: Path | None, model_name: str):

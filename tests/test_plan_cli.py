@@ -167,3 +167,22 @@ def test_a_bad_quality_report_is_refused_before_any_profiling(tmp_path, capsys, 
     code, _, err = run_plan(capsys, model_dir, "--stages", "2", "--quality", str(report))
     assert code == 2
     assert message in err and "quality" in err
+
+
+def test_plan_shows_the_chains_the_stages_form_beside_one_chain(tmp_path, capsys, model_dir) -> None:
+    # Four alike stages on machines of their own, each able to hold the tiny model alone: one chain of
+    # four, two of two, ... are each priced; the choice is marked and comes with its gain over one chain.
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"stages": [{"name": f"s{i}", "speed": 1, "memory": 2**26, "host": f"box{i}"}
+                                           for i in range(4)]}))
+    code, out, _ = run_plan(capsys, model_dir, "--cluster", str(path), "--json")
+    assert code == 0
+    chains = json.loads(out)["chains"]
+    assert [row["chains"] for row in chains["by_count"]] == [1, 2, 3, 4]
+    assert chains["single"]["chains"] == 1 and chains["chosen"]["tokens_per_s"] >= chains["single"]["tokens_per_s"]
+    assert sorted(name for group in chains["chosen"]["groups"] for name in group) == ["s0", "s1", "s2", "s3"]
+    code, out, _ = run_plan(capsys, model_dir, "--cluster", str(path), "--chains", "2")
+    assert code == 0
+    assert "chains (each holds the whole model" in out and " * 2 chain(s):" in out and "chosen: 2 chains" in out
+    code, _, err = run_plan(capsys, model_dir, "--cluster", str(path), "--chains", "5")
+    assert code != 0 and "--chains 5" in err and "use --chains 4 or fewer" in err
