@@ -22,7 +22,7 @@ from layerbus.broker.link_probing import LinkProbeConfig, MeasuredLink, probe_li
 from layerbus.broker.network import HostLinks, Link, LinkMatrix, live_matrix
 from layerbus.broker.partition import model_cost_from_config
 from layerbus.broker.pipeline import Pipeline, PipelineConfig
-from layerbus.broker.placement import PlacementError, Plan, PlanOptions, StageProfile, estimate_split
+from layerbus.broker.placement import PlacementError, Plan, PlanOptions, StageProfile, estimate_split, plan_placement
 from layerbus.broker.batch_sizing import choose_batching, choose_by_plan
 from layerbus.broker.plan_report import format_link_matrix, format_plan, format_prediction, prediction_report
 from layerbus.broker.planning import (
@@ -224,18 +224,7 @@ class Broker:
             return unplanned_spans(self.config.partition, names, self.model.files.num_layers,
                                    model_cost_from_config(self.model.files.config))
         inputs = self._plan_inputs(stages)
-        missing = set(unprofiled(names, self.profiles))
-        # Timed at the sizes asked for, or (left to choose) at the defaults: the fitted costs price any other.
-        requested = self.requested_batching
-        rows = self.batching.micro_batch_size if requested.num_slots or requested.micro_batch_size else 32
-        measured = collect_profiles(self.control, [s for s in stages if s.name in missing], str(self.model.path),
-                                    inputs.memory, rows, requested.max_step_tokens or 256,
-                                    self.max_context, self.config.profiling, self.config.weights) if missing else []
-        # Each profile carries the format its stage was asked for: the planner sizes its weights in it.
-        requested = {stage.name: stage.own_weights or self.config.weights for stage in stages}
-        self.profiles = tuple(replace(p, weights=requested.get(p.name, p.weights))
-                              for p in profiles_of(names, self.profiles + tuple(measured)))  # in chain-name order
-        self.time_links(stages)
+        measured = self.profile(stages)
         plan = None
         if measured and self.placement is None and self.requested_batching.chosen_by_broker:
             # Chosen once, with the first profiles: the stages size their KV caches for these slots.
@@ -246,6 +235,44 @@ class Broker:
         for line in format_plan(plan).splitlines():
             log.info("%s", line)
         return planned(plan)
+
+    def profile(self, stages: list[StageInfo]) -> bool:
+        """Measure the stages not profiled yet and time the links not timed yet (what placing them
+        starts with); `self.profiles` then holds every stage's, in name order, each carrying the weight
+        format its stage was asked for (the planner sizes its weights in it). True when some were measured."""
+        stages = sorted(stages, key=lambda s: s.name)
+        names = [stage.name for stage in stages]
+        missing = set(unprofiled(names, self.profiles))
+        # Timed at the sizes asked for, or (left to choose) at the defaults: the fitted costs price any other.
+        requested = self.requested_batching
+        rows = self.batching.micro_batch_size if requested.num_slots or requested.micro_batch_size else 32
+        memory = model_memory(self.model.files, stages[0].dtype)
+        measured = collect_profiles(self.control, [s for s in stages if s.name in missing], str(self.model.path),
+                                    memory, rows, requested.max_step_tokens or 256,
+                                    self.max_context, self.config.profiling, self.config.weights) if missing else []
+        formats = {stage.name: stage.own_weights or self.config.weights for stage in stages}
+        self.profiles = tuple(replace(p, weights=formats.get(p.name, p.weights))
+                              for p in profiles_of(names, self.profiles + tuple(measured)))
+        self.time_links(stages)
+        return bool(measured)
+
+    def chain_planner(self, stages: list[StageInfo]) -> Callable[[list[StageProfile], tuple], Plan]:
+        """A planner of one chain over some of `stages` (profiled), beside other chains' stages, with the
+        batch sizes this broker would choose for that chain: what broker.chain_plan prices each grouping
+        with. Pure once made: it touches no socket."""
+        inputs = self._plan_inputs(stages)
+        workload = self.config.workload
+
+        def plan_one(group, neighbours) -> Plan:
+            def plan_for(batching: BatchingConfig) -> Plan:
+                job = job_shape(workload, batching) if workload is not None and workload.items else None
+                return plan_placement(group, inputs.memory, batching, inputs.options, job, inputs.network, neighbours)
+
+            return choose_by_plan(self.requested_batching, len(group), group, inputs.memory, plan_for,
+                                  workload.items if workload else None, mean_decode_context(workload),
+                                  self.config.plan_options.reserve_fraction)[1]
+
+        return plan_one
 
     def _heartbeating(self, compute: Callable[[], T]) -> T:
         """`compute()` (pure planning) on a thread of its own while this one keeps the stages' heartbeats

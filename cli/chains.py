@@ -56,7 +56,8 @@ def chain_runs(chains: list[ChainStages], db_url: str, job_id: str, config: Brok
             chain=chain, db_url=db_url, job_id=job_id,
             config=replace(config, num_stages=chain.count),
             options=replace(options, first_stage=chain.first, stage_args=stage_args, threads_per_stage=threads),
-            results_dir=results_dir, leases=leases, log_path=log_dir / f"chain-{chain.index + 1}.log",
+            results_dir=results_dir, leases=replace(leases, peers=max(leases.peers, len(chains))),
+            log_path=log_dir / f"chain-{chain.index + 1}.log",
             start_timeout_s=config.register_timeout_s))
     return runs
 

@@ -50,13 +50,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--job", metavar="JOB", default=None, help="run (or resume) this queued or interrupted job")
     add_job_options(parser)
     parser.add_argument("--stages", metavar="N", type=positive_int, default=3, help="stage processes (default: 3)")
-    parser.add_argument("--chains", metavar="K", type=int, default=1,
+    parser.add_argument("--chains", metavar="K", type=chains_count, default=1,
                         help="pipelines working the job side by side: the N stages are dealt into K chains in order "
                              "(N/K stages each, the first chains take the remainder), each driven by a broker process "
                              "of its own; items are leased, so each is done once, and a chain that loses a stage "
                              "re-plans or leaves its items to the others. Each chain's broker logs to "
-                             "chain-1.log, chain-2.log, ... beside the stage logs. 1 to N (default: 1: one chain "
-                             "of all N stages)")
+                             "chain-1.log, chain-2.log, ... beside the stage logs. 1 to N, or 'auto': the stages "
+                             "are profiled first and the planner chooses K and each chain's size, as `layerbus plan "
+                             "--stages N` shows (default: 1: one chain of all N stages)")
     parser.add_argument("--threads-per-stage", metavar="N", type=non_negative_int, default=0,
                         help="torch threads per stage (default: this machine's cores shared evenly)")
     add_cluster_options(parser)
@@ -141,8 +142,9 @@ def run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.Na
                           link_probe=link_probe_from_args(args))
     options = LocalStageOptions(threads_per_stage=args.threads_per_stage, log_dir=log_dir,
                                 stage_args=stage_budgets(args))
-    if getattr(args, "chains", 1) > 1:  # `eval run` shares this function and has no --chains
-        return _run_chains(job_id, config, options, args, log_dir)
+    chains = _chains(job_id, args, config, options, log_dir)
+    if len(chains) > 1:
+        return _run_chains(job_id, chains, config, options, args, log_dir)
     print(f"layerbus: running {job_id} on {args.stages} local stage(s); stage logs in {log_dir}", file=sys.stderr)
     if metrics is not None:
         metrics.watch_job(store, job_id)
@@ -161,10 +163,31 @@ def run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.Na
         report_trace(trace)  # written by the broker as it closes, whatever the run's end
 
 
+AUTO_CHAINS = "auto"  # --chains auto: the planner chooses
+
+
+def chains_count(text: str) -> int | str:
+    """--chains K: a whole number, or 'auto' (AUTO_CHAINS)."""
+    if text.strip().lower() == "auto":
+        return AUTO_CHAINS
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of chains: give 1 to --stages, or auto") from None
+
+
 def check_chains(args: argparse.Namespace) -> None:
     """--chains K against --stages N, and the options that serve one broker only."""
     from layerbus.jobs.chain_split import chains_error
 
+    if args.chains == AUTO_CHAINS:
+        if args.partition != "planned":
+            raise UsageError(f"--chains auto chooses from the stages' profiles, which --partition {args.partition} "
+                             "does not use: drop --partition, or pin --chains K")
+        if args.metrics is not None or args.trace is not None:
+            raise UsageError("--metrics and --trace serve one broker, and --chains auto may choose several: pin "
+                             "--chains 1 to use them")
+        return
     error = chains_error(args.stages, args.chains)
     if error is not None:
         raise UsageError(error)
@@ -180,23 +203,46 @@ def _longest_chain(args: argparse.Namespace) -> int:
     """Stages in the longest chain: each chain must find a layer for every one of its stages."""
     from layerbus.jobs.chain_split import split_stages
 
-    return max(chain.count for chain in split_stages(args.stages, getattr(args, "chains", 1)))
+    chains = getattr(args, "chains", 1)
+    return max(chain.count for chain in split_stages(args.stages, chains if chains != AUTO_CHAINS else 1))
 
 
-def _run_chains(job_id: str, config: BrokerConfig, options: LocalStageOptions, args: argparse.Namespace,
-                log_dir: Path) -> JobStatus:
-    """run_locally with --chains K > 1: K chain processes, each a broker over its share of the stages, each
-    opening the store itself from --db."""
-    from layerbus.cli.chains import chain_runs, run_chains
+def _chains(job_id: str, args: argparse.Namespace, config: BrokerConfig, options: LocalStageOptions,
+            log_dir: Path) -> list:
+    """The chains the run forms (jobs.chain_split.ChainStages each): --chains K dealt in order, or under
+    --chains auto the planner's choice over the profiled stages. One chain: the plain run."""
     from layerbus.jobs.chain_split import split_stages
+
+    chains = getattr(args, "chains", 1)  # `eval run` shares run_locally and has no --chains
+    if chains != AUTO_CHAINS:
+        return split_stages(args.stages, chains)
+    from layerbus.broker.control import ClusterError
+    from layerbus.broker.placement import PlacementError
+    from layerbus.cli.chain_choice import chains_of, choose_local_chains, describe
+
+    kept = f"the job keeps what it has done: `layerbus run --job {job_id}` runs it"
+    try:
+        plan = choose_local_chains(config, options)
+    except ClusterError as error:
+        raise RunFailed(f"--chains auto could not profile the stages: {error}\nstage logs: {log_dir}; {kept}") from None
+    except PlacementError as error:
+        raise RunFailed(f"--chains auto: {error}\n{kept}") from None
+    print(describe(plan), file=sys.stderr)
+    return chains_of(plan)
+
+
+def _run_chains(job_id: str, chains: list, config: BrokerConfig, options: LocalStageOptions,
+                args: argparse.Namespace, log_dir: Path) -> JobStatus:
+    """run_locally with several chains (jobs.chain_split.ChainStages each): a chain process each, a broker
+    over its share of the stages, each opening the store itself from --db."""
+    from layerbus.cli.chains import chain_runs, run_chains
     from layerbus.storage import default_db_url
 
-    chains = split_stages(args.stages, args.chains)
     runs = chain_runs(chains, args.db or default_db_url(), job_id, config, options, results_dir(),
                       leases_from_args(args), log_dir)
     shares = ", ".join(f"{chain.label}: stage-{chain.first}..stage-{chain.first + chain.count - 1}"
                        if chain.count > 1 else f"{chain.label}: stage-{chain.first}" for chain in chains)
-    print(f"layerbus: running {job_id} on {args.stages} local stage(s) in {args.chains} chains ({shares}); stage "
+    print(f"layerbus: running {job_id} on {args.stages} local stage(s) in {len(chains)} chains ({shares}); stage "
           f"logs and each chain's broker log (chain-I.log) in {log_dir}", file=sys.stderr)
     try:
         with stop_on_signals():

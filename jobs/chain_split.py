@@ -7,6 +7,7 @@ its name (stage-i), its log (stage-i.log) and its i-th --memory-budget whichever
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,17 @@ def split_stages(stages: int, chains: int) -> list[ChainStages]:
     out, first = [], 0
     for index in range(chains):
         count = base + (1 if index < extra else 0)
+        out.append(ChainStages(index, first, count))
+        first += count
+    return out
+
+
+def split_sizes(sizes: Sequence[int]) -> list[ChainStages]:
+    """Consecutive chains of these sizes, in order (the planner's grouping of alike stages)."""
+    if not sizes or any(size < 1 for size in sizes):
+        raise ValueError(f"every chain needs at least one stage, got sizes {list(sizes)}")
+    out, first = [], 0
+    for index, count in enumerate(sizes):
         out.append(ChainStages(index, first, count))
         first += count
     return out

@@ -59,8 +59,14 @@ class LeaseConfig:
     # Seconds between renewals (and sweeps for other holders' expired items); 0 = a twelfth of the
     # lease, at least 0.1 s and at most 5 s. Must be well under lease_s.
     renew_every_s: float = 0.0
+    # Brokers expected to work the job at once (the chains of one `layerbus run --chains K`): each claims
+    # at most an even share of what is still queued (jobs/claim_share.py), even before the others have
+    # registered. Brokers found working the job in the store count too, whatever this says.
+    peers: int = 1
 
     def __post_init__(self) -> None:
+        if self.peers < 1:
+            raise ValueError(f"peers={self.peers!r}: at least this broker works the job (1 or more)")
         if not self.lease_s > 0:
             raise ValueError(f"lease of {self.lease_s!r} s: a lease must last a positive number of seconds "
                              f"(default {DEFAULT_LEASE_S:g})")

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from layerbus.broker.control import ClusterError
 from layerbus.broker.requests import GenerationRequest, GenerationResult, ScoreRequest
+from layerbus.jobs.claim_share import fair_claim
 from layerbus.jobs.constraints import constraint_of
 from layerbus.jobs.finalization import all_failed_message, finish_job  # noqa: F401 (all_failed_message: re-exported)
 from layerbus.jobs.item_params import ADD_SPECIAL_TOKENS_KEY, PROMPT_IDS_KEY
@@ -68,9 +69,13 @@ class StoreSource:
     """A RequestSource over a job's queued items: each fetch claims just what the broker asks for."""
 
     def __init__(self, store: JobStore, job_id: str, tokenizer: Any, settings: JobSettings, worker_name: str,
-                 lease_s: float = LeaseConfig().lease_s):
+                 lease_s: float = LeaseConfig().lease_s, peers: int = 1, clock: Callable[[], float] = time.monotonic):
         self.store, self.job_id, self.tokenizer, self.settings = store, job_id, tokenizer, settings
         self.worker_name, self.lease_s = worker_name, lease_s
+        # Brokers working the job beside this one: each claim takes at most an even share of the queue
+        # (jobs/claim_share.py). `peers` expected; the store's working brokers looked up now and then.
+        self.peers, self.clock = peers, clock
+        self._workers_seen: tuple[float, int] | None = None  # (when, working brokers in the store)
         # Claimed items whose results are not yet in the store: item_id -> item. StoreSink removes an
         # item once its result is committed; whatever is left when a run ends goes back to the store.
         self.outstanding: dict[int, ClaimedItem] = {}
@@ -91,6 +96,12 @@ class StoreSource:
         if len(self._unsent) < limit and not self._exhausted:
             # Enough items for the samples asked for, at the samples per item seen so far.
             wanted = math.ceil((limit - len(self._unsent)) / self._samples_per_item)
+            workers = self._workers()
+            if workers > 1:
+                counts = self.store.job_status(self.job_id)
+                wanted = fair_claim(wanted, counts.queued, counts.in_progress, len(self.outstanding), workers)
+                if wanted == 0:  # its share is in hand: the others take the rest
+                    return [self._unsent.popleft() for _ in range(min(limit, len(self._unsent)))]
             claimed = self.store.claim_items(self.job_id, self.worker_name, wanted, lease_s=self.lease_s)
             if not claimed:  # nothing queued, or the job stopped handing out work (cancelled, ...)
                 self._exhausted = True
@@ -106,6 +117,19 @@ class StoreSource:
             if claimed:  # the next claim expects the samples per item these had (items' own n may differ)
                 self._samples_per_item = max(1, round(requests / len(claimed)))
         return [self._unsent.popleft() for _ in range(min(limit, len(self._unsent)))]
+
+    WORKERS_REFRESH_S = 5.0  # how often the store's list of brokers working the job is read again
+
+    def _workers(self) -> int:
+        """Brokers working the job now, this one included: those the store lists working (renewed within
+        their lease); the expected peers while fewer than that have registered (still starting)."""
+        now = self.clock()
+        if self._workers_seen is None or now - self._workers_seen[0] >= self.WORKERS_REFRESH_S:
+            at = datetime.now(timezone.utc)
+            workers = self.store.job_workers(self.job_id)
+            working = sum(1 for w in workers if w.state_at(at) == "working")
+            self._workers_seen = (now, self.peers if len(workers) < self.peers else working)
+        return max(1, self._workers_seen[1])
 
     def requests_for(self, item: ClaimedItem) -> list[GenerationRequest | ScoreRequest]:
         """The item's requests: one per sample (jobs/samples.py), sample 0 exactly request_for's."""
@@ -487,7 +511,7 @@ def _run_rounds(store: JobStore, job_id: str, broker: Runner, writer: ResultWrit
         if progress is not None:
             progress.reset(total=status.total)
             progress.update(status.completed + status.failed + status.cancelled)
-        source = StoreSource(store, job_id, tokenizer, settings, worker_name, leases.lease_s)
+        source = StoreSource(store, job_id, tokenizer, settings, worker_name, leases.lease_s, peers=leases.peers)
         sink = StoreSink(store, writer, source.outstanding, progress=progress, holder=worker_name,
                          job_extra=settings.extra)
         watch = CancelWatch(store, job_id, poll_cancel_s)

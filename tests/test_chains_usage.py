@@ -67,3 +67,41 @@ def test_a_chains_events_and_worker_record_name_the_chain(tmp_path: Path):
         assert store.job_events(job_id)[-1].message == "chain 2: stage stage-3 lost"
         assert store.job_workers(job_id)[0].chain == "chain 2: stage-2 [0, 4)"
         assert chain.job_status(job_id).total == 1, "everything else is the store's own"
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--chains", "auto", "--partition", "balanced"], ["--chains auto", "--partition balanced", "pin --chains K"]),
+    (["--chains", "auto", "--metrics", "0"], ["--metrics and --trace serve one broker", "--chains 1"]),
+    (["--chains", "AUTO", "--trace", "t.json"], ["--metrics and --trace serve one broker"]),
+])
+def test_chains_auto_refuses_what_it_cannot_serve_before_anything_is_queued(tmp_path: Path, capsys, monkeypatch,
+                                                                            args, named):
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "jobs.db"
+    code = layerbus_main(["run", "in.jsonl", "--task", "summarize", "--stages", "2", "--db", f"sqlite:///{db}", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and all(part in err for part in named), err
+    assert not db.exists()
+
+
+def test_a_chain_count_that_is_no_number_names_the_choices(capsys):
+    with pytest.raises(SystemExit) as ended:
+        layerbus_main(["run", "in.jsonl", "--task", "summarize", "--chains", "two"])
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and "'two' is not a number of chains" in err and "or auto" in err, err
+
+
+def test_the_planner_s_chains_are_dealt_in_order_with_its_sizes():
+    from layerbus.cli.chain_choice import chains_of, dealt_as_planned
+    from tests.test_chain_plan import HALF_MODEL_BUDGET, plan_one, stage
+    from layerbus.broker.chain_plan import ChainPlanOptions, plan_chains
+
+    alike = [stage(f"stage-{i}", overhead=0.05, budget=HALF_MODEL_BUDGET) for i in range(4)]
+    plan = plan_chains(alike, plan_one, ChainPlanOptions(chains=2))
+    assert [(c.first, c.count) for c in chains_of(plan)] == [(0, 2), (2, 2)] and dealt_as_planned(plan)
+    # stage-0 and stage-1 slow, stage-2 and stage-3 fast: the planner pairs a fast one with a slow one
+    mixed = [stage(f"stage-{i}", layer=0.03 if i < 2 else 0.01, overhead=0.05, budget=HALF_MODEL_BUDGET)
+             for i in range(4)]
+    plan = plan_chains(mixed, plan_one, ChainPlanOptions(chains=2))
+    assert [(c.first, c.count) for c in chains_of(plan)] == [(0, 2), (2, 2)]
+    assert not dealt_as_planned(plan), plan.chosen.groups

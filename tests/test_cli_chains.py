@@ -5,6 +5,7 @@ in one chain leaves the other chain completing items while the hit one gives up 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -233,3 +234,18 @@ def _is_chain_process(pid: int, run_pid: int) -> bool:
         return parent == run_pid and os.readlink(f"/proc/{pid}/fd/2").rsplit("/", 1)[-1].startswith("chain-")
     except (OSError, IndexError, ValueError):
         return False
+
+
+def test_chains_auto_profiles_the_stages_and_runs_the_planner_s_choice(tmp_path, corpus, model, one_stage_outputs):
+    """--chains auto: the stages are profiled once, the planner's choice is said on stderr and run; whatever
+    it chose, the outputs are the one-stage run's and every item is done once."""
+    home, db = tmp_path / "home", f"sqlite:///{tmp_path / 'jobs.db'}"
+    planned = [arg for arg in RUN_ARGS if arg not in ("--partition", "equal")]  # auto plans from the profiles
+    done = layerbus(home, "run", corpus, "--model", model, "--db", db, "--stages", "2", "--chains", "auto",
+                    *JOB_ARGS, *planned, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
+    chosen = re.search(r"--chains auto: (\d) chain\(s\) \(([^)]*)\), [0-9.]+ tok/s predicted", done.stderr)
+    assert chosen, done.stderr
+    status = assert_each_item_once_with(one_stage_outputs, home, db, JOB_ID.search(done.stdout).group())
+    if chosen.group(1) == "2":
+        assert "in 2 chains" in done.stderr and all(items_done_by_chain(status).values())

@@ -202,3 +202,36 @@ def test_a_broker_left_without_stages_stops_after_its_grace_only_beside_a_workin
     clock.now += 2
     assert watch() and watch.left and "no stage for 11 s" in watch.reason
     assert recorded == ["stage_lost", "waiting", "recovered", "waiting"], "every event is passed on"
+
+
+@pytest.mark.parametrize("wanted, queued, in_flight, held, workers, claimed", [
+    (40, 60, 0, 0, 1, 40),  # alone: what the slots and the waiting line take
+    (96, 60, 0, 0, 2, 30),  # two brokers: an even share, not the whole of a small job
+    (96, 30, 30, 30, 2, 0),  # its share in hand, the other's still queued: nothing more
+    (12, 60, 0, 0, 2, 12),  # fewer wanted than the share: what is wanted
+    (10, 20, 20, 10, 2, 10),  # it finished its first items: its share grows back to half of what is left
+    (10, 5, 0, 0, 3, 2),  # rounded up
+    (10, 1, 3, 0, 4, 1),  # holding none, it still takes one
+    (0, 60, 0, 0, 2, 0),  # nothing wanted, nothing claimed
+])
+def test_a_broker_beside_others_holds_an_even_share_of_what_is_not_done(wanted, queued, in_flight, held, workers,
+                                                                       claimed):
+    from layerbus.jobs.claim_share import fair_claim
+
+    assert fair_claim(wanted, queued, in_flight, held, workers) == claimed
+
+
+def test_brokers_working_the_job_bound_what_each_claims(store, tokenizer):
+    job_id = queue_job(store, 12)
+    settings = store.job_settings(job_id)
+    first = StoreSource(store, job_id, tokenizer, settings, "a:1:aa", peers=2)
+    assert len(first.fetch(12)) == 6, "two chains expected: half of the 12, before the other registers"
+    assert first.fetch(12) == [] and not first.exhausted, "its share in hand: nothing now, more may come later"
+    assert len(first.outstanding) == 6
+    store.register_worker(job_id, "a:1:aa", "a")
+    store.register_worker(job_id, "b:2:bb", "b")
+    second = StoreSource(store, job_id, tokenizer, settings, "b:2:bb")  # peers=1, but the store lists two working
+    assert len(second.fetch(12)) == 6, "the other half"
+    store.set_worker_state(job_id, "b:2:bb", "stopped")
+    queue_more = StoreSource(store, job_id, tokenizer, settings, "c:3:cc")
+    assert queue_more.fetch(12) == [], "nothing queued"
