@@ -9,10 +9,11 @@ planner's groups are consecutive too (recorded as groups_are_consecutive).
 
 SmolLM2-135M, four local stages with one thread each at --emulate-speed F (each stage sleeps so that it uses
 at most F of a core: four fit this machine's two cores), dense work (bench/corpus.py's story prompts, whose
-answers run to the token limit), greedy. Both runs go through the code `layerbus run` uses: run_job_locally
-for one chain, cli/chains.py for two (one broker process per chain). Both use --partition balanced
-(layers by FLOPs), so every stage holds a span in either shape, and the same micro-batch size; the number of
-micro-batches in flight is each broker's own default (stages + 1). tokens/s is the job's own figure, as
+answers run to the token limit), greedy. The runs go through the code `layerbus run` uses: run_job_locally
+for one chain, cli/chains.py for several (one broker process per chain). Each chain's broker plans its
+chain as `layerbus run` does, every stage kept (so one chain of four uses all four), with the same
+micro-batch size; the number of micro-batches in flight is each broker's own choice. Each chain's
+broker's own prediction (its "placed" event) is tabled beside the `layerbus plan` one. tokens/s is the job's own figure, as
 `layerbus status` shows it: generated tokens over the time from the job's start (its first claim, once every
 chain is placed) to its end; start-up (imports, loading, profiling) is reported apart. The issue's target is
 >= 1.6x for the planner's choice against one chain of four, within 15% of its prediction.
@@ -82,6 +83,7 @@ def planner_choice(args: argparse.Namespace, model_dir: Path, ratio: float) -> d
 def run(chains: int, args: argparse.Namespace, model_dir: Path, corpus: Path, home: Path) -> dict:
     """One job on 4 emulated stages in `chains` chains; its figures and outputs."""
     from layerbus.broker.broker import BrokerConfig
+    from layerbus.broker.placement import PlanOptions
     from layerbus.broker.local_cluster import LocalStageOptions
     from layerbus.broker.scheduler import BatchingConfig
     from layerbus.jobs.chain_split import split_stages
@@ -97,7 +99,10 @@ def run(chains: int, args: argparse.Namespace, model_dir: Path, corpus: Path, ho
     job_id = submit(corpus, model_dir, db)
     started = time.perf_counter()
     with JobStore.open(db) as store:
-        config = BrokerConfig(str(model_dir), args.stages, partition="balanced",
+        # Planned as `layerbus run` plans, every stage kept (as `plan --keep-all` priced them): each chain's
+        # broker then prices its own chain, and its "placed" event carries that prediction.
+        config = BrokerConfig(str(model_dir), args.stages, partition="planned",
+                              plan_options=PlanOptions(allow_drop=False),
                               batching=BatchingConfig(micro_batch_size=args.micro_batch_size,
                                                       max_context=args.max_context),
                               workload=job_workload(store, job_id, load_tokenizer(model_dir)))
@@ -114,10 +119,13 @@ def run(chains: int, args: argparse.Namespace, model_dir: Path, corpus: Path, ho
         workers = store.job_workers(job_id)
         events = [(e.kind, e.message) for e in store.job_events(job_id)]
     rows = read_results(Path(status.results_path)).to_pylist()
-    return {"chains": chains, "job_id": job_id, "tok_s": status.tokens_per_s,
+    placed = [message for kind, message in events if kind == "placed"]
+    # Each chain broker's own prediction for its chain ("... (planned; predicted 47.7 tok/s)"), summed
+    brokers_predicted = sum(float(m) for message in placed for m in re.findall(r"predicted ([0-9.]+) tok/s", message))
+    return {"chains": chains, "job_id": job_id, "tok_s": status.tokens_per_s, "brokers_predicted_tok_s": brokers_predicted,
             "completion_tokens": status.completion_tokens,
             "job_s": status.completion_tokens / status.tokens_per_s, "wall_s_with_startup": wall,
-            "placed": [message for kind, message in events if kind == "placed"],
+            "placed": placed,
             "workers": [{"chain": w.chain, "items_done": w.items_done, "tok_s": w.tokens_per_s} for w in workers],
             "broker_cpu": _broker_cpu(stage_log_dir(job_id)),
             "outputs": {row["custom_id"]: row["output"] for row in rows}}
@@ -165,12 +173,15 @@ def main() -> None:
         rows[chains] = run(chains, args, model_dir, corpus, home)
         rows[chains]["predicted_tok_s"] = predicted[chains]
         rows[chains]["measured_over_predicted"] = rows[chains]["tok_s"] / predicted[chains] - 1
+        if rows[chains]["brokers_predicted_tok_s"]:
+            rows[chains]["measured_over_brokers_predicted"] = (rows[chains]["tok_s"]
+                                                               / rows[chains]["brokers_predicted_tok_s"] - 1)
         rows[chains]["planner_choice"] = chains == choice["chains"]
     one, two = rows[1], rows[choice["chains"]]
     same = all(row["outputs"] == one["outputs"] for row in rows.values())
     report = {"model": str(model_dir), "items": args.items, "max_new_tokens": args.max_new_tokens,
               "stages": args.stages, "emulate_speed": args.emulate_speed, "micro_batch_size": args.micro_batch_size,
-              "partition": "balanced", "cpu_count": os.cpu_count(), "prompt_tokens_per_new_token": ratio,
+              "partition": "planned, every stage kept", "cpu_count": os.cpu_count(), "prompt_tokens_per_new_token": ratio,
               "planner": choice, "groups_are_consecutive": consecutive, "outputs_identical": same,
               "speedup": two["tok_s"] / one["tok_s"], "predicted_speedup": two["predicted_tok_s"] / one["predicted_tok_s"],
               "two_chains_speedup": rows[2]["tok_s"] / one["tok_s"],
@@ -180,15 +191,16 @@ def main() -> None:
     print(f"\n{args.items} story prompts, up to {args.max_new_tokens} new tokens each, greedy; {args.stages} stages at "
           f"--emulate-speed {args.emulate_speed}, one thread each; micro-batches of {args.micro_batch_size}; "
           f"{os.cpu_count()} cores")
-    print("| shape | chains (stage spans) | generated tokens | job s | tok/s | predicted tok/s | measured vs "
-          "predicted | start-up + job s | items per chain |")
+    print("| shape | chains (stage spans) | generated tokens | job s | tok/s | predicted tok/s (plan; brokers) | "
+          "measured vs predicted | start-up + job s | items per chain |")
     print("|---|---|---|---|---|---|---|---|---|")
     for row in rows.values():
         shape = f"{row['chains']} chain(s) of {args.stages // row['chains']}" + (" (planner)" if row["planner_choice"] else "")
         spans = "; ".join(message.split(" (")[0] for message in row["placed"])
         per_chain = ", ".join(str(w["items_done"]) for w in row["workers"])
         print(f"| {shape} | {spans} | {row['completion_tokens']} | {row['job_s']:.1f} | {row['tok_s']:.1f} | "
-              f"{row['predicted_tok_s']:.1f} | {100 * row['measured_over_predicted']:+.0f}% | "
+              f"{row['predicted_tok_s']:.1f}; {row['brokers_predicted_tok_s']:.1f} | "
+              f"{100 * row['measured_over_predicted']:+.0f}% | "
               f"{row['wall_s_with_startup']:.1f} | {per_chain} |")
     print(f"| planner's choice / 1x{args.stages} | | | | {report['speedup']:.2f}x (target 1.6x) | "
           f"{report['predicted_speedup']:.2f}x | | | |")
