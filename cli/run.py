@@ -222,7 +222,12 @@ def _chains(job_id: str, args: argparse.Namespace, config: BrokerConfig, options
 
     kept = f"the job keeps what it has done: `layerbus run --job {job_id}` runs it"
     try:
-        plan = choose_local_chains(config, options)
+        with stop_on_signals():
+            plan = choose_local_chains(config, options)
+    except Interrupted as interrupted:
+        print(f"layerbus: stopped by {interrupted} while choosing the chains, before any item was claimed: `layerbus run --job "
+              f"{job_id}` runs it", file=sys.stderr)
+        raise
     except ClusterError as error:
         raise RunFailed(f"--chains auto could not profile the stages: {error}\nstage logs: {log_dir}; {kept}") from None
     except PlacementError as error:
