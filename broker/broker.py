@@ -22,13 +22,14 @@ from layerbus.broker.link_probing import LinkProbeConfig, MeasuredLink, probe_li
 from layerbus.broker.network import HostLinks, Link, LinkMatrix, live_matrix
 from layerbus.broker.partition import model_cost_from_config
 from layerbus.broker.pipeline import Pipeline, PipelineConfig
-from layerbus.broker.placement import PlacementError, Plan, PlanOptions, StageProfile, estimate_split, plan_placement
+from layerbus.broker.placement import PlacementError, Plan, PlanOptions, StageProfile, estimate_split
 from layerbus.broker.batch_sizing import choose_batching, choose_by_plan
 from layerbus.broker.plan_report import format_link_matrix, format_plan, format_prediction, prediction_report
 from layerbus.broker.planning import (
     PlanInputs,
     expected_busy_s,
     link_codec_inputs,
+    one_chain_planner,
     plan_chain,
     planned,
     profiles_of,
@@ -258,21 +259,11 @@ class Broker:
 
     def chain_planner(self, stages: list[StageInfo]) -> Callable[[list[StageProfile], tuple], Plan]:
         """A planner of one chain over some of `stages` (profiled), beside other chains' stages, with the
-        batch sizes this broker would choose for that chain: what broker.chain_plan prices each grouping
-        with. Pure once made: it touches no socket."""
+        batch sizes this broker would choose for that chain (planning.one_chain_planner). Pure once made:
+        it touches no socket."""
         inputs = self._plan_inputs(stages)
-        workload = self.config.workload
-
-        def plan_one(group, neighbours) -> Plan:
-            def plan_for(batching: BatchingConfig) -> Plan:
-                job = job_shape(workload, batching) if workload is not None and workload.items else None
-                return plan_placement(group, inputs.memory, batching, inputs.options, job, inputs.network, neighbours)
-
-            return choose_by_plan(self.requested_batching, len(group), group, inputs.memory, plan_for,
-                                  workload.items if workload else None, mean_decode_context(workload),
-                                  self.config.plan_options.reserve_fraction)[1]
-
-        return plan_one
+        return one_chain_planner(self.requested_batching, inputs.memory, inputs.options, inputs.network,
+                                 self.config.workload)
 
     def _heartbeating(self, compute: Callable[[], T]) -> T:
         """`compute()` (pure planning) on a thread of its own while this one keeps the stages' heartbeats

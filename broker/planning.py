@@ -8,7 +8,7 @@ use go in, values come out; measuring, loading spans, logging and events stay in
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 from layerbus.broker.chain import Placement
 from layerbus.broker.drift import Work
@@ -49,6 +49,27 @@ def plan_chain(names: Sequence[str], profiles: Sequence[StageProfile], inputs: P
         return plan_placement(chosen, inputs.memory, inputs.batching, inputs.options, inputs.job, inputs.network)
     except PlacementError as error:
         raise PlacementError(f"cannot place {inputs.model_name}: {error}") from None
+
+
+def one_chain_planner(requested, memory: ModelMemory, options: PlanOptions, network=None,
+                      workload=None) -> Callable[[Sequence[StageProfile], tuple], Plan]:
+    """What broker.chain_plan prices each grouping with: one chain over some stages, beside other chains'
+    stages, with the batch sizes its broker would choose (batch_sizing.choose_by_plan from `requested`,
+    a BatchingConfig, and the job's `workload`, a broker.workload.Workload or None)."""
+    from layerbus.broker.batch_sizing import choose_by_plan
+    from layerbus.broker.workload import job_shape, mean_decode_context
+
+    items = workload.items if workload is not None else None
+
+    def plan_one(group, neighbours) -> Plan:
+        def plan_for(batching) -> Plan:
+            job = job_shape(workload, batching) if items else None
+            return plan_placement(group, memory, batching, options, job, network, neighbours)
+
+        return choose_by_plan(requested, len(group), group, memory, plan_for, items, mean_decode_context(workload),
+                              options.reserve_fraction)[1]
+
+    return plan_one
 
 
 def profiles_of(names: Sequence[str], profiles: Sequence[StageProfile]) -> list[StageProfile]:

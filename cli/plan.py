@@ -127,20 +127,13 @@ def main(args: argparse.Namespace) -> int:
 def _plan_chains(profiles, memory, batching, options, network, chains: int):
     """The grouping of the stages into chains (broker/chain_plan.py), each chain's batch sizes chosen from
     its own stages' profiles, as that chain's broker would."""
-    from layerbus.broker.batch_sizing import choose_by_plan
     from layerbus.broker.chain_plan import ChainPlanOptions, plan_chains
-    from layerbus.broker.placement import PlacementError, Shapes, plan_placement
-
-    def plan_one(group, neighbours):
-        count = len(group)
-        return choose_by_plan(
-            batching, count, group, memory,
-            lambda chosen: plan_placement(group, memory, Shapes.from_batching(chosen, count), options,
-                                          network=network, neighbours=neighbours),
-            reserve_fraction=options.reserve_fraction)[1]
+    from layerbus.broker.placement import PlacementError
+    from layerbus.broker.planning import one_chain_planner
 
     try:
-        return plan_chains(profiles, plan_one, ChainPlanOptions(chains=chains))
+        return plan_chains(profiles, one_chain_planner(batching, memory, options, network),
+                           ChainPlanOptions(chains=chains))
     except PlacementError as error:
         raise UsageError(f"--chains {chains}: {error}") from None
 

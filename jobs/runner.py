@@ -76,6 +76,9 @@ class StoreSource:
         # (jobs/claim_share.py). `peers` expected; the store's working brokers looked up now and then.
         self.peers, self.clock = peers, clock
         self._workers_seen: tuple[float, int] | None = None  # (when, working brokers in the store)
+        # Items held when its share was last found in hand: until it holds fewer, the store is not asked
+        # again (fetch runs every step; its share only grows back as its own items end)
+        self._share_full_at: int | None = None
         # Claimed items whose results are not yet in the store: item_id -> item. StoreSink removes an
         # item once its result is committed; whatever is left when a run ends goes back to the store.
         self.outstanding: dict[int, ClaimedItem] = {}
@@ -96,12 +99,17 @@ class StoreSource:
         if len(self._unsent) < limit and not self._exhausted:
             # Enough items for the samples asked for, at the samples per item seen so far.
             wanted = math.ceil((limit - len(self._unsent)) / self._samples_per_item)
+            held = len(self.outstanding)
+            if self._share_full_at is not None and held >= self._share_full_at:
+                return self._hand_out(limit)  # its share still in hand
             workers = self._workers()
             if workers > 1:
                 counts = self.store.job_status(self.job_id)
-                wanted = fair_claim(wanted, counts.queued, counts.in_progress, len(self.outstanding), workers)
+                wanted = fair_claim(wanted, counts.queued, counts.in_progress, held, workers)
                 if wanted == 0:  # its share is in hand: the others take the rest
-                    return [self._unsent.popleft() for _ in range(min(limit, len(self._unsent)))]
+                    self._share_full_at = held
+                    return self._hand_out(limit)
+            self._share_full_at = None
             claimed = self.store.claim_items(self.job_id, self.worker_name, wanted, lease_s=self.lease_s)
             if not claimed:  # nothing queued, or the job stopped handing out work (cancelled, ...)
                 self._exhausted = True
@@ -116,6 +124,10 @@ class StoreSource:
                 self._unsent.extend(item_requests)
             if claimed:  # the next claim expects the samples per item these had (items' own n may differ)
                 self._samples_per_item = max(1, round(requests / len(claimed)))
+        return self._hand_out(limit)
+
+    def _hand_out(self, limit: int) -> list[GenerationRequest | ScoreRequest]:
+        """Up to `limit` of the claimed items' requests not yet handed to the broker."""
         return [self._unsent.popleft() for _ in range(min(limit, len(self._unsent)))]
 
     WORKERS_REFRESH_S = 5.0  # how often the store's list of brokers working the job is read again
