@@ -67,7 +67,8 @@ def choose_batching(requested, num_stages: int, profiles: Sequence[StageProfile]
             # scores over the whole context take more, and the planner would refuse the sizes.
             prefixes = requested.prefix_cache
             most = fitting_slots(profiles, memory, requested.max_context, chunk, reserve_fraction,
-                                 prefixes.budget_tokens if prefixes.enabled else 0, micro_batches)
+                                 prefixes.budget_tokens if prefixes.enabled else 0, micro_batches,
+                                 requested.keep_caches)
             if micro_batches <= most < size * micro_batches:
                 size = max(1, most // micro_batches)
                 reasons.append(f"micro-batch size capped at {size} by memory at that prefill budget")
@@ -107,7 +108,8 @@ def _micro_batch_size(requested, profiles, memory, micro_batches, items, mean_co
     if memory is not None and profiles and not requested.micro_batch_size:
         prefixes = requested.prefix_cache
         most = max_slots(profiles, memory, requested.max_context, requested.max_step_tokens or DEFAULT_STEP_TOKENS,
-                         reserve_fraction, prefixes.budget_tokens if prefixes.enabled else 0, micro_batches)
+                         reserve_fraction, prefixes.budget_tokens if prefixes.enabled else 0, micro_batches,
+                         requested.keep_caches)
         if most // micro_batches < size:
             size = max(1, most // micro_batches)
             why += f"; capped at {size} by memory (KV for {most} slots x {requested.max_context} tokens fits)"
@@ -162,14 +164,16 @@ def rows_to_amortize(profile: StageProfile, num_layers: int, context: float, tol
 
 
 def max_slots(profiles: Sequence[StageProfile], memory: ModelMemory, max_context: int, step_tokens: int,
-              reserve_fraction: float, prefix_cache_tokens: int = 0, micro_batches: int = 1) -> int:
+              reserve_fraction: float, prefix_cache_tokens: int = 0, micro_batches: int = 1,
+              keep_sent: bool = True) -> int:
     """As fitting_slots, at least 1 (where none fits, the planner says why in its own words)."""
     return max(1, fitting_slots(profiles, memory, max_context, step_tokens, reserve_fraction, prefix_cache_tokens,
-                                micro_batches))
+                                micro_batches, keep_sent))
 
 
 def fitting_slots(profiles: Sequence[StageProfile], memory: ModelMemory, max_context: int, step_tokens: int,
-                  reserve_fraction: float, prefix_cache_tokens: int = 0, micro_batches: int = 1) -> int:
+                  reserve_fraction: float, prefix_cache_tokens: int = 0, micro_batches: int = 1,
+                  keep_sent: bool = True) -> int:
     """Slots whose KV cache at the full context fits the stages' memory together, after the weights,
     the prefix cache, each stage's workspace and reserve (the planner then checks each stage's share
     exactly). Weights count in the format the stages were asked for; under --weights auto in the first of
@@ -179,8 +183,14 @@ def fitting_slots(profiles: Sequence[StageProfile], memory: ModelMemory, max_con
     row only, a 500-item job at a 4,096-token context was sized 90 MiB past what the planner then accepted."""
     room = sum(p.memory_budget * (1 - reserve_fraction) for p in profiles)
     room -= sum(memory.workspace_bytes(step_tokens, 0, max_context, i == 0) for i in range(len(profiles)))
-    per_slot = (memory.num_layers * memory.kv_bytes_per_token * max_context
-                + memory.workspace_bytes(0, 1, 0, True) / max(micro_batches, 1))
+    # A position's KV over all layers, plus the hidden state every stage but the last keeps of what it
+    # sent on (stages.replay), for a slot's positions and the prefix cache's alike. Stages split the model
+    # at whole layers, so each stage but the last may leave up to one layer's weights and KV unused.
+    boundaries = len(profiles) - 1
+    room -= boundaries * max(memory.layer_weight_bytes, default=0)
+    per_position = ((memory.num_layers + boundaries) * memory.kv_bytes_per_token
+                    + (boundaries * memory.activation_bytes_per_token if keep_sent else 0))
+    per_slot = per_position * max_context + memory.workspace_bytes(0, 1, 0, True) / max(micro_batches, 1)
     requested = {p.weights for p in profiles}
     if "auto" in requested:
         known = [f.name for f in memory.formats]
@@ -195,10 +205,10 @@ def fitting_slots(profiles: Sequence[StageProfile], memory: ModelMemory, max_con
     if not prefix_cache_tokens:
         return int(free // per_slot)
     # The prefix cache takes a quarter of the slots' positions, up to its budget (broker.prefix_cache).
-    slot_kv = memory.num_layers * memory.kv_bytes_per_token * max_context
+    slot_kv = per_position * max_context
     slots = int(free // (per_slot + MAX_SHARE_OF_SLOTS * slot_kv))
     if slots * MAX_SHARE_OF_SLOTS * max_context > prefix_cache_tokens:  # the budget binds, not the share
-        slots = int((free - memory.num_layers * memory.kv_bytes_per_token * prefix_cache_tokens) // per_slot)
+        slots = int((free - per_position * prefix_cache_tokens) // per_slot)
     return slots
 
 

@@ -80,6 +80,10 @@ class StageInfo:
     last_seen: float  # broker clock when anything last arrived from it
     state: StageState = StageState.SPARE
     loaded: LayerRange | None = None  # the span it said it loaded in its last READY (its own report)
+    # Of its last READY: the layers whose caches it carried from its previous span, and the layer the
+    # hidden states it kept enter (broker.replay_window); None: nothing carried.
+    kept: LayerRange | None = None
+    outputs_at: int | None = None
     param_bytes: int = 0  # bytes of the weights it holds (packed blocks counted as held)
     weights: str = ""  # the weight format it reported loading in READY ("fp32", "int4 (q4_1 g32)", ...)
     own_weights: str | None = None  # its own --weights when it registered (None: it takes the broker's)
@@ -202,6 +206,9 @@ class ControlPlane:
         if kind == protocol.READY and header.get("epoch") == self.epoch:
             stage.state = StageState.READY
             stage.loaded = _loaded_span(header.get("layers"))
+            stage.kept = _loaded_span(header.get("kept"))
+            outputs_at = header.get("outputs_at")
+            stage.outputs_at = outputs_at if isinstance(outputs_at, int) and not isinstance(outputs_at, bool) else None
             # Reported figures only: one a stage got wrong is shown as 0, never allowed to stop the broker.
             stage.param_bytes = int(_figure(header.get("param_bytes")))
             stage.weights = str(header.get("weights", ""))
@@ -343,10 +350,11 @@ class ControlPlane:
 
     def assign(self, placement: Placement, model_dir: str, result_address: str, num_slots: int,
                max_context: int, timeout_s: float, liveness_window_s: float | None = None,
-               weights: str | Sequence[str] = "auto") -> None:
+               weights: str | Sequence[str] = "auto", keep_caches: bool = True) -> None:
         """Give each stage of `placement` its span, next hop, the codec of that hop (float32 where
         the placement has none) and the weight format (one for all, or one per stage of the chain; a
-        stage started with its own --weights keeps that); wait until all report READY. A stage whose load fails raises ClusterError naming it.
+        stage started with its own --weights keeps that) and whether to keep caches across a re-plan
+        (BatchingConfig.keep_caches); wait until all report READY. A stage whose load fails raises ClusterError naming it.
 
         With `liveness_window_s`, a stage that dies while loading raises StageLost (its heartbeats
         continue during a load, so a long load is not mistaken for a death)."""
@@ -356,11 +364,13 @@ class ControlPlane:
         for i, (stage, span) in enumerate(zip(chain, placement.spans)):
             next_address = chain[i + 1].data_address if i + 1 < len(chain) else result_address
             stage.state, stage.loaded, stage.error = StageState.LOADING, None, None
+            stage.kept, stage.outputs_at = None, None
             link_codec = placement.codecs[i] if i < len(placement.codecs) else "float32"
             traced = {"trace": True} if self.tracer is not None else {}
             self.send(stage, protocol.ASSIGN, epoch=self.epoch, model_dir=model_dir, layers=span.to_json(),
                       is_first=i == 0, is_last=i == len(chain) - 1, next_address=next_address,
                       num_slots=num_slots, max_context=max_context, wire=link_codec, weights=formats[i],
+                      keep_caches=keep_caches,
                       **self._link_keys(chain, i), **traced)
         deadline = self.clock() + timeout_s
         # Take in what queued while the broker was busy (planning a large job takes seconds, during

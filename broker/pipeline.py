@@ -30,6 +30,7 @@ from layerbus.broker.control import ControlPlane, StageInfo, StageLost
 from layerbus.broker.detokenizer import IncrementalDetokenizer
 from layerbus.broker.drift import DriftConfig, DriftWatch, Expected, Work
 from layerbus.broker.prefix_cache import PrefixIndex, prefix_positions
+from layerbus.broker.replay_window import StageCaches, replay_window
 from layerbus.broker.run_state import (
     BrokerCounts,
     EventSink,
@@ -47,6 +48,7 @@ from layerbus.wire.frames import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode, e
 from layerbus.wire.constraint import MASK_KEY, Constraint, pack_mask
 from layerbus.wire.protocol import StepRow
 from layerbus.wire.sampling import TOP_LOGPROBS_KEY
+from layerbus.wire.spans import LayerRange
 
 if TYPE_CHECKING:
     from layerbus.broker.grammar import TokenGrammar
@@ -269,6 +271,8 @@ class Pipeline:
             [(row.slot, *row.save) for row in plan.rows if row.save is not None], plan.dropped_prefixes)
         if prefix:
             header["prefix"] = prefix
+        if plan.window is not None:
+            header["window"] = list(plan.window)
         self.push.send_multipart(encode(header, {"tokens": torch.tensor(tokens, dtype=torch.int64)}), copy=False)
         if self.tracer is not None:
             self.tracer.span("transmit", TRANSMIT, began, self.tracer.now(), mb=plan.micro_batch, step=step,
@@ -342,6 +346,9 @@ class Pipeline:
         """Complete the last re-plan's event: when every cache is rebuilt, when the first new token came."""
         if run.replay_event is not None and not run.scheduler.replaying:
             event, run.replay_event = run.replay_event, None
+            # A new baseline for the drift watch: a replay's steps run only some of each stage's layers, for
+            # the price of them all, and against that every stage would look slowed once it ended.
+            self.drift.restart(self.clock(), self._stage_stats(), self.work)
             event["reprefill_s"] = round(self.clock() - event["started"], 3)
             run.report("reprefilled", f"every sequence's cache rebuilt ({event['reprefill_tokens']} tokens) "
                                       f"{event['reprefill_s']:.2f} s after the re-plan began",
@@ -366,9 +373,12 @@ class Pipeline:
             if event.header.get("cause") == "send":
                 self._resend(run, current)  # the next hop is the problem, not the items
                 continue
-            del run.inflight[event.header["mb"]]
             self.counts.failed_steps += 1
             error = f"stage {event.stage}: {event.header.get('error')}"
+            if current.plan.window is not None:
+                self._replay_every_layer(run, error)
+                continue
+            del run.inflight[event.header["mb"]]
             run.deliver(run.scheduler.fail_step(current.plan, error, self.clock()))
 
     # -- re-plans ------------------------------------------------------------------------------
@@ -390,8 +400,8 @@ class Pipeline:
             return
         event = self._resume_on(run, started, ",".join(slowed), described)
         run.report("rebalanced", f"{described} than its normal: re-planned in {event['replan_s']:.2f} s: "
-                                 f"{event['chain']}; re-prefilling {event['reprefill_tokens']} tokens",
-                   duration_s=event["replan_s"])
+                                 f"{event['chain']}; {_replay_text(event)}",
+                   duration_s=event["replan_s"], replay_layers=event["replay_layers"])
 
     def _recover(self, run: RunState, lost: StageLost) -> bool:
         """Re-plan without the lost stage, then re-prefill every active sequence. False: stopping."""
@@ -400,29 +410,72 @@ class Pipeline:
         started = self.clock()
         run.report("stage_lost", str(lost), stage=lost.stage.name)
         run.inflight.clear()  # whatever was in flight is dropped; the re-prefill redoes it
+        before = self.placement()
         if self.recover(lost, run.should_stop, run.report) is None:  # marks it lost, re-plans, reloads
             return False
         event = self._resume_on(run, started, lost.stage.name, lost.reason)
+        if lost.stage.name in before.stages:
+            event["lost_span"] = before.spans[before.stages.index(lost.stage.name)].to_json()
         run.report("recovered", f"re-planned without {lost.stage.name} in {event['replan_s']:.2f} s: "
-                                f"{event['chain']}; re-prefilling {event['reprefill_tokens']} tokens",
-                   stage=lost.stage.name, duration_s=event["replan_s"])
+                                f"{event['chain']}; {_replay_text(event)}",
+                   stage=lost.stage.name, duration_s=event["replan_s"], replay_layers=event["replay_layers"])
         return True
 
     def _resume_on(self, run: RunState, started: float, stage: str, reason: str) -> dict:
         """Go on with the owner's freshly loaded placement: steps in flight belong to the old epoch
-        (its stages drop them), every active sequence re-prefills, the drift watch takes a new
-        baseline. Returns the re-plan's event, which the first new token and the end of the re-prefill
-        complete."""
+        (its stages drop them), every active sequence replays what the stages did not keep (the
+        layers in broker.replay_window, or all of them), the drift watch takes a new baseline. Returns
+        the re-plan's event, which the first new token and the end of the re-prefill complete."""
         run.inflight.clear()
         self._follow_placement()
         self.drift.restart(self.clock(), self._stage_stats(), self.work)
-        tokens = run.scheduler.reset_caches()
         placement = self.placement()
+        window = self._replay_window(run, placement)
+        if window is None:
+            tokens = 0  # every stage kept the caches of all its layers
+        elif window.start == 0 and window.end == placement.spans[-1].end:
+            tokens = run.scheduler.reset_caches()
+        else:
+            tokens = run.scheduler.replay_layers((window.start, window.end))
         event = {"stage": stage, "reason": reason, "started": started, "replan_s": round(self.clock() - started, 3),
-                 "reprefill_tokens": tokens, "chain": placement.text(), "placement": placement}
+                 "reprefill_tokens": tokens, "chain": placement.text(), "placement": placement,
+                 "replay_layers": window.to_json() if window is not None else None}
         run.stats.recoveries.append(event)
         run.awaiting_first_token = run.replay_event = event
         return event
+
+
+    def _replay_window(self, run: RunState, placement: Placement) -> LayerRange | None:
+        """The layers to recompute after this re-plan (broker.replay_window): every layer when the
+        sequences cannot replay part of them, or the stages kept nothing that helps."""
+        every = LayerRange(0, placement.spans[-1].end)
+        if not self.batching.keep_caches or not run.scheduler.can_replay_layers():
+            return every
+        stages = [StageCaches(span, stage.kept, stage.outputs_at) for span, stage in zip(placement.spans, self.chain)]
+        return replay_window(every.end, stages)
+
+    def _replay_every_layer(self, run: RunState, error: str) -> None:
+        """A replay step failed (a stage without what it should have kept): recompute every layer of
+        every sequence instead. Steps in flight are dropped first: a replay step's result must not
+        count once the sequences start over."""
+        log.warning("a replay of the moved layers failed (%s): recomputing every layer instead", error)
+        run.report("replay_failed", f"the replay of the moved layers failed ({error}); recomputing every layer")
+        run.inflight.clear()
+        tokens = run.scheduler.reset_caches()
+        if run.replay_event is not None:
+            run.replay_event["reprefill_tokens"] = tokens
+            run.replay_event["replay_layers"] = None
+
+
+def _replay_text(event: dict) -> str:
+    """What a re-plan recomputes, for its event's message."""
+    layers, tokens = event.get("replay_layers"), event["reprefill_tokens"]
+    if layers is None:
+        return "every stage kept its caches: nothing to recompute"
+    if layers[0] == 0 and layers[1] == event["placement"].spans[-1].end:
+        return f"re-prefilling {tokens} tokens"
+    return (f"replaying {tokens} cached positions over layers [{layers[0]}, {layers[1]}) only "
+            "(the stages kept the other layers' caches)")
 
 
 def _shared_cpu_host(chain: list[StageInfo]) -> bool:

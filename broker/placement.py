@@ -98,6 +98,9 @@ class _CostModel:
         self.total = self.job.total
         self.steps = max(self.total.steps, 1e-12)
         self.kv_per_layer = model.kv_bytes_per_token * shapes.kv_positions
+        # A stage that sends on keeps what it sent, one hidden state per slot-position and prefix position,
+        # so that a re-plan replays only the layers that moved (stages.replay).
+        self.sent_bytes = model.activation_bytes_per_token * shapes.kv_positions if shapes.keep_sent else 0
         self.num_layers = n
         self.shared = any(s.shares_cores for s in self.stages)
 
@@ -176,8 +179,7 @@ class _CostModel:
         KV cache, workspace and reserve; None when none fits."""
         key = (s.name, start, end)
         if key not in self.chosen_formats:
-            room = (s.memory_budget - (end - start) * self.kv_per_layer - self.workspace_bytes(end)
-                    - self.reserve_bytes(s))
+            room = s.memory_budget - self.cache_bytes(start, end) - self.workspace_bytes(end) - self.reserve_bytes(s)
             self.chosen_formats[key] = first_that_fits(self.candidates(s),
                                                        lambda name: self.weight_bytes(start, end, name), room)
         return self.chosen_formats[key]
@@ -186,6 +188,10 @@ class _CostModel:
         """The format `s` is priced in for [start, end): the one that fits, else the smallest (the span
         is then over budget, which `fits` refuses)."""
         return self.weight_format(s, start, end) or self.candidates(s)[-1]
+
+    def cache_bytes(self, start: int, end: int) -> int:
+        """The KV cache of [start, end), plus the hidden states kept of what is sent on (not by the last stage)."""
+        return (end - start) * self.kv_per_layer + (self.sent_bytes if end < self.num_layers else 0)
 
     def workspace_bytes(self, end: int) -> int:
         return self.model.workspace_bytes(self.shapes.max_step_tokens, self.shapes.micro_batch_size,
@@ -209,7 +215,7 @@ class _CostModel:
             placements.append(StagePlacement(
                 name=s.name, layers=LayerRange(start, end), is_first=start == 0, is_last=end == self.num_layers,
                 memory_budget=s.memory_budget, weight_bytes=self.weight_bytes(start, end, weights),
-                kv_bytes=(end - start) * self.kv_per_layer, workspace_bytes=self.workspace_bytes(end),
+                kv_bytes=self.cache_bytes(start, end), workspace_bytes=self.workspace_bytes(end),
                 reserve_bytes=self.reserve_bytes(s), compute_s=max(0.0, stage_busy / self.steps - send),
                 send_s=send, latency_s=link.latency_s, layer_s=s.layer_in(weights).of(self.total) / self.steps,
                 layer_bytes=next_layer + self.kv_per_layer, alone_s=self.step_s(s, start, end, receiver),
@@ -619,7 +625,7 @@ def _too_small_message(costs: _CostModel) -> str:
     weights = sum(sizes.layer_weight_bytes) + sizes.embed_bytes + sizes.head_bytes
     if p == 1 and model.head_shares_embed:
         weights -= sizes.embed_bytes
-    kv = n * costs.kv_per_layer
+    kv = n * costs.kv_per_layer + (p - 1) * costs.sent_bytes
     workspace = costs.workspace_bytes(n) + (p - 1) * costs.workspace_bytes(0)
     need = weights + kv + workspace
     have = sum(s.memory_budget - costs.reserve_bytes(s) for s in costs.stages)

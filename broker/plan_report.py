@@ -74,7 +74,7 @@ def format_chains(plan) -> str:
 def explain_stage(stage: StagePlacement, plan: Plan, quality: QualityTable = BUILT_IN_QUALITY) -> str:
     """Why this stage holds what it holds and leaves the rest of its memory unused."""
     parts = (f"{stage.name}: budget {size(stage.memory_budget)} = weights {size(stage.weight_bytes)} in "
-             f"{stage.weights} + KV cache "
+             f"{stage.weights} + KV cache{'' if stage.is_last else ' and kept sends'} "
              f"{size(stage.kv_bytes)} + workspace {size(stage.workspace_bytes)} + reserve "
              f"{size(stage.reserve_bytes)} + free {size(stage.free_bytes)}")
     if stage.free_bytes < stage.layer_bytes:

@@ -233,6 +233,7 @@ class Shapes:
     max_context: int  # KV positions per slot
     max_step_tokens: int  # tokens one step may carry (the prefill chunk)
     prefix_cache_tokens: int = 0  # KV positions every stage keeps for shared prefixes (broker/prefix_cache.py)
+    keep_sent: bool = True  # every stage but the last keeps what it sends, per position (BatchingConfig.keep_caches)
 
     @classmethod
     def from_batching(cls, batching, num_stages: int) -> "Shapes":
@@ -241,7 +242,8 @@ class Shapes:
 
         return cls(resolved.num_slots, resolved.micro_batch_size, resolved.num_micro_batches,
                    resolved.max_context, resolved.max_step_tokens,
-                   prefix_positions(resolved.prefix_cache, resolved.num_slots, resolved.max_context))
+                   prefix_positions(resolved.prefix_cache, resolved.num_slots, resolved.max_context),
+                   resolved.keep_caches)
 
     @property
     def kv_positions(self) -> int:
@@ -259,7 +261,7 @@ class StagePlacement:
     is_last: bool
     memory_budget: int
     weight_bytes: int  # its layers, plus the embedding (first) and the norm + head (last)
-    kv_bytes: int  # KV of its layers for all slots at the full context
+    kv_bytes: int  # KV of its layers for all slots at the full context, plus what it keeps of what it sends on
     workspace_bytes: int
     reserve_bytes: int
     compute_s: float  # per step (mean over the job): layers + embedding + head + fixed overhead, stretched by sharing

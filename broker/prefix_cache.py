@@ -44,8 +44,13 @@ class PrefixCacheConfig:
 
     budget_tokens: int = 4096  # 0 turns the cache off (--no-prefix-cache)
     block_tokens: int = 16
+    # Admission looks this far down the queue for an item sharing a prefix with what the stages hold or
+    # recently saw, so items of one prefix go in close together (1: first come, first admitted).
+    admit_lookahead: int = 32
 
     def __post_init__(self) -> None:
+        if self.admit_lookahead < 1:
+            raise ValueError(f"admission lookahead must be >= 1 (1 = first come, first admitted), got {self.admit_lookahead}")
         if self.budget_tokens < 0:
             raise ValueError(f"prefix cache budget must be >= 0 tokens (0 = off), got {self.budget_tokens}")
         if self.block_tokens < 1:
@@ -161,6 +166,16 @@ class PrefixIndex:
             if hashes[blocks - 1] in self._pending_by_hash:
                 return True
         return False
+
+    def shared_blocks(self, hashes: list[bytes]) -> int:
+        """Leading blocks of a prompt that an entry holds or is saving, or that a recent prompt had: what
+        admitting it now would copy, or would make worth saving (Scheduler's admission order)."""
+        shared = 0
+        for digest in hashes:
+            if digest not in self._by_hash and digest not in self._pending_by_hash and digest not in self._seen:
+                break
+            shared += 1
+        return shared
 
     def plan_prompt(self, prompt: list[int], hashes: list[bytes] | None = None,
                     positions: int | None = None) -> PrefixPlan:

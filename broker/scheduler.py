@@ -40,6 +40,10 @@ class BatchingConfig:
     max_step_failures: int = 3  # a sequence whose step fails this many times alone fails with the stage's error
     # Shared prompt prefixes kept on every stage and copied instead of computed (broker/prefix_cache.py).
     prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
+    # Every stage but the last keeps what it sent on (one hidden state per slot-position), so that after a
+    # re-plan only the layers nobody kept are recomputed (broker.replay_window); False (--no-keep-caches):
+    # no memory for it, and a re-plan recomputes every layer of every active sequence.
+    keep_caches: bool = True
 
     def __post_init__(self) -> None:
         if self.num_slots < 0 or self.micro_batch_size < 0 or self.num_micro_batches < 0:
@@ -95,6 +99,9 @@ class Sequence:
     prefix: PrefixPlan | None = None  # what its prefill restores and saves (None: not planned yet, or no cache)
     prefix_hashes: list[bytes] | None = None  # its prompt's block hashes, once the cache has looked
     grammar: TokenGrammar | None = None  # a constrained request's grammar state (None: unconstrained)
+    # After a re-plan that kept caches (Scheduler.replay_layers): the positions [cached, replay_end) still
+    # to replay over the window's layers before anything else runs for it (None: not replaying).
+    replay_end: int | None = None
 
     @property
     def known(self) -> list[int]:
@@ -130,6 +137,8 @@ class StepPlan:
     rows: list[PlannedRow]
     released: list[int]
     dropped_prefixes: list[int] = field(default_factory=list)  # prefix entries the stages may free
+    # A replay step (Scheduler.replay_layers): the stages run only these layers [w0, w1), and emit nothing.
+    window: tuple[int, int] | None = None
 
 
 class Scheduler:
@@ -163,6 +172,13 @@ class Scheduler:
         self.active: dict[int, Sequence] = {}  # slot -> sequence
         self.pending_release: dict[int, list[int]] = {j: [] for j in range(self.num_micro_batches)}
         self.replaying: set[int] = set()  # slots still re-prefilling after reset_caches
+        # id(request) -> (request, its prefix block hashes), for the admission order; the request is held so
+        # that its id is not reused while the entry lives.
+        self.waiting_hashes: dict[int, tuple[Request, list[bytes]]] = {}
+        self.head_passed = 0  # admissions that passed over the queue's head for a shared prefix
+        self.window: tuple[int, int] | None = None  # the layers replayed after a re-plan that kept caches
+        self.replayed_last = [False] * self.num_micro_batches  # whether a micro-batch's last step was a replay
+        self.whole_turns = [0] * self.num_micro_batches  # steps given to its whole sequences during the replay
 
     # -- queue --------------------------------------------------------------------------------
     def submit(self, request: Request, now: float) -> GenerationResult | None:
@@ -215,6 +231,9 @@ class Scheduler:
         When fewer sequences are known than there are slots (a small job, or a job's tail), each
         micro-batch takes at most its even share of them: filling the first micro-batch's slots and
         leaving the others empty would leave stages idle for want of micro-batches in flight."""
+        replay = self._plan_replay(micro_batch)
+        if replay is not None:
+            return replay
         share = -(-(len(self.waiting) + len(self.active)) // self.num_micro_batches)
         admitted = sum(slot in self.active for slot in self.slots_of[micro_batch])
         for slot in self.slots_of[micro_batch]:
@@ -222,15 +241,19 @@ class Scheduler:
                 break
             if slot not in self.active and self.waiting:
                 admitted += 1
-                request = self.waiting.popleft()
+                request = self._next_waiting()
                 if isinstance(request, ScoreRequest):
+                    self._taken_hashes(request)  # its feed hashes its opening context itself
                     self.active[slot] = Sequence(request, slot, admitted_at=now, feed=ScoringFeed(request))
                     continue
                 detokenizer = self.new_detokenizer() if self.new_detokenizer is not None else None
                 self.active[slot] = Sequence(request, slot, admitted_at=now, detokenizer=detokenizer,
-                                             grammar=self.grammars.pop(request.request_id, None))
+                                             grammar=self.grammars.pop(request.request_id, None),
+                                             prefix_hashes=self._taken_hashes(request))
         released, self.pending_release[micro_batch] = self.pending_release[micro_batch], []
-        sequences = [self.active[s] for s in self.slots_of[micro_batch] if s in self.active]
+        # (Sequences still replaying after a re-plan go only in replay steps: _plan_replay.)
+        sequences = [self.active[s] for s in self.slots_of[micro_batch]
+                     if s in self.active and self.active[s].replay_end is None]
         suspects = [seq for seq in sequences if seq.suspect]
         if suspects:
             # After a failed step, its sequences run one per step until each has passed one, so a
@@ -302,9 +325,109 @@ class Scheduler:
         drops = self.prefix_cache.take_drops() if self.prefix_cache is not None else []
         return StepPlan(micro_batch, sorted(rows, key=lambda row: row.slot), released, drops)
 
+    def _next_waiting(self) -> Request:
+        """The next request to admit: the queue's head, unless one of the next few shares more of its
+        prefix with what the stages hold or recently saw (PrefixCacheConfig.admit_lookahead). Items of
+        one prefix then go in close together, so the cache saves it while it is in use and restores it
+        for the rest, where a queue of interleaved prefixes would have them evicted in between. The
+        head is passed over at most `admit_lookahead` times, so no item waits for ever."""
+        index = self.prefix_cache
+        lookahead = index.config.admit_lookahead if index is not None else 1
+        if lookahead <= 1 or len(self.waiting) == 1 or self.head_passed >= lookahead:
+            return self._admit_at(0)
+        best, best_shared = 0, -1
+        for i in range(min(lookahead, len(self.waiting))):
+            shared = index.shared_blocks(self._waiting_hashes_of(self.waiting[i]))
+            if shared > best_shared:
+                best, best_shared = i, shared
+        return self._admit_at(best)
+
+    def _admit_at(self, i: int) -> Request:
+        self.head_passed = self.head_passed + 1 if i else 0
+        request = self.waiting[i]
+        del self.waiting[i]
+        return request
+
+    def _waiting_hashes_of(self, request: Request) -> list[bytes]:
+        """A waiting request's prefix block hashes, computed once (its sequence takes them at admission)."""
+        known = self.waiting_hashes.get(id(request))  # by object: ids given by a caller need not be unique
+        if known is not None and known[0] is request:
+            return known[1]
+        tokens = request.prompt_ids if isinstance(request, GenerationRequest) else request.segments[0].context_ids
+        hashes = self.prefix_cache.hashes(list(tokens))
+        self.waiting_hashes[id(request)] = (request, hashes)
+        return hashes
+
+    def _taken_hashes(self, request: Request) -> list[bytes] | None:
+        """The hashes the admission order computed for `request`, now admitted (None: none computed)."""
+        known = self.waiting_hashes.pop(id(request), None)
+        return known[1] if known is not None and known[0] is request else None
+
+    def _plan_replay(self, micro_batch: int) -> StepPlan | None:
+        """A replay step for the micro-batch while any of its sequences replays (replay_layers): those
+        sequences' cached positions, chunked as prefill is, over the window's layers only. Nothing else
+        shares it (a replay step runs only some layers). None: no replay, or the turn of its sequences
+        that are whole again (plan_step plans them as usual, without the replaying ones)."""
+        if self.window is None:  # no replay under way: nothing to look at on the per-step path
+            return None
+        replaying = [self.active[s] for s in self.slots_of[micro_batch]
+                     if s in self.active and self.active[s].replay_end is not None]
+        if not replaying:
+            return None
+        # Its sequences that are whole again get a step of their own (they decode, new items start): once
+        # as soon as there are any, so the first new tokens come a few steps after a re-plan rather than
+        # after the whole micro-batch's replay; then every other step once they are as many as those
+        # replaying. Sooner, their steps would be a row or two that pass over every layer for little, and
+        # they would slow the replay that all the others wait for.
+        whole = sum(s in self.active and self.active[s].replay_end is None for s in self.slots_of[micro_batch])
+        turns = self.whole_turns[micro_batch]
+        if whole and self.replayed_last[micro_batch] and (turns == 0 or whole >= len(replaying)):
+            self.replayed_last[micro_batch] = False
+            self.whole_turns[micro_batch] = turns + 1
+            return None
+        self.replayed_last[micro_batch] = True
+        rows, budget = [], self.config.max_step_tokens
+        for seq in replaying:
+            if budget <= 0:
+                break
+            end = min(seq.replay_end, seq.cached + budget)
+            rows.append(PlannedRow(seq.slot, seq.cached, seq.known[seq.cached:end], emit=False))
+            budget -= end - seq.cached
+        released, self.pending_release[micro_batch] = self.pending_release[micro_batch], []
+        return StepPlan(micro_batch, rows, released, window=self.window)
+
+    def can_replay_layers(self) -> bool:
+        """Whether the active sequences can replay a window of layers after a re-plan (replay_layers):
+        not while an earlier replay is unfinished (its caches are partly rebuilt), nor for scored
+        sequences, whose every position's logits are recomputed (reset_caches)."""
+        return all(seq.replay_end is None and seq.feed is None and not seq.request.score_prompt
+                   for seq in self.active.values())
+
+    def replay_layers(self, window: tuple[int, int]) -> int:
+        """The stages kept their caches but for the layers in `window` (broker.replay_window): every
+        active sequence replays its cached positions over those layers before going on where it was.
+        Returns the number of positions to replay."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()  # the stages' new arenas hold no prefix entries
+        self.window = window
+        self.replayed_last = [False] * self.num_micro_batches
+        self.whole_turns = [0] * self.num_micro_batches
+        total = 0
+        self.replaying = set()
+        for seq in self.active.values():
+            if seq.prefix is not None:
+                seq.prefix = PrefixPlan()  # a save it planned is gone with the entries; a restore was done
+            if seq.cached == 0:
+                continue
+            seq.replay_end, seq.cached = seq.cached, 0
+            self.replaying.add(seq.slot)
+            total += seq.replay_end
+        return total
+
     def reset_caches(self) -> int:
         """The stages lost their caches (a re-plan): every active sequence re-prefills what it knows,
         keeping its generated tokens. Returns the number of tokens to re-prefill."""
+        self.window = None
         for releases in self.pending_release.values():
             releases.clear()  # the new stages start with empty caches
         if self.prefix_cache is not None:
@@ -312,7 +435,7 @@ class Scheduler:
         total = 0
         self.replaying = set(self.active)
         for seq in self.active.values():
-            seq.cached = 0
+            seq.cached, seq.replay_end = 0, None
             seq.prefix = None  # its re-prefill may restore a prefix saved again by then
             if seq.feed is not None:
                 seq.feed.restart()  # its phases rewind the slot anyway: start over, scores recomputed
@@ -350,6 +473,14 @@ class Scheduler:
                 continue
             seq.cached = row.start + len(row.tokens)
             seq.suspect = False
+            if plan.window is not None:
+                if seq.cached >= seq.replay_end:
+                    seq.replay_end = None  # its caches are whole again: on where it was
+                    if all(other.replay_end is None for other in self.active.values()):
+                        self.window = None  # the replay is over
+                    if not seq.prefilling:
+                        self.replaying.discard(row.slot)
+                continue
             if not seq.prefilling:
                 self.replaying.discard(row.slot)
             if row.targets:

@@ -60,8 +60,36 @@ def plan_groups(rows: list[StepRow], max_context: int | None = None) -> list[Gro
     return groups
 
 
+@dataclass(frozen=True)
+class ShardPart:
+    """Some consecutive layers of a shard, run alone (a replay after a re-plan, broker.replay_window):
+    the embedding only when the part starts at the model's first layer, never the final norm (a
+    replay emits nothing)."""
+
+    config: object
+    embed_tokens: object
+    layers: list
+    layer_windows: list
+    rotary_emb: object
+    device: torch.device
+    dtype: torch.dtype
+    attends_in_place: bool
+    norm: None = None
+
+
+def shard_part(shard: StageShard, start: int, end: int) -> ShardPart:
+    """Layers [start, end) of the model, which `shard` must hold."""
+    held = shard.spec.layers
+    if not held.start <= start < end <= held.end:
+        raise ValueError(f"layers [{start}, {end}) are not all held here ({held})")
+    first, last = start - held.start, end - held.start
+    return ShardPart(shard.config, shard.embed_tokens if start == 0 else None, list(shard.layers)[first:last],
+                     shard.layer_windows[first:last], shard.rotary_emb, shard.device, shard.dtype,
+                     shard.attends_in_place)
+
+
 @torch.inference_mode()
-def run_step(shard: StageShard, arena: KVArena, rows: list[StepRow], inputs: torch.Tensor) -> torch.Tensor:
+def run_step(shard: StageShard | ShardPart, arena: KVArena, rows: list[StepRow], inputs: torch.Tensor) -> torch.Tensor:
     """Run a step; `inputs` is packed in row order: token ids [N] on the first stage, hidden states
     [N, hidden] elsewhere. Returns hidden states [N, hidden] in row order (after the final norm on
     the last stage)."""

@@ -4,6 +4,10 @@ One arena per held layer, shaped [slots, kv_heads, capacity, head_dim]. A slot i
 place; the broker keeps the slots of a micro-batch adjacent, so in steady decode a micro-batch's
 keys are a plain slice of the arena (no copy). Capacity grows by doubling and shrinks again when
 the long sequences are gone, so memory follows the longest live sequence, not the worst case.
+
+A stage that sends on to another also keeps what it sent (its output hidden states, one vector per
+slot-position): after a re-plan moves the layers behind it, it runs the moved layers from them instead
+of recomputing its own (see `carry_from` and broker.replay_window).
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ class KVArena:
     """Keys and values for every slot of every held layer."""
 
     def __init__(self, layer_indices: list[int], num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, max_context: int, initial_capacity: int = 128):
+                 dtype: torch.dtype, device: torch.device, max_context: int, initial_capacity: int = 128,
+                 outputs_size: int = 0, allocate: bool = True):
         self.layer_slot = {layer: i for i, layer in enumerate(layer_indices)}
         self.num_slots = num_slots
         self.shape_tail = (num_kv_heads, head_dim)
@@ -54,16 +59,33 @@ class KVArena:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.lengths = [0] * num_slots  # cached tokens per slot
+        # What this stage sent on, per slot-position [slots, capacity, outputs_size] (0: kept nowhere,
+        # the last stage), and the layer those hidden states enter: the span's end when they were written.
+        self.outputs_size = outputs_size
+        self.outputs: torch.Tensor | None = None
+        self.outputs_at: int | None = None
+        # The layer the outputs carried over the last re-plan enter: a replay starts from those (each slot's
+        # positions are rewritten at the new span's end as the replay passes them).
+        self.carried_outputs_at: int | None = None
+        # Positions carried over a re-plan, per slot: kept (not shrunk away) until the slot is released,
+        # although a replay rewinds the slot's length below them while it rebuilds the moved layers.
+        self.carried = [0] * num_slots
         # Prefix entries (broker/prefix_cache.py): entry -> (keys, values) per held layer, each
         # [kv_heads, length, head_dim]. The broker decides what is kept and bounds it.
         self.prefixes: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self.prefix_tokens = 0  # positions the entries hold
         self.prefix_tokens_peak = 0  # the most they ever held at once (the broker's budget bounds it)
         self.prefix_bytes = 0  # their memory (keys and values of every held layer)
+        if allocate:  # else carry_from, or allocate(), makes the tensors
+            self.allocate()
+
+    def allocate(self) -> None:
         self._resize(self.initial_capacity)
 
     def bytes_used(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        """The arena's memory: every slot's keys and values, and the hidden states it keeps of what it sent."""
+        kept = [self.outputs] if self.outputs is not None else []
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values + kept)
 
     def save_prefix(self, entry: int, slot: int, length: int) -> None:
         """Keep a copy of the slot's first `length` positions as `entry`."""
@@ -73,6 +95,8 @@ class KVArena:
         with torch.inference_mode():
             keys = [k[slot, :, :length].clone() for k in self.keys]
             values = [v[slot, :, :length].clone() for v in self.values]
+            if self.outputs is not None:  # kept beside the layers' keys, as the replay after a re-plan needs them
+                keys.append(self.outputs[slot, :length].clone())
         self.prefixes[entry] = (keys, values)
         # Totals kept as plain ints: the heartbeat thread reports them while this thread changes the dict.
         self.prefix_tokens += length
@@ -86,6 +110,8 @@ class KVArena:
             raise ValueError(f"prefix entry {entry} is not held here (this stage restarted, or a save was lost): "
                              "the broker computes the prefix instead")
         keys, values = saved
+        if self.outputs is not None:
+            keys, outputs = keys[:len(values)], keys[len(values)]
         if not keys or keys[0].shape[1] < length:
             raise ValueError(f"prefix entry {entry} holds {keys[0].shape[1] if keys else 0} positions, "
                              f"{length} asked for")
@@ -94,6 +120,8 @@ class KVArena:
             for i in range(len(self.keys)):
                 self.keys[i][slot, :, :length] = keys[i][:, :length]
                 self.values[i][slot, :, :length] = values[i][:, :length]
+            if self.outputs is not None:
+                self.outputs[slot, :length] = outputs[:length]
         self.lengths[slot] = length
 
     def drop_prefixes(self, entries: list[int]) -> None:
@@ -101,7 +129,7 @@ class KVArena:
             saved = self.prefixes.pop(entry, None)  # one never saved here (its step failed before): nothing to free
             if saved is not None:
                 keys, values = saved
-                self.prefix_tokens -= keys[0].shape[1] if keys else 0
+                self.prefix_tokens -= values[0].shape[1] if values else 0
                 self.prefix_bytes -= sum(t.numel() * t.element_size() for t in keys + values)
 
     def prepare(self, group: CacheGroup) -> None:
@@ -138,7 +166,8 @@ class KVArena:
     def release(self, slot: int) -> None:
         """Forget a finished sequence; give memory back once the remaining ones are much shorter."""
         self.lengths[slot] = 0
-        longest = max(self.lengths)
+        self.carried[slot] = 0
+        longest = max(max(self.lengths), max(self.carried))
         if self.capacity > self.initial_capacity and longest * 4 <= self.capacity:
             self._resize(max(self.initial_capacity, _next_power_of_two(max(longest, 1)) * 2))
 
@@ -162,7 +191,82 @@ class KVArena:
                 v[:, :, :keep] = self.values[i][:, :, :keep]
             new_keys.append(k)
             new_values.append(v)
+        if self.outputs_size:
+            outputs = torch.zeros((self.num_slots, capacity, self.outputs_size), dtype=self.dtype, device=self.device)
+            if keep and self.outputs is not None:
+                outputs[:, :keep] = self.outputs[:, :keep]
+            self.outputs = outputs
         self.keys, self.values, self.capacity = new_keys, new_values, capacity
+
+    # -- across a re-plan ---------------------------------------------------------------------
+    def compatible(self, other: "KVArena") -> bool:
+        """Whether `other`'s slots can carry into this arena: the same slots, heads, dtype and device."""
+        return (other.num_slots == self.num_slots and other.shape_tail == self.shape_tail
+                and other.dtype == self.dtype and other.device == self.device and other.max_context == self.max_context)
+
+    def carry_from(self, old: "KVArena", layers: list[int], outputs_at: int | None) -> None:
+        """Take over `old`'s keys and values of `layers` (held by both) for every slot, and its sent
+        hidden states when they enter layer `outputs_at`; the tensors move, nothing is copied. Every
+        slot keeps its length; the layers this arena holds anew are empty until the broker replays
+        them (the prefix entries are not carried: the broker forgets them at a re-plan)."""
+        with torch.inference_mode():  # the old arena's tensors may be inference tensors (made in a step)
+            self._carry(old, layers, outputs_at)
+
+    def _carry(self, old: "KVArena", layers: list[int], outputs_at: int | None) -> None:
+        # Built at the larger capacity directly: growing first would fill every layer with zeros, the
+        # kept ones too, and on a stage holding gigabytes of KV that doubles the memory for a moment.
+        capacity = max(old.capacity, self.initial_capacity)
+        kept = {self.layer_slot[layer]: old.layer_slot[layer] for layer in layers}
+        shape = (self.num_slots, self.shape_tail[0], capacity, self.shape_tail[1])
+        new_keys, new_values = [], []
+        for i in range(len(self.layer_slot)):
+            for theirs, made in ((old.keys, new_keys), (old.values, new_values)):
+                made.append(_fitted(theirs[kept[i]], 2, capacity) if i in kept
+                            else torch.zeros(shape, dtype=self.dtype, device=self.device))
+        if outputs_at is not None and old.outputs is not None and self.outputs_size == old.outputs_size:
+            self.outputs = _fitted(old.outputs, 1, capacity)
+            self.outputs_at = self.carried_outputs_at = outputs_at
+        elif self.outputs_size:
+            self.outputs = torch.zeros((self.num_slots, capacity, self.outputs_size), dtype=self.dtype, device=self.device)
+        self.keys, self.values, self.capacity = new_keys, new_values, capacity
+        self.lengths = list(old.lengths)
+        self.carried = list(old.lengths)
+
+    def store_outputs(self, slots: list[int], starts: list[int], lengths: list[int], hidden: torch.Tensor,
+                      end_layer: int) -> None:
+        """Keep what this stage sends on: `hidden` [N, size] packed in row order, entering `end_layer`."""
+        if self.outputs is None:
+            return
+        offset, single = 0, ([], [], [])  # one-position rows (decode) go in one scatter, not one copy each
+        with torch.inference_mode():
+            for slot, start, length in zip(slots, starts, lengths):
+                if length == 1:
+                    for part, value in zip(single, (slot, start, offset)):
+                        part.append(value)
+                else:
+                    self.outputs[slot, start:start + length] = hidden[offset:offset + length]
+                offset += length
+            if single[0]:
+                at = [torch.tensor(part, device=self.device) for part in single]
+                self.outputs[at[0], at[1]] = hidden[at[2].to(hidden.device)]
+        self.outputs_at = end_layer
+
+    def stored_outputs(self, slots: list[int], starts: list[int], lengths: list[int]) -> torch.Tensor:
+        """The kept hidden states of these rows' positions, packed in row order."""
+        if self.outputs is None:
+            raise ValueError("this stage keeps no hidden states to replay from (it was the last stage)")
+        return torch.cat([self.outputs[slot, start:start + length] for slot, start, length in zip(slots, starts, lengths)])
+
+
+def _fitted(tensor: torch.Tensor, positions_dim: int, capacity: int) -> torch.Tensor:
+    """`tensor` itself when it holds `capacity` positions, else a zero-padded copy that does."""
+    if tensor.shape[positions_dim] == capacity:
+        return tensor
+    shape = list(tensor.shape)
+    shape[positions_dim] = capacity
+    grown = torch.zeros(shape, dtype=tensor.dtype, device=tensor.device)
+    grown.narrow(positions_dim, 0, tensor.shape[positions_dim]).copy_(tensor)
+    return grown
 
 
 def _next_power_of_two(n: int) -> int:

@@ -32,6 +32,7 @@ from layerbus.stages.host import (check_device, current_rss_bytes, device_memory
                                   large_allocations_mapped, release_freed_memory, reset_peak_rss,
                                   runtime_rss_bytes)
 from layerbus.stages.kv_cache import KVArena
+from layerbus.stages.replay import CarryFrom, replay_step
 from layerbus.stages.peer_links import PeerProbeRequest, PeerProber, is_link_probe, proven_key
 from layerbus.stages.sampling import last_stage_outputs
 from layerbus.stages.shard import ShardSpec, StageShard, load_shard
@@ -120,6 +121,7 @@ class StageWorker:
         self.stopped_by_signal: int | None = None
         self.shard: StageShard | None = None
         self.arena: KVArena | None = None
+        self.loaded_as: tuple[str, str] | None = None  # (model directory, weight format) of the loaded span
         self.epoch = -1
         self.stats = StageStats(started_at=time.monotonic(), device=config.device)
         self.context = zmq.Context()
@@ -341,16 +343,28 @@ class StageWorker:
             weights = choose_weights(self.config.weights, header.get("weights", "auto"), self.config.dtype)
             spec = ShardSpec(LayerRange.from_json(header["layers"]), header["is_first"], header["is_last"],
                              self.config.device, weights.dtype, weights.quantize_to, native=weights.name == "native")
-            self.shard, self.arena, self.epoch = None, None, -1  # drop the old span before loading the new one
+            # Drop the old span before loading the new one; its caches wait to be carried over (below).
+            old_shard, old_arena = self.shard, self.arena
+            self.shard, self.arena, self.epoch = None, None, -1
+            # keep_caches false (--no-keep-caches): nothing carried, nothing kept of what is sent.
+            keep = header.get("keep_caches", True) is not False
+            carry = CarryFrom.of(old_shard, old_arena, self.loaded_as, (header["model_dir"], weights.name)) if keep else None
+            del old_shard, old_arena  # the old weights (and caches not carried) go before the new span is read
             _hold_while(os.environ.get("LAYERBUS_HOLD_LOAD_WHILE", ""))
             with large_allocations_mapped():
                 shard = load_shard(open_model_dir(header["model_dir"]), spec)
                 shape = attention_shape(shard.config)
+                # A stage that sends on keeps what it sends, for the replay after a re-plan (broker.replay_window).
                 arena = KVArena(list(spec.layers), header["num_slots"], shape.kv_heads, shape.head_dim,
-                                shard.dtype, shard.device, header["max_context"])
+                                shard.dtype, shard.device, header["max_context"],
+                                outputs_size=0 if spec.is_last or not keep else shard.config.hidden_size,
+                                allocate=carry is None)
+            kept = carry.into(arena, spec.layers) if carry is not None else None
+            del carry
             self._next_hop(protocol.require_endpoint(header["next_address"], "next_address"), next_key)
             # Only a fully set-up stage serves the new epoch: a failure above leaves it serving none.
             self.shard, self.arena, self.epoch = shard, arena, header["epoch"]
+            self.loaded_as = (header["model_dir"], weights.name)
             self.wire_codec = wire_codec
             # Asked again in every assignment, so a broker started without --trace turns it off; records
             # of earlier epochs not shipped yet are kept.
@@ -360,7 +374,8 @@ class StageWorker:
             self._send_control(protocol.READY, epoch=self.epoch, layers=spec.layers.to_json(),
                                param_bytes=shard.parameter_bytes(), weights=weights.describe(shard.block_layouts()),
                                load_s=time.monotonic() - started,
-                               peak_rss=peak_rss_bytes(), rss_before_load=rss_before)
+                               peak_rss=peak_rss_bytes(), rss_before_load=rss_before,
+                               **(kept.to_json() if kept is not None else {}))
         except Exception as error:  # any load failure is reported with its text; the stage stays up
             log.exception("stage %s: assignment failed", self.name)
             self._send_control(protocol.FAILURE, epoch=header.get("epoch"), error=f"{type(error).__name__}: {error}")
@@ -539,16 +554,28 @@ class StageWorker:
         self.arena.drop_prefixes(prefix.drop)
         for slot, entry, length in prefix.restore:
             self.arena.restore_prefix(entry, slot, length)
-        hidden = run_step(self.shard, self.arena, rows, inputs)
+        window = header["parsed_window"]
+        if window is None:
+            hidden = run_step(self.shard, self.arena, rows, inputs)
+            if not self.shard.spec.is_last:
+                self.arena.store_outputs([r.slot for r in rows], [r.start for r in rows], [r.length for r in rows],
+                                         hidden, self.shard.spec.layers.end)
+        else:
+            hidden = replay_step(self.shard, self.arena, rows, inputs, window)
         for slot, entry, length in prefix.save:
             self.arena.save_prefix(entry, slot, length)
         self.stats.tokens += int(inputs.shape[0])
         out_header = {key: header[key] for key in ("mb", "step", "attempt", "epoch")}
+        if window is not None and self.shard.spec.is_last:
+            return encode(dict(out_header, kind=protocol.RESULT, tokens=[]))  # a replay emits nothing
         if not self.shard.spec.is_last:
             out_header["rows"] = header["rows"]
             out_header["release"] = header["release"]
-            if "prefix" in header:
-                out_header["prefix"] = header["prefix"]
+            for key in ("prefix", "window"):
+                if key in header:
+                    out_header[key] = header[key]
+            if hidden is None:  # the replay does not reach the next stage, or has not begun: nothing to carry
+                return encode(dict(out_header, kind=protocol.STEP))
             started = time.monotonic()
             codec_fields, tensors = codecs.pack("hidden", hidden, self.wire_codec)
             frames = encode(dict(out_header, kind=protocol.STEP, **codec_fields), tensors)

@@ -80,21 +80,23 @@ def test_memory_caps_the_slots() -> None:
     sizing = choose_batching(AUTO, 2, small, MEMORY)
     assert sizing.batching.micro_batch_size == 1 and "capped at 1 by memory" in " ".join(sizing.reasons)
     roomy = [fitted("a", 5.0, 0.1, budget=10**6), fitted("b", 5.0, 0.1, budget=10**6)]
-    # (2 x 950,000 - 1,200 of weights - 2 workspaces of 5,120 activations + 256,000 scores) // (10,000 + 96
-    # for each row's logits on the last stage: 3 x 8 vocabulary x 4 bytes)
-    assert max_slots(roomy, MEMORY, 1000, 64, 0.05) == 136
-    # A job of a million items wants 256 per micro-batch; memory caps it at 170 slots // 3 micro-batches
+    # (2 x 950,000 - 1,200 of weights - 100 for the layer the split at whole layers may waste - the
+    # workspaces) // (1,000 tokens x (11 layers of 1 byte, one for that split, + 8 bytes of the hidden state
+    # the first stage keeps of what it sends) + 96 for each row's logits on the last stage: 3 x 8 x 4 bytes)
+    assert max_slots(roomy, MEMORY, 1000, 64, 0.05) == 72
+    assert max_slots(roomy, MEMORY, 1000, 64, 0.05, keep_sent=False) == 124  # (--no-keep-caches) 11 bytes a position
+    # A job of a million items wants 256 per micro-batch; memory caps it at 90 slots // 3 micro-batches
     # (workspaces for the default 256 tokens per step, the prefill budget being auto too).
-    larger = [fitted("a", 5.0, 0.1, budget=2 * 10**6), fitted("b", 5.0, 0.1, budget=2 * 10**6)]
-    assert max_slots(larger, MEMORY, 1000, 256, 0.05) == 169
-    assert max_slots(larger, MEMORY, 1000, 256, 0.05, micro_batches=3) == 170  # 3 micro-batches share the logits
+    larger = [fitted("a", 5.0, 0.1, budget=2_002_000), fitted("b", 5.0, 0.1, budget=2_002_000)]
+    assert max_slots(larger, MEMORY, 1000, 256, 0.05) == 89
+    assert max_slots(larger, MEMORY, 1000, 256, 0.05, micro_batches=3) == 90  # 3 micro-batches share the logits
     no_prefixes = replace(AUTO, prefix_cache=PrefixCacheConfig(budget_tokens=0))
     big_job = choose_batching(no_prefixes, 2, larger, MEMORY, items=10**6)
-    assert big_job.batching.micro_batch_size == 56 and "capped at 56 by memory" in " ".join(big_job.reasons)
-    # The prefix cache's positions come out of the same memory: 10 layers x 1 byte x 10,000 tokens = 10 slots.
-    assert max_slots(larger, MEMORY, 1000, 256, 0.05, prefix_cache_tokens=10_000) == 159
+    assert big_job.batching.micro_batch_size == 30 and "capped at 30 by memory" in " ".join(big_job.reasons)
+    # The prefix cache's positions come out of the same memory: 19 bytes x 10,000 tokens = 10 slots.
+    assert max_slots(larger, MEMORY, 1000, 256, 0.05, prefix_cache_tokens=10_000) == 79
     with_prefixes = replace(AUTO, prefix_cache=PrefixCacheConfig(budget_tokens=10_000))
-    assert choose_batching(with_prefixes, 2, larger, MEMORY, items=10**6).batching.micro_batch_size == 53
+    assert choose_batching(with_prefixes, 2, larger, MEMORY, items=10**6).batching.micro_batch_size == 26
 
 
 def test_the_prefill_budget_amortizes_the_fixed_part_per_token() -> None:

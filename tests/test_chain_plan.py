@@ -33,8 +33,9 @@ def plan_one(group, neighbours):
 
 
 # Holds a little over half the model with its KV cache, workspace and reserve (one stage would need
-# 2,230 bytes, each of two 1,380): every chain needs at least two such stages.
-HALF_MODEL_BUDGET = 1800
+# 2,230 bytes, each of two about 1,380, the first of them also the 8 bytes a position of hidden state it
+# keeps of what it sends): every chain needs at least two such stages.
+HALF_MODEL_BUDGET = 1900
 
 
 @pytest.mark.parametrize("overhead, want_chains", [

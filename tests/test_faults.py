@@ -59,10 +59,12 @@ def process_of(cluster, position: int):
 
 def run(model_dir, requests, num_stages=3, on_result=lambda cluster, count: None, env=None, events=None,
         batching=BatchingConfig(num_slots=8, num_micro_batches=4, max_step_tokens=32), pipeline=FAST_LIVENESS,
-        stage_args=(), secure=True, counts=None):
+        stage_args=(), secure=True, counts=None, reorder=True):
     # Every stage is used (no noisy profile gets one left out), so the faults hit the chain they aim at.
+    # reorder=False: the chain keeps its order (by name; after a re-plan, the survivors' order), whatever
+    # the profiles' noise says.
     config = BrokerConfig(str(model_dir), num_stages, batching=batching, pipeline=pipeline,
-                          plan_options=PlanOptions(allow_drop=False))
+                          plan_options=PlanOptions(allow_drop=False, allow_reorder=reorder))
     options = LocalStageOptions(threads_per_stage=1, env=env or {}, stage_args=stage_args, secure=secure)
     with LocalCluster(config, options) as cluster:
         assert len(cluster.broker.chain) == num_stages, f"the plan left stages out: {cluster.broker.chain}"
@@ -128,11 +130,27 @@ def test_kill_9_of_one_of_three_stages_changes_no_output(model_dir, requests, un
     killed = []
     kill_middle = kill_middle_after(4, killed)
     events, counts = [], []
-    results, stats = run(model_dir, requests, on_result=kill_middle, events=events, counts=counts)
+    # In their order, the survivors keep what they held: the replay below depends on it.
+    results, stats = run(model_dir, requests, on_result=kill_middle, events=events, counts=counts, reorder=False)
     assert killed, "the run ended before the fault was injected: make it longer"
     assert len(stats.recoveries) == 1 and stats.recoveries[0]["stage"] == killed[0]
     assert (counts[0].stages_lost, counts[0].replans_lost, counts[0].replans_slowed) == (1, 1, 0)
     assert [kind for kind, _, _ in events][:2] == ["stage_lost", "recovered"]
+    # The survivors kept the caches of the layers they held before: only the lost stage's layers (and,
+    # at most, the ones between them and a kept input) were recomputed, not all six.
+    window = stats.recoveries[0]["replay_layers"]
+    lost_span = stats.recoveries[0]["lost_span"]
+    assert window is not None and window[0] <= lost_span[0] and lost_span[1] <= window[1] and window != [0, 6], \
+        (window, lost_span)
+    assert outputs(results) == unfaulted
+
+
+def test_every_layer_is_recomputed_when_caches_are_not_kept(model_dir, requests, unfaulted):
+    killed: list[str] = []
+    results, stats = run(model_dir, requests, on_result=kill_middle_after(4, killed),
+                         batching=BatchingConfig(num_slots=8, num_micro_batches=4, max_step_tokens=32, keep_caches=False))
+    assert killed and len(stats.recoveries) == 1
+    assert stats.recoveries[0]["replay_layers"] == [0, 6]
     assert outputs(results) == unfaulted
 
 

@@ -156,7 +156,8 @@ def test_memory_budget_limits_layers() -> None:
     model = small_model(10)
     kv_per_layer = SHAPES.num_slots * SHAPES.max_context  # 1 byte per slot-token
     workspace = model.workspace_bytes(SHAPES.max_step_tokens, SHAPES.micro_batch_size, SHAPES.max_context, False)
-    small_budget = 2 * (100 + kv_per_layer) + workspace + 10  # room for two middle or first-less layers
+    sent = model.activation_bytes_per_token * SHAPES.kv_positions  # what a middle stage keeps of what it sends
+    small_budget = 2 * (100 + kv_per_layer) + sent + workspace + 10  # room for two middle or first-less layers
     stages = [profile("big1", 1.0), profile("tiny", 0.1, budget=small_budget), profile("big2", 1.0)]
     plan = plan_placement(stages, model, SHAPES, PlanOptions(prompt_tokens_per_new_token=0, reserve_fraction=0))
     tiny = next(s for s in plan.stages if s.name == "tiny")

@@ -405,3 +405,52 @@ def test_kill_9_of_a_stage_mid_job_changes_no_output_with_prefixes_cached(tiny_m
     assert killed and len(stats.recoveries) == 1
     assert stats.prefix_cache["hits"] >= 4, stats.prefix_cache
     assert {k: r.token_ids for k, r in faulted.items()} == {k: r.token_ids for k, r in clean.items()}
+
+
+def grouped_run(lookahead: int) -> tuple[list[str], PrefixIndex]:
+    """Two tasks' items interleaved in the queue (each task's 12-token prefix, then 3 of the item's own),
+    through one slot, with room in the cache for one task's prefix only: the admission order, and the index."""
+    config = BatchingConfig(num_slots=1, num_micro_batches=1, max_step_tokens=32, min_prefill_chunk=2,
+                            prefix_cache=PrefixCacheConfig(budget_tokens=12, block_tokens=BLOCK,
+                                                           admit_lookahead=lookahead))
+    cache = PrefixIndex(config.prefix_cache)
+    scheduler = Scheduler(config, 1, eos_ids={0}, prefix_cache=cache)
+    for i in range(8):
+        task = "ab"[i % 2]
+        base = 100 if task == "a" else 500
+        scheduler.submit(GenerationRequest(f"{task}{i}", list(range(base, base + 12)) + [1000 + 10 * i, 1001 + 10 * i,
+                                                                                         1002 + 10 * i],
+                                           max_new_tokens=1), now=0.0)
+    order = []
+    while not scheduler.idle:
+        plan = scheduler.plan_step(0, now=0.0)
+        order.extend(scheduler.active[row.slot].request.request_id for row in plan.rows
+                     if row.start == 0 or row.restore is not None)
+        scheduler.apply_result(plan, {row.slot: (7, -0.1) for row in plan.rows if row.emit}, now=0.0)
+    return order, cache
+
+
+def test_admission_groups_items_that_share_a_prefix_so_the_cache_restores_it():
+    fifo_order, fifo = grouped_run(lookahead=1)
+    grouped_order, grouped = grouped_run(lookahead=8)
+    assert fifo_order == [f"{'ab'[i % 2]}{i}" for i in range(8)]
+    # Grouped, a's items go in together, then b's: the prefix saved the second time it is seen serves the rest,
+    # where interleaved each task's save evicts the other's before it is used.
+    assert grouped_order == ["a0", "a2", "a4", "a6", "b1", "b3", "b5", "b7"], grouped_order
+    assert (fifo.stats.hits, grouped.stats.hits) == (0, 4), (fifo.stats, grouped.stats)  # all but 2 of each task
+
+
+def test_an_item_passed_over_for_shared_prefixes_waits_at_most_the_lookahead():
+    config = BatchingConfig(num_slots=1, num_micro_batches=1, max_step_tokens=32, min_prefill_chunk=2,
+                            prefix_cache=PrefixCacheConfig(budget_tokens=64, block_tokens=BLOCK, admit_lookahead=3))
+    scheduler = Scheduler(config, 1, eos_ids={0}, prefix_cache=PrefixIndex(config.prefix_cache))
+    scheduler.submit(GenerationRequest("shared0", prompt(12, 3, 0), max_new_tokens=1), now=0.0)
+    scheduler.submit(GenerationRequest("loner", list(range(900, 915)), max_new_tokens=1), now=0.0)
+    for seed in range(1, 10):
+        scheduler.submit(GenerationRequest(f"shared{seed}", prompt(12, 3, seed), max_new_tokens=1), now=0.0)
+    order = []
+    while not scheduler.idle:
+        plan = scheduler.plan_step(0, now=0.0)
+        order.extend(scheduler.active[row.slot].request.request_id for row in plan.rows if row.emit)
+        scheduler.apply_result(plan, {row.slot: (7, -0.1) for row in plan.rows if row.emit}, now=0.0)
+    assert order.index("loner") == 4, order  # passed over 3 times, then admitted

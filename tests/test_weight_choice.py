@@ -76,6 +76,7 @@ def formats_model(num_layers: int = 4) -> ModelMemory:
 OPTIONS = PlanOptions(reserve_fraction=0.0, allow_drop=False, allow_reorder=False)
 # Workspace of SHAPES on this model: 4 x (4 x 2 + 3 x 4) x 4 + 1 x 4 x 8 x 4 (+ logits on the last stage)
 KV_PER_LAYER = SHAPES.num_slots * SHAPES.max_context  # 32 bytes
+SENT = 8 * KV_PER_LAYER  # what a stage that sends on keeps of it: 8 bytes of hidden state per position
 
 
 def plan_formats(budgets, weights=("auto", "auto"), layers=4):
@@ -106,7 +107,7 @@ def test_auto_does_not_quantize_to_be_faster_on_paper():
     """A fast stage with room for one layer in fp32 beside a slow one: quantizing would let the fast one
     take more layers (a faster plan), but a plan in full precision exists, so the planner keeps it: quality
     first, even where the stages measured the quantized formats faster."""
-    fast = profile("fast", 0.1, budget=900)
+    fast = profile("fast", 0.1, budget=900 + SENT)
     fast = replace(fast, format_layer_costs=(("int8", fast.layer.scaled(0.5)), ("int4", fast.layer.scaled(0.5))))
     slow = profile("slow", 1.0, budget=10_000)
     plan = plan_placement([fast, slow], formats_model(), SHAPES, OPTIONS)

@@ -149,6 +149,16 @@ def prefix_ops_to_json(restore: list[tuple[int, int, int]], save: list[tuple[int
     return ops
 
 
+def window_from_json(value: Any) -> tuple[int, int] | None:
+    """A replay step's layer window [w0, w1) (broker.replay_window), None when the step has none."""
+    if value is None:
+        return None
+    if (not isinstance(value, list) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value) or not 0 <= value[0] < value[1]):
+        raise WireError(f"'window' must be [first layer, end layer] with 0 <= first < end, got {value!r:.60}")
+    return value[0], value[1]
+
+
 def prefix_ops_from_json(value: Any, rows: list[StepRow]) -> PrefixOps:
     """A step's `prefix` field, checked against its rows: a restore fills exactly the positions before its
     row's start, and a save copies only positions the slot holds once the step ran."""
