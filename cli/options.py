@@ -123,6 +123,10 @@ def add_cluster_options(parser: argparse.ArgumentParser, partition: bool = True)
                              "values) and copies instead of computing again (default: 4096; 0 = off)")
     parser.add_argument("--no-prefix-cache", action="store_true",
                         help="compute every prompt whole, shared prefixes included (as --prefix-cache-tokens 0)")
+    parser.add_argument("--no-keep-caches", action="store_true",
+                        help="stages keep nothing for a re-plan: saves each stage but the last one hidden state per "
+                             "slot-position, and after a lost or slowed stage every layer is recomputed, not only "
+                             "the moved ones")
     if partition:
         parser.add_argument("--partition", choices=("planned", "balanced", "equal"), default="planned",
                             help="planned: the stages profile themselves and layers follow their speed and memory "
@@ -278,7 +282,8 @@ def batching_from_args(args: argparse.Namespace):
     return BatchingConfig(num_slots=args.slots, micro_batch_size=args.micro_batch_size,
                           num_micro_batches=args.micro_batches, max_step_tokens=args.max_step_tokens,
                           max_context=args.max_context, max_step_failures=args.max_step_failures,
-                          prefix_cache=PrefixCacheConfig(budget_tokens=prefix_tokens))
+                          prefix_cache=PrefixCacheConfig(budget_tokens=prefix_tokens),
+                          keep_caches=not getattr(args, "no_keep_caches", False))
 
 
 def pipeline_from_args(args: argparse.Namespace):

@@ -186,3 +186,21 @@ def test_plan_shows_the_chains_the_stages_form_beside_one_chain(tmp_path, capsys
     assert "chains (each holds the whole model" in out and " * 2 chain(s):" in out and "chosen: 2 chains" in out
     code, _, err = run_plan(capsys, model_dir, "--cluster", str(path), "--chains", "5")
     assert code != 0 and "--chains 5" in err and "use --chains 4 or fewer" in err
+
+
+def test_no_keep_caches_plans_no_memory_for_what_stages_send(tmp_path, capsys, model_dir) -> None:
+    """Every stage but the last keeps what it sends (for a replay after a re-plan); --no-keep-caches
+    plans that memory away and only that."""
+    path = tmp_path / "cluster.toml"
+    path.write_text(CLUSTER_TOML)
+    plans = {}
+    for flag in ((), ("--no-keep-caches",)):
+        code, out, _ = run_plan(capsys, model_dir, "--cluster", str(path), "--json", "--keep-all", "--slots", "4", *flag)
+        assert code == 0
+        plans[bool(flag)] = {s["name"]: s for s in json.loads(out)["chosen"]["stages"]}
+    kept, not_kept = plans[False], plans[True]
+    for name, stage in kept.items():
+        if stage["head"]:
+            assert stage["kv_bytes"] == not_kept[name]["kv_bytes"]
+        else:  # 4 slots x 64 positions (+ the prefix cache's) x the tiny model's hidden state in float32
+            assert stage["kv_bytes"] > not_kept[name]["kv_bytes"]
