@@ -219,12 +219,21 @@ class Broker:
         """The placement over these stages (not loaded yet). "planned" profiles the stages it has no
         profile of and may leave some out (they stay registered, as spares); it raises
         PlacementError when the stages cannot hold the model."""
-        stages = sorted(stages, key=lambda s: s.name)  # a stable chain order for reproducible logs
+        # A stable chain order for reproducible logs: by name, but a re-plan lists the chain in use first, in
+        # its order. The planner keeps the order it is given where that is within reorder_tolerance of the
+        # best, and survivors that keep their places keep their caches (broker.replay_window).
+        position = {name: i for i, name in enumerate(self.placement.stages)} if self.placement is not None else {}
+        stages = sorted(stages, key=lambda s: (position.get(s.name, len(position)), s.name))
         names = [stage.name for stage in stages]
         if self.config.partition != "planned":
             return unplanned_spans(self.config.partition, names, self.model.files.num_layers,
                                    model_cost_from_config(self.model.files.config))
         inputs = self._plan_inputs(stages)
+        if position:
+            # A re-plan moves the survivors only for a plan faster by as much as the drift watch asks before it
+            # moves layers: a new order loses the caches they kept, and every layer is computed again.
+            reorder = max(inputs.options.reorder_tolerance, self.config.pipeline.drift.min_gain)
+            inputs = replace(inputs, options=replace(inputs.options, reorder_tolerance=reorder))
         measured = self.profile(stages)
         plan = None
         if measured and self.placement is None and self.requested_batching.chosen_by_broker:
@@ -232,7 +241,8 @@ class Broker:
             plan = self._heartbeating(lambda: self._size_batches(names, stages, inputs.memory))
         for reason in self.batching_reasons:
             log.info("batching: %s", reason)
-        plan = plan or self._heartbeating(lambda: plan_chain(names, self.profiles, self._plan_inputs(stages)))
+        plan = plan or self._heartbeating(lambda: plan_chain(names, self.profiles, replace(self._plan_inputs(stages),
+                                                                                          options=inputs.options)))
         for line in format_plan(plan).splitlines():
             log.info("%s", line)
         return planned(plan)
@@ -359,7 +369,8 @@ class Broker:
         self.control.assign(self.placement, str(self.model.path), self.results_address, self.batching.num_slots,
                             self.max_context, self.config.load_timeout_s,
                             liveness_window_s=self.config.pipeline.liveness_window_s,
-                            weights=stage_weights(self.placement, self.config.weights))
+                            weights=stage_weights(self.placement, self.config.weights),
+                            keep_caches=self.batching.keep_caches)
         if self.tracer is not None:
             self.tracer.span("load spans", PLACE, began, self.tracer.now(), chain=self.placement.text())
 
