@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from layerbus.models.home import home_path
+from tests.run_shared import run_shared_dir
 
 pytest_plugins = [
     "tests.fixtures_models",
@@ -72,12 +73,14 @@ def _session_profile_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator
     tiny model, dtype and threads are profiled once, and stages sharing the machine probed once, not
     again in every test's empty home (together 5 to 15 s of every cluster test that plans). Entries are
     keyed by model path and config hash, so tests never share a profile of different models. A test
-    of the cache itself unsets it and reads its own."""
-    cache = tmp_path_factory.mktemp("profiles")
+    of the cache itself unsets it and reads its own. Shared by the run's xdist workers (each measured
+    once per run, not once per worker); entries are written to a temporary name and renamed, so a
+    worker never reads another's half-written file."""
+    cache = run_shared_dir(tmp_path_factory, "profiles")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("LAYERBUS_PROFILE_CACHE", str(cache))
         # The compiled block kernel likewise: built once per session, not by every quantized stage's home.
-        patch.setenv("LAYERBUS_KERNEL_CACHE", str(tmp_path_factory.mktemp("kernels")))
+        patch.setenv("LAYERBUS_KERNEL_CACHE", str(run_shared_dir(tmp_path_factory, "kernels")))
         yield cache
 
 

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from layerbus.broker.requests import GenerationRequest
 from layerbus.models.default_model import WheelDownloadError, default_model_dir
+from tests.run_shared import built_once, computed_once_per_run, run_shared_dir
 from tests.tiny_models import make_tiny_model
 
 TinyModelFactory = Callable[..., Path]
@@ -24,16 +25,17 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModelFactory:
     """`get(arch, **overrides) -> Path`: a tiny model directory, built on first request.
 
     Overrides are passed to `make_tiny_model` (including `seed`); equal requests share one
-    directory, so tests must treat it as read-only.
+    directory, so tests must treat it as read-only. The directories are shared by the run's xdist
+    workers too, so a model's profile (keyed by its path) is measured once per run.
     """
-    root = tmp_path_factory.mktemp("tiny_models")
+    root = run_shared_dir(tmp_path_factory, "tiny_models")
     built: dict[tuple[str, tuple[tuple[str, Any], ...]], Path] = {}
 
     def get(arch: str, **overrides: Any) -> Path:
         key = (arch, tuple(sorted(overrides.items())))
         if key not in built:
             name = "-".join([arch, *(f"{k}={v}" for k, v in key[1])])
-            built[key] = make_tiny_model(arch, root / name, **overrides)
+            built[key] = built_once(root, name, lambda scratch: make_tiny_model(arch, scratch, **overrides))
         return built[key]
 
     return get
@@ -64,11 +66,12 @@ def reference_generate(model, prompt_ids: list[int], max_new_tokens: int) -> lis
 
 
 @pytest.fixture(scope="session")
-def smollm2_case(default_model):
+def smollm2_case(default_model, tmp_path_factory: pytest.TempPathFactory):
     """SmolLM2-135M-Instruct, 10 summary prompts from the sample corpus, and their references.
 
-    The references (about 20 s of `generate`) are computed once per session: the equivalence tests and the
-    16-bit wire tests compare against the same ones. Shared: treat the model and the lists as read-only.
+    The references (about 20 s of `generate` alone, a minute beside the other worker's tests) are computed
+    once per test run, whatever the number of xdist workers: the equivalence tests and the 16-bit wire
+    tests compare against the same ones. Shared: treat the model and the lists as read-only.
     """
     tokenizer = AutoTokenizer.from_pretrained(default_model)
     model = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32).eval()
@@ -80,5 +83,7 @@ def smollm2_case(default_model):
         chat = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         requests.append(GenerationRequest(path.stem, tokenizer(chat, add_special_tokens=False).input_ids,
                                           max_new_tokens=40))
-    references = [reference_generate(model, r.prompt_ids, r.max_new_tokens) for r in requests]
+    references = computed_once_per_run(
+        tmp_path_factory, "smollm2-references",
+        lambda: [reference_generate(model, r.prompt_ids, r.max_new_tokens) for r in requests])
     return default_model, model, requests, references
