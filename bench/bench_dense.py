@@ -55,7 +55,12 @@ def main() -> None:
         for stages in args.stages:
             round_rows.append(run_layerbus(model_dir, prompts, args.max_new_tokens, stages, max(1, cores // stages)))
         rounds.append(round_rows)
+    # Greedy: every layerbus run (each stage count, each round) must give the same tokens.
+    layerbus_outputs = [run["outputs"] for round_rows in rounds for run in round_rows[1:]]
+    outputs_identical = all(outputs == layerbus_outputs[0] for outputs in layerbus_outputs)
     rows = [_median_row([r[i] for r in rounds]) for i in range(len(rounds[0]))]
+    for row in rows:
+        row.pop("outputs", None)
     baseline = rows[0]
     one_stage = next((row for row in rows[1:] if row["system"] == "layerbus, 1 stage(s)"), None)
     for row in rows:
@@ -64,6 +69,7 @@ def main() -> None:
             row["vs_one_stage"] = row["useful_tok_s"] / one_stage["useful_tok_s"]
     report = {"model": str(model_dir), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
               "prompt_tokens": sum(len(ids) for _, ids in prompts), "cores": cores, "rounds": args.rounds, "rows": rows,
+              "layerbus_outputs_identical": outputs_identical,
               "targets": {"1 stage vs generate": ">= 1.0x (aim 1.3x)", "2 stages vs 1 stage": ">= 0.95x"}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
@@ -77,7 +83,8 @@ def main() -> None:
         each = ", ".join(f"{v:.1f}" for v in row["rounds_tok_s"])
         print(f"| {row['system']} | {row['useful_tok_s']:.1f} | {each} | {row['vs_generate']:.2f}x | {versus} | "
               f"{row['useful_tokens']} / {row['computed_tokens']} | {busy} |")
-    print(f"\nwritten to {args.out}")
+    print(f"\nlayerbus outputs identical over every stage count and round: {'yes' if outputs_identical else 'NO'}")
+    print(f"written to {args.out}")
 
 
 def _median_row(runs: list[dict]) -> dict:
