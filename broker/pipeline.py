@@ -173,9 +173,11 @@ class Pipeline:
             stopping = should_stop()
             if not stopping:
                 run.top_up(self.clock)
-                for mb in range(run.scheduler.num_micro_batches):
-                    if mb not in run.inflight:
-                        self._send(run, mb)
+                # Again while a pass sent anything: planning one micro-batch may hand sequences at a job's
+                # tail to an idle one that this pass had already found empty (Scheduler._balance_tail).
+                while any([self._send(run, mb) for mb in range(run.scheduler.num_micro_batches)
+                           if mb not in run.inflight]):
+                    pass
             if not run.inflight and (stopping or (run.scheduler.idle and source.exhausted)):
                 break
             try:
@@ -234,12 +236,13 @@ class Pipeline:
         self.control.check_stages(self.chain, self.config.liveness_window_s, self.config.stuck_step_s)
         self._watch_speed(run)
     # -- sending -------------------------------------------------------------------------------
-    def _send(self, run: RunState, mb: int) -> None:
+    def _send(self, run: RunState, mb: int) -> bool:
+        """Plan and send the micro-batch's next step; False when it has nothing to send."""
         tracer = self.tracer
         began = tracer.now() if tracer is not None else 0.0
         plan = run.scheduler.plan_step(mb, self.clock())
         if plan is None:
-            return
+            return False
         step = self.next_step
         self.next_step += 1
         if tracer is not None:
@@ -247,6 +250,7 @@ class Pipeline:
                         tokens=sum(len(row.tokens) for row in plan.rows))
         self._transmit(run.scheduler, plan, step, 0)
         run.inflight[mb] = InFlight(plan, step, 0, self.clock())
+        return True
 
     def _transmit(self, scheduler: Scheduler, plan: StepPlan, step: int, attempt: int) -> None:
         began = self.tracer.now() if self.tracer is not None else 0.0

@@ -4,7 +4,8 @@ Pure bookkeeping, no sockets or clocks: the pipeline loop asks `plan_step(mb)` f
 next step and feeds the last stage's answer to `apply_result`. Slots are grouped into micro-batches
 of adjacent slots; a slot freed by a finished sequence is refilled at that micro-batch's very next
 step, without waiting for its neighbours. Long prompts are prefilled in chunks under a per-step
-token budget, so one prefill cannot stall the pipeline.
+token budget, so one prefill cannot stall the pipeline. Once the queue is empty (a job's tail),
+decoding sequences move between micro-batches so that none runs full while another runs empty.
 """
 
 from __future__ import annotations
@@ -86,6 +87,9 @@ class Sequence:
     request: Request
     slot: int
     admitted_at: float
+    # The micro-batch whose steps carry it: its slot's at admission; at a job's tail the scheduler may move
+    # it to another (Scheduler._balance_tail). Stages key caches by slot only, so a move is bookkeeping.
+    micro_batch: int = 0
     cached: int = 0  # tokens whose keys/values every stage holds
     generated: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -234,8 +238,11 @@ class Scheduler:
         replay = self._plan_replay(micro_batch)
         if replay is not None:
             return replay
+        self._balance_tail(micro_batch)
         share = -(-(len(self.waiting) + len(self.active)) // self.num_micro_batches)
-        admitted = sum(slot in self.active for slot in self.slots_of[micro_batch])
+        # (Capped at its size: after a tail's moves it may carry sequences of other micro-batches' slots.)
+        share = min(share, self.config.micro_batch_size)
+        admitted = len(self._members(micro_batch))
         for slot in self.slots_of[micro_batch]:
             if admitted >= share:
                 break
@@ -244,16 +251,17 @@ class Scheduler:
                 request = self._next_waiting()
                 if isinstance(request, ScoreRequest):
                     self._taken_hashes(request)  # its feed hashes its opening context itself
-                    self.active[slot] = Sequence(request, slot, admitted_at=now, feed=ScoringFeed(request))
+                    self.active[slot] = Sequence(request, slot, admitted_at=now, micro_batch=micro_batch,
+                                                 feed=ScoringFeed(request))
                     continue
                 detokenizer = self.new_detokenizer() if self.new_detokenizer is not None else None
-                self.active[slot] = Sequence(request, slot, admitted_at=now, detokenizer=detokenizer,
+                self.active[slot] = Sequence(request, slot, admitted_at=now, micro_batch=micro_batch,
+                                             detokenizer=detokenizer,
                                              grammar=self.grammars.pop(request.request_id, None),
                                              prefix_hashes=self._taken_hashes(request))
         released, self.pending_release[micro_batch] = self.pending_release[micro_batch], []
         # (Sequences still replaying after a re-plan go only in replay steps: _plan_replay.)
-        sequences = [self.active[s] for s in self.slots_of[micro_batch]
-                     if s in self.active and self.active[s].replay_end is None]
+        sequences = [seq for seq in self._members(micro_batch) if seq.replay_end is None]
         suspects = [seq for seq in sequences if seq.suspect]
         if suspects:
             # After a failed step, its sequences run one per step until each has passed one, so a
@@ -325,6 +333,38 @@ class Scheduler:
         drops = self.prefix_cache.take_drops() if self.prefix_cache is not None else []
         return StepPlan(micro_batch, sorted(rows, key=lambda row: row.slot), released, drops)
 
+    def _members(self, micro_batch: int) -> list[Sequence]:
+        """The active sequences this micro-batch's steps carry, in slot order."""
+        return sorted((seq for seq in self.active.values() if seq.micro_batch == micro_batch),
+                      key=lambda seq: seq.slot)
+
+    def _balance_tail(self, micro_batch: int) -> None:
+        """At a job's tail (nothing waiting), hand this micro-batch's decoding sequences beyond an even share
+        to the micro-batches with the fewest. Sequences end at their own lengths, so without this one
+        micro-batch can run full while another runs empty, and a pipeline of S stages then has fewer than S
+        steps in flight: stages sit idle while the tail's tokens queue behind one another. The micro-batch
+        being planned has nothing in flight, so its sequences can go; they join the others' next steps. Not
+        while a replay or a suspect step is being sorted out, nor for prefilling or scored sequences (their
+        chunks and prefix copies are planned per micro-batch turn)."""
+        if self.waiting or self.num_micro_batches == 1 or self.window is not None:
+            return
+        if any(seq.suspect for seq in self.active.values()):
+            return
+        counts = [0] * self.num_micro_batches
+        for seq in self.active.values():
+            counts[seq.micro_batch] += 1
+        target = -(-sum(counts) // self.num_micro_batches)
+        movable = [seq for seq in self._members(micro_batch)
+                   if seq.feed is None and not seq.prefilling and seq.replay_end is None]
+        while counts[micro_batch] > target and movable:
+            receiver = min(range(self.num_micro_batches), key=lambda j: (counts[j], j))
+            if counts[receiver] + 1 >= counts[micro_batch]:
+                break  # moving one would only swap which is larger
+            seq = movable.pop()
+            seq.micro_batch = receiver
+            counts[micro_batch] -= 1
+            counts[receiver] += 1
+
     def _next_waiting(self) -> Request:
         """The next request to admit: the queue's head, unless one of the next few shares more of its
         prefix with what the stages hold or recently saw (PrefixCacheConfig.admit_lookahead). Items of
@@ -370,8 +410,8 @@ class Scheduler:
         that are whole again (plan_step plans them as usual, without the replaying ones)."""
         if self.window is None:  # no replay under way: nothing to look at on the per-step path
             return None
-        replaying = [self.active[s] for s in self.slots_of[micro_batch]
-                     if s in self.active and self.active[s].replay_end is not None]
+        members = self._members(micro_batch)
+        replaying = [seq for seq in members if seq.replay_end is not None]
         if not replaying:
             return None
         # Its sequences that are whole again get a step of their own (they decode, new items start): once
@@ -379,7 +419,7 @@ class Scheduler:
         # after the whole micro-batch's replay; then every other step once they are as many as those
         # replaying. Sooner, their steps would be a row or two that pass over every layer for little, and
         # they would slow the replay that all the others wait for.
-        whole = sum(s in self.active and self.active[s].replay_end is None for s in self.slots_of[micro_batch])
+        whole = sum(seq.replay_end is None for seq in members)
         turns = self.whole_turns[micro_batch]
         if whole and self.replayed_last[micro_batch] and (turns == 0 or whole >= len(replaying)):
             self.replayed_last[micro_batch] = False

@@ -524,7 +524,12 @@ def test_every_request_finishes_exactly_once_with_the_reference_output(seed, num
             assert scheduler.submit(late.pop(0), now) is None
         for mb in range(scheduler.num_micro_batches):
             if mb not in in_flight and (plan := scheduler.plan_step(mb, now)) is not None:
-                assert {row.slot for row in plan.rows} <= set(scheduler.slots_of[mb])
+                # A sequence is in one step at a time (at the tail it may move to another micro-batch:
+                # Scheduler._balance_tail), no step carries more rows than a micro-batch's size, and a slot
+                # is released with a step of the micro-batch that owns it (the one that refills it).
+                busy = {row.slot for other in in_flight.values() for row in other.rows}
+                assert not busy & {row.slot for row in plan.rows}
+                assert len(plan.rows) <= scheduler.config.micro_batch_size
                 assert set(plan.released) <= set(scheduler.slots_of[mb])
                 prompt_len = {row.slot: len(scheduler.active[row.slot].request.prompt_ids) for row in plan.rows}
                 decodes = [row for row in plan.rows if row.start >= prompt_len[row.slot]]
@@ -576,3 +581,51 @@ def test_a_small_job_is_spread_over_the_micro_batches(requests, expected) -> Non
         plan = scheduler.plan_step(mb, now=0.0)
         sizes.append(len(plan.rows) if plan else 0)
     assert sizes == expected
+
+
+def test_at_the_tail_a_micro_batch_left_empty_takes_sequences_from_a_full_one() -> None:
+    """Micro-batch 1's items end after one token while micro-batch 0's run on: without moves, micro-batch 0
+    would carry both of its rows alone, leaving a 2-stage pipeline one step in flight."""
+    scheduler = make(num_slots=4, micro_batches=2)
+    stages = FakeStages()
+    long_items = [request(f"long{i}", max_new_tokens=6, first=1 + i) for i in range(2)]
+    short_items = [request(f"short{i}", max_new_tokens=1, first=5 + i) for i in range(2)]
+    submit_all(scheduler, long_items + short_items)  # slots 0, 1 (micro-batch 0): long; 2, 3: short
+    rows_per_step = []
+    results = {}
+    for i in range(40):
+        if scheduler.idle:
+            break
+        plan, finished = step(scheduler, stages, i % 2, now=float(i))
+        rows_per_step.append((i % 2, sorted(row.slot for row in plan.rows) if plan else []))
+        results.update({r.request_id: r for r in finished})
+    # Both micro-batches prefill two rows; the short items end at their first token; from then on each
+    # micro-batch carries one long item (slot 1 moved to micro-batch 1; its cache stays in slot 1).
+    assert rows_per_step[:2] == [(0, [0, 1]), (1, [2, 3])]
+    assert rows_per_step[2:4] == [(0, [0]), (1, [1])]
+    assert all(len(slots) == 1 for _, slots in rows_per_step[2:] if slots)
+    for req in long_items + short_items:
+        assert results[req.request_id].token_ids == reference(req, 2048)[0]
+
+
+@pytest.mark.parametrize("late_item, rows", [
+    pytest.param(False, 1, id="queue empty: two of micro-batch 0's three move"),
+    pytest.param(True, 3, id="an item waiting: no move, the empty micro-batches admit instead"),
+])
+def test_tail_moves_wait_for_an_empty_queue(late_item: bool, rows: int) -> None:
+    scheduler = make(num_slots=9, micro_batches=3)
+    stages = FakeStages()
+    submit_all(scheduler, [request(f"long{i}", max_new_tokens=8) for i in range(3)]
+               + [request(f"short{i}", max_new_tokens=1) for i in range(5)])
+    for mb in range(3):  # micro-batch 0 takes the long items, 1 and 2 the short ones, which end at once
+        step(scheduler, stages, mb)
+    assert len(scheduler.active) == 3
+    if late_item:
+        submit_all(scheduler, [request("late", max_new_tokens=8)])
+    plan, _ = step(scheduler, stages, 0)
+    assert len(plan.rows) == rows
+    plans = [step(scheduler, stages, mb)[0] for mb in (1, 2)]
+    rows_after = [len(plan.rows) if plan is not None else 0 for plan in plans]
+    # Without the late item, micro-batches 1 and 2 decode one moved item each; with it, micro-batch 1
+    # prefills the late item and 2 waits for micro-batch 0's next turn to hand it one.
+    assert rows_after == ([1, 1] if not late_item else [1, 0])
