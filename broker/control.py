@@ -350,11 +350,13 @@ class ControlPlane:
 
     def assign(self, placement: Placement, model_dir: str, result_address: str, num_slots: int,
                max_context: int, timeout_s: float, liveness_window_s: float | None = None,
-               weights: str | Sequence[str] = "auto", keep_caches: bool = True) -> None:
+               weights: str | Sequence[str] = "auto", keep_caches: bool = True, context_hint: int = 0) -> None:
         """Give each stage of `placement` its span, next hop, the codec of that hop (float32 where
         the placement has none) and the weight format (one for all, or one per stage of the chain; a
         stage started with its own --weights keeps that) and whether to keep caches across a re-plan
         (BatchingConfig.keep_caches); wait until all report READY. A stage whose load fails raises ClusterError naming it.
+        `context_hint` (> 0): the positions the job's longest sequence can reach, for the stages to size
+        their KV caches once at load (a cache grown mid-job stalls every stage behind it while it copies).
 
         With `liveness_window_s`, a stage that dies while loading raises StageLost (its heartbeats
         continue during a load, so a long load is not mistaken for a death)."""
@@ -367,11 +369,12 @@ class ControlPlane:
             stage.kept, stage.outputs_at = None, None
             link_codec = placement.codecs[i] if i < len(placement.codecs) else "float32"
             traced = {"trace": True} if self.tracer is not None else {}
+            hinted = {"context_hint": context_hint} if context_hint > 0 else {}
             self.send(stage, protocol.ASSIGN, epoch=self.epoch, model_dir=model_dir, layers=span.to_json(),
                       is_first=i == 0, is_last=i == len(chain) - 1, next_address=next_address,
                       num_slots=num_slots, max_context=max_context, wire=link_codec, weights=formats[i],
                       keep_caches=keep_caches,
-                      **self._link_keys(chain, i), **traced)
+                      **self._link_keys(chain, i), **traced, **hinted)
         deadline = self.clock() + timeout_s
         # Take in what queued while the broker was busy (planning a large job takes seconds, during
         # which heartbeats wait in the socket): judged before that, every stage would look silent.

@@ -65,6 +65,12 @@ class Workload:
         return cls(tuple(int(n) for n in prompt_lengths), tuple(budgets), output_fraction, None, represents)
 
     @property
+    def longest_sequence(self) -> int:
+        """Positions the longest item can reach (its prompt plus its output budget); 0 for no items. Of a
+        sample, the sample's longest, which a larger job's may pass."""
+        return max((p + m for p, m in zip(self.prompt_lengths, self.max_new_tokens)), default=0)
+
+    @property
     def items(self) -> int:
         """Items of the job (what batch sizes and the plan are for), sampled or not."""
         return self.represents if self.represents is not None else len(self.prompt_lengths)

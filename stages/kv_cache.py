@@ -2,8 +2,11 @@
 
 One arena per held layer, shaped [slots, kv_heads, capacity, head_dim]. A slot is one sequence's
 place; the broker keeps the slots of a micro-batch adjacent, so in steady decode a micro-batch's
-keys are a plain slice of the arena (no copy). Capacity grows by doubling and shrinks again when
-the long sequences are gone, so memory follows the longest live sequence, not the worst case.
+keys are a plain slice of the arena (no copy; at a job's tail a sequence moved to another micro-batch
+reads as a run of its own). Capacity grows by doubling and shrinks again when the long sequences are
+gone, so memory follows the longest live sequence, not the worst case. Where the broker knows the
+job's longest sequence (the assignment's context_hint), the arena starts that long: growing a large
+arena mid-job allocates, zeroes and copies every layer while the whole chain waits for that step.
 
 A stage that sends on to another also keeps what it sent (its output hidden states, one vector per
 slot-position): after a re-plan moves the layers behind it, it runs the moved layers from them instead
@@ -43,11 +46,14 @@ class CacheGroup:
         return [start + length for start, length in zip(self.starts, self.real_lengths)]
 
 
+KV_INITIAL_CAPACITY = 128  # positions per slot an arena starts with when nothing says how long sequences get
+
+
 class KVArena:
     """Keys and values for every slot of every held layer."""
 
     def __init__(self, layer_indices: list[int], num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, max_context: int, initial_capacity: int = 128,
+                 dtype: torch.dtype, device: torch.device, max_context: int, initial_capacity: int = KV_INITIAL_CAPACITY,
                  outputs_size: int = 0, allocate: bool = True):
         self.layer_slot = {layer: i for i, layer in enumerate(layer_indices)}
         self.num_slots = num_slots

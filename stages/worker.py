@@ -31,7 +31,7 @@ from layerbus.stages.heartbeat import HeartbeatThread, busy_for
 from layerbus.stages.host import (check_device, current_rss_bytes, device_memory_bytes, peak_rss_bytes,
                                   large_allocations_mapped, release_freed_memory, reset_peak_rss,
                                   runtime_rss_bytes)
-from layerbus.stages.kv_cache import KVArena
+from layerbus.stages.kv_cache import KV_INITIAL_CAPACITY, KVArena
 from layerbus.stages.replay import CarryFrom, replay_step
 from layerbus.stages.peer_links import PeerProbeRequest, PeerProber, is_link_probe, proven_key
 from layerbus.stages.sampling import last_stage_outputs
@@ -281,7 +281,8 @@ class StageWorker:
         arena = self.arena
         if arena is not None:  # what the prefix cache holds here (the broker bounds it in tokens)
             fields["stats"].update(prefix_tokens=arena.prefix_tokens, prefix_bytes=arena.prefix_bytes,
-                                   prefix_tokens_peak=arena.prefix_tokens_peak)
+                                   prefix_tokens_peak=arena.prefix_tokens_peak,
+                                   kv_capacity=arena.capacity)  # positions per slot the KV cache holds now
         tracer = self.tracer
         if tracer is not None:  # step records ride on the heartbeats: no extra messages, no extra port
             fields["trace"] = tracer.chunk()
@@ -335,6 +336,9 @@ class StageWorker:
                                                        "is_first": bool, "is_last": bool, "next_address": str,
                                                        "num_slots": int, "max_context": int})
             wire_codec = codecs.check_codec_name(header.get("wire", codecs.DEFAULT_CODEC))
+            context_hint = header.get("context_hint", 0)
+            if not isinstance(context_hint, int) or isinstance(context_hint, bool) or context_hint < 0:
+                raise ValueError(f"assign: context_hint must be an integer >= 0, got {context_hint!r}")
             next_key = self._admit(header)
             release_freed_memory()  # what earlier work freed (a profile, a load's temporaries) leaves the figures
             reset_peak_rss()
@@ -355,8 +359,11 @@ class StageWorker:
                 shard = load_shard(open_model_dir(header["model_dir"]), spec)
                 shape = attention_shape(shard.config)
                 # A stage that sends on keeps what it sends, for the replay after a re-plan (broker.replay_window).
+                # Sized for the job's longest sequence where the broker knows it (context_hint), so that no
+                # step stalls the chain while the cache doubles; else from 128 positions, grown as needed.
                 arena = KVArena(list(spec.layers), header["num_slots"], shape.kv_heads, shape.head_dim,
                                 shard.dtype, shard.device, header["max_context"],
+                                initial_capacity=max(KV_INITIAL_CAPACITY, context_hint),
                                 outputs_size=0 if spec.is_last or not keep else shard.config.hidden_size,
                                 allocate=carry is None)
             kept = carry.into(arena, spec.layers) if carry is not None else None

@@ -50,6 +50,16 @@ def test_job_shape_counts_every_prompt_token_and_new_token() -> None:
     assert shape.windows[0].work.prefill_tokens > 0 and shape.windows[-1].work.prefill_tokens == 0
 
 
+@pytest.mark.parametrize("prompts, budgets, longest", [
+    ([10, 300, 40], 64, 364),
+    ([10, 300, 40], [500, 1, 1], 510),  # the longest sequence is not the longest prompt's
+    ([], 64, 0),
+], ids=["longest prompt", "largest budget", "no items"])
+def test_the_longest_sequence_is_a_prompt_plus_its_budget(prompts, budgets, longest) -> None:
+    # What the broker tells the stages to size their KV caches for (Broker._context_hint).
+    assert Workload.of(prompts, budgets).longest_sequence == longest
+
+
 def test_a_larger_job_is_sampled_and_scaled_back() -> None:
     import layerbus.broker.workload as workload_module
 

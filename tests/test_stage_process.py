@@ -102,14 +102,14 @@ class StageProcess:
         return self.registration
 
     def assign(self, model_dir: Path | str, layers: list[int], is_first: bool = True, is_last: bool = True,
-               epoch: int | None = None) -> None:
+               epoch: int | None = None, max_context: int = MAX_CONTEXT, **extra) -> None:
         self.registered()
         self.epoch = self.epoch + 1 if epoch is None else epoch
         self.assigned_at = time.monotonic()
         self.holds_full_model = False
         self.broker.send(protocol.ASSIGN, epoch=self.epoch, model_dir=str(model_dir), layers=layers,
                          is_first=is_first, is_last=is_last, next_address=self.result_address,
-                         num_slots=NUM_SLOTS, max_context=MAX_CONTEXT)
+                         num_slots=NUM_SLOTS, max_context=max_context, **extra)
 
     def send_frames(self, frames: list) -> None:
         self.push.send_multipart(frames, copy=False)
@@ -266,6 +266,27 @@ def test_param_bytes_are_exactly_what_the_span_needs(stage: StageProcess, models
     assert (ready["epoch"], ready["layers"]) == (stage.epoch, layers)
     assert ready["param_bytes"] == checkpoint_bytes(model_dir, prefixes)
     assert ready["load_s"] >= 0 and ready["peak_rss"] > 0
+
+
+@pytest.mark.parametrize("hint, capacity", [(None, 128), (300, 300), (5000, 1024)],
+                         ids=["no hint: 128 positions, grown as needed", "the job's longest sequence",
+                              "capped by max_context"])
+def test_the_kv_cache_is_made_as_long_as_the_context_hint_at_load(stage: StageProcess, models, hint,
+                                                                   capacity) -> None:
+    stage.assign(models["untied"][0], [0, 2], max_context=1024, **({} if hint is None else {"context_hint": hint}))
+    assert stage.broker.expect(protocol.READY)["epoch"] == stage.epoch
+    heartbeat = stage.broker.expect(protocol.HEARTBEAT, timeout_s=5)
+    while heartbeat["epoch"] != stage.epoch:  # one sent before the assignment
+        heartbeat = stage.broker.expect(protocol.HEARTBEAT, timeout_s=5)
+    assert heartbeat["stats"]["kv_capacity"] == capacity
+
+
+@pytest.mark.parametrize("hint", [-1, "300", 2.5, True])
+def test_a_context_hint_that_is_not_a_count_fails_the_assignment(stage: StageProcess, models, hint) -> None:
+    stage.assign(models["untied"][0], [0, 2], context_hint=hint)
+    failure = stage.broker.expect(protocol.FAILURE)
+    assert f"context_hint must be an integer >= 0, got {hint!r}" in failure["error"]
+    serve_full_model(stage, models)
 
 
 def test_tied_last_stage_without_the_embedding_loads_the_head_from_it(stage: StageProcess, models) -> None:

@@ -35,6 +35,8 @@ Control plane (DEALER at each stage, ROUTER at the broker), headers only:
                    max_context, wire (codec of the outgoing hidden states; default float32),
                    weights (wire/weight_formats.py; default auto; a stage's own --weights wins),
                    trace? (true: record step spans, see wire/trace_events.py),
+                   context_hint? (positions the job's longest sequence can reach: the KV cache is
+                   made that long at once, instead of doubling mid-job; 0 or absent: grown as needed),
                    next_key, prev_key (secured clusters: the Z85 CURVE key of the hop it sends to,
                    and the one client key its data port admits; see wire/curve.py)}
                    heartbeat {sent_us?}     shutdown {}
