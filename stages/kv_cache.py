@@ -53,8 +53,8 @@ class KVArena:
     """Keys and values for every slot of every held layer."""
 
     def __init__(self, layer_indices: list[int], num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, max_context: int, initial_capacity: int = KV_INITIAL_CAPACITY,
-                 outputs_size: int = 0, allocate: bool = True):
+                 dtype: torch.dtype, device: torch.device, max_context: int,
+                 initial_capacity: int = KV_INITIAL_CAPACITY, outputs_size: int = 0, allocate: bool = True):
         self.layer_slot = {layer: i for i, layer in enumerate(layer_indices)}
         self.num_slots = num_slots
         self.shape_tail = (num_kv_heads, head_dim)
