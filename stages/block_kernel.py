@@ -147,15 +147,24 @@ def _cpu_flags() -> str:
         return os.uname().machine
 
 
-def dequantize_rows(blocks: Blocks, rows: slice) -> torch.Tensor | None:
-    """Rows `rows` of the blocks dequantized into a new float32 tensor [n, cols], or None when the kernel
-    is unavailable or the blocks are not on the CPU (the caller then uses models.weight_blocks.dequantize)."""
+def dequantize_rows(blocks: Blocks, rows: slice, into: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Rows `rows` of the blocks dequantized to float32 [n, cols], or None when the kernel is unavailable
+    or the blocks are not on the CPU (the caller then uses models.weight_blocks.dequantize). Written into
+    the front of `into` (a contiguous float32 CPU tensor of at least n x cols elements) where given, else
+    into a new tensor."""
     kernel = load_kernel()
     if kernel is None or blocks.d.device.type != "cpu":
         return None
     d = blocks.d[rows].to(torch.float32)  # 1/32 of the weights: cheap, and keeps the kernel free of fp16
     qs = blocks.qs[rows]
-    out = torch.empty(d.shape[0], d.shape[1] * BLOCK)
+    shape = (d.shape[0], d.shape[1] * BLOCK)
+    if into is None:
+        out = torch.empty(shape)
+    else:
+        if into.dtype != torch.float32 or not into.is_contiguous() or into.numel() < shape[0] * shape[1]:
+            raise ValueError(f"dequantize_rows: `into` must be a contiguous float32 tensor of at least "
+                             f"{shape[0] * shape[1]} elements, got {into.dtype} {tuple(into.shape)}")
+        out = into.view(-1)[:shape[0] * shape[1]].view(shape)
     n_blocks = ctypes.c_int64(d.numel())
     pointer = ctypes.c_void_p
     if blocks.layout.name == "q4_1":

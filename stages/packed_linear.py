@@ -12,6 +12,7 @@ that is exactly the weight a float32 import of the same blocks holds, so outputs
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -26,6 +27,25 @@ from layerbus.stages.block_kernel import dequantize_rows
 # of the output, one kernel call); a head of 49152 rows goes in tiles of 1820. Measured against 1 MiB
 # tiles in bench/bench_weights.py: the per-tile overhead mattered more than the cache.
 TILE_ELEMENTS = 1 << 20
+
+
+class _TileBuffer(threading.local):
+    """One float32 buffer per thread that every tile dequantizes into, reused by every projection of every
+    layer. A fresh 4 MiB tensor per tile made the heap keep what the steps freed: a 1.28B int8 stage's
+    resident memory rose 40-60 MiB over its first prefill steps and stayed there (glibc's thresholds stay
+    high after a load: stages.host.large_allocations_mapped), which took a stage 3 MiB over a 1150 MiB
+    --memory-budget the planner had filled; with the buffer the same steps add about 15 MiB. A tile is
+    consumed by the matmul that follows it, before the next is written (one thread, one buffer)."""
+
+    buffer: torch.Tensor | None = None
+
+    def take(self, elements: int) -> torch.Tensor:
+        if self.buffer is None or self.buffer.numel() < elements:
+            self.buffer = torch.empty(max(elements, TILE_ELEMENTS))
+        return self.buffer
+
+
+_tiles = _TileBuffer()
 
 
 class PackedLinear(nn.Module):
@@ -68,9 +88,12 @@ class PackedLinear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def _weight_rows(self, rows: slice, dtype: torch.dtype) -> torch.Tensor:
-        """Rows of the weight, dequantized to exactly gguf's float32 values, in `dtype`."""
+        """Rows of the weight, dequantized to exactly gguf's float32 values, in `dtype`. On a CPU in float32
+        it is a view of this thread's tile buffer: valid until the next tile is dequantized."""
         blocks = self.blocks()
-        weight = dequantize_rows(blocks, rows)
+        count = len(range(*rows.indices(self.out_features)))
+        into = _tiles.take(count * self.in_features) if blocks.d.device.type == "cpu" else None
+        weight = dequantize_rows(blocks, rows, into)
         if weight is None:
             weight = dequantize(blocks, rows)
         return weight if dtype == torch.float32 else weight.to(dtype)

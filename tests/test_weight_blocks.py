@@ -130,3 +130,29 @@ def test_quantizing_a_chunk_of_rows_at_a_time_gives_the_same_blocks(layout, dtyp
     for name in ("d", "m", "qs"):
         a, b = getattr(whole, name), getattr(chunked, name)
         assert (a is None and b is None) or torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("layout", ["q8_0", "q4_1"])
+def test_tiles_dequantize_into_one_reused_buffer(layout, tmp_path, monkeypatch):
+    """A projection split into several tiles computes each tile's matmul with its dequantized rows, and
+    every tile is written into the thread's one buffer (no fresh allocation per tile, which the heap kept)."""
+    from layerbus.stages import block_kernel, packed_linear
+
+    monkeypatch.setenv("LAYERBUS_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(block_kernel, "_kernel", False)
+    monkeypatch.setattr(packed_linear, "TILE_ELEMENTS", 16 * 64)  # 16 rows of 64 per tile: 4 tiles for 50 rows
+    monkeypatch.setattr(packed_linear, "_tiles", packed_linear._TileBuffer())
+    weight, bias = _weight(50, 64), torch.randn(50)
+    blocks = quantize(weight, layout)
+    linear = packed_linear.PackedLinear(64, 50, layout, torch.nn.Parameter(bias, requires_grad=False))
+    linear.load_blocks(blocks)
+    x = torch.randn(3, 5, 64)
+    with torch.no_grad():
+        expected = torch.cat([torch.nn.functional.linear(x, dequantize(blocks, slice(start, start + 16)),
+                                                         bias[start:start + 16]) for start in range(0, 50, 16)], -1)
+        assert torch.equal(linear(x), expected)
+        torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, dequantize(blocks), bias))
+        pointers = {linear._weight_rows(slice(start, min(start + 16, 50)), torch.float32).data_ptr()
+                    for start in range(0, 50, 16)}
+    assert block_kernel.load_kernel() is not None, "gcc is on this machine: the kernel builds"
+    assert pointers == {packed_linear._tiles.buffer.data_ptr()}
