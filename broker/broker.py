@@ -421,7 +421,12 @@ class Broker:
     def _forget(self, stage: StageInfo) -> None:
         """A lost stage serves no more; if it registers again it is measured anew."""
         self.control.mark_lost(stage)
+        before = {p.name: p.corun_factor for p in self.profiles}
         self.profiles = without_stage(self.profiles, stage.name)
+        dropped = sorted(p.name for p in self.profiles if p.corun_factor != before[p.name])
+        if dropped:
+            log.info("co-run factors of %s dropped: measured beside %s; the plan reckons their sharing from "
+                     "threads and cores", ", ".join(dropped), stage.name)
         self.measured_links = {pair: link for pair, link in self.measured_links.items() if stage.name not in pair}
 
     def recover(self, lost: StageLost, should_stop=lambda: False, report=lambda *a, **k: None) -> Placement | None:

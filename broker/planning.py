@@ -88,8 +88,18 @@ def unprofiled(names: Sequence[str], profiles: Sequence[StageProfile]) -> list[s
 
 
 def without_stage(profiles: Sequence[StageProfile], name: str) -> tuple[StageProfile, ...]:
-    """The profiles less this stage's: a lost stage that registers again is measured anew."""
-    return tuple(profile for profile in profiles if profile.name != name)
+    """The profiles less this stage's: a lost stage that registers again is measured anew. The stages
+    that shared its host's cores lose their co-run factors too: those were measured beside it, and with
+    one stage fewer competing they overstate the sharing (the plan then reckons it from threads and
+    cores). Kept, they had a re-plan of two identical survivors give one of them 1 layer of 30: its
+    factor of 1.76 came from three stages on two cores."""
+    lost = next((profile for profile in profiles if profile.name == name), None)
+    left = tuple(profile for profile in profiles if profile.name != name)
+    if lost is None or not lost.shares_cores:
+        return left
+    return tuple(replace(profile, corun_factor=0.0)
+                 if profile.shares_cores and profile.host == lost.host and profile.corun_factor > 0 else profile
+                 for profile in left)
 
 
 def unplanned_spans(partition: str, names: Sequence[str], num_layers: int, layer_costs) -> Placement:

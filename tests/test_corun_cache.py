@@ -101,3 +101,43 @@ def test_an_unreadable_or_foreign_cache_file_is_probed_again(tmp_path, content):
     measure_sharing(control, [stage("a"), stage("b")], [profile("a"), profile("b")], REQUEST, 1.5, 10.0,
                     cache_dir=tmp_path)
     assert control.sent == ["a", "b", "a", "b"], "probed again"
+
+
+class UnevenControl(AnsweringControl):
+    """Answers the together probe with a different step time per stage (a short probe's noise)."""
+
+    def __init__(self, together: dict[str, float]):
+        super().__init__()
+        self.together = together
+
+    def poll(self, timeout_ms: int) -> list[ControlEvent]:
+        if len(self.pending) == 1:
+            return super().poll(timeout_ms)
+        events = [ControlEvent(protocol.PROFILE_RESULT, name, {"probe_step_s": self.together[name]})
+                  for name in self.pending]
+        self.pending = []
+        return events
+
+
+def test_stages_set_up_alike_share_one_factor_the_mean_of_theirs(tmp_path):
+    """Three alike stages measured 1.0x, 1.0x, 1.75x get 1.25x each; a stage set up otherwise (two
+    threads) keeps its own. The cache holds the evened factors, and reads them back the same."""
+    stages = [stage("a"), stage("b"), stage("c"), stage("d", threads=2)]
+    profiles = [profile(name) for name in "abcd"]
+    control = UnevenControl({"a": 1.0 * ALONE_S, "b": 1.0 * ALONE_S, "c": 1.75 * ALONE_S, "d": 1.3 * ALONE_S})
+    measured = measure_sharing(control, stages, profiles, REQUEST, 1.5, 10.0, cache_dir=tmp_path)
+    assert factors(measured) == {"a": pytest.approx(1.25), "b": pytest.approx(1.25), "c": pytest.approx(1.25),
+                                 "d": pytest.approx(1.3)}
+    again = AnsweringControl()
+    cached = measure_sharing(again, stages, profiles, REQUEST, 1.5, 10.0, cache_dir=tmp_path)
+    assert again.sent == [] and factors(cached) == factors(measured)
+
+
+def test_a_cache_written_before_the_evening_is_read_evened(tmp_path):
+    stages, profiles = [stage("a"), stage("b")], [profile("a"), profile("b")]
+    measure_sharing(AnsweringControl(), stages, profiles, REQUEST, 1.5, 10.0, cache_dir=tmp_path)
+    [cached] = tmp_path.glob("corun-*.json")
+    stored = json.loads(cached.read_text())
+    cached.write_text(json.dumps({**stored, "factors": [1.0, 1.8]}))
+    assert factors(measure_sharing(AnsweringControl(), stages, profiles, REQUEST, 1.5, 10.0, cache_dir=tmp_path)) \
+        == {"a": pytest.approx(1.4), "b": pytest.approx(1.4)}

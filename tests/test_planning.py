@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -110,6 +111,28 @@ def test_the_survivors_too_small_for_the_model_raise():
 
 def test_without_stage_forgets_only_that_stage():
     assert [p.name for p in without_stage([profile("a", 1), profile("b", 1)], "a")] == ["b"]
+
+
+def test_a_lost_stage_takes_the_co_run_factors_of_its_host_with_it():
+    """Factors measured beside the lost stage overstate the sharing once it is gone: its host-mates plan
+    from threads and cores again; stages elsewhere keep theirs."""
+    def on(host: str, name: str, factor: float) -> StageProfile:
+        return replace(profile(name, 1.0), host=host, host_cores=2, corun_factor=factor)
+
+    known = [on("vm", "a", 1.0), on("vm", "b", 1.4), on("vm", "c", 1.76), on("box", "d", 1.2), on("box", "e", 1.3)]
+    assert {p.name: p.corun_factor for p in without_stage(known, "b")} == {"a": 0.0, "c": 0.0, "d": 1.2, "e": 1.3}
+    assert {p.name: p.corun_factor for p in without_stage(known, "nobody")} == {p.name: p.corun_factor for p in known}
+
+
+def test_after_a_loss_two_identical_survivors_share_the_layers_evenly():
+    """The bench_faults case: three single-thread stages on two cores measured 1.0x, 1.0x and 1.76x
+    together. With the factors kept, the survivors' re-plan was lopsided; without, even."""
+    def on_vm(name: str, factor: float) -> StageProfile:
+        return replace(profile(name, 1.0), host="vm", host_cores=2, corun_factor=factor)
+
+    known = [on_vm("a", 1.0), on_vm("b", 1.0), on_vm("c", 1.76)]
+    plan = plan_chain(["a", "c"], without_stage(known, "b"), inputs(6, KEEP_ORDER))
+    assert tuple(plan.spans) == spans(0, 3, 6)
 
 
 # -- the split without profiles ------------------------------------------------------------------------
