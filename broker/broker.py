@@ -39,7 +39,7 @@ from layerbus.broker.planning import (
     unprofiled,
     without_stage,
 )
-from layerbus.broker.profiling import ProfilingConfig, collect_profiles
+from layerbus.broker.profiling import ProfilingConfig, collect_profiles, measure_sharing, profile_request
 from layerbus.broker.requests import GenerationRequest, GenerationResult
 from layerbus.broker.run_state import BrokerCounts, ListSource, RecordingSink, RecordingSource, RequestSource, ResultSink, RunStats
 from layerbus.broker.scheduler import BatchingConfig
@@ -258,12 +258,20 @@ class Broker:
         requested = self.requested_batching
         rows = self.batching.micro_batch_size if requested.num_slots or requested.micro_batch_size else 32
         memory = model_memory(self.model.files, stages[0].dtype)
+        config = self.config.profiling
+        steps = requested.max_step_tokens or 256
+        # Timed alone; the co-run probe comes after, over every stage of each machine: a stage that joined
+        # stages profiled before changes what sharing costs each of them, not only itself.
         measured = collect_profiles(self.control, [s for s in stages if s.name in missing], str(self.model.path),
-                                    memory, rows, requested.max_step_tokens or 256,
-                                    self.max_context, self.config.profiling, self.config.weights) if missing else []
+                                    memory, rows, steps, self.max_context, replace(config, probe_s=0),
+                                    self.config.weights) if missing else []
         formats = {stage.name: stage.own_weights or self.config.weights for stage in stages}
-        self.profiles = tuple(replace(p, weights=formats.get(p.name, p.weights))
-                              for p in profiles_of(names, self.profiles + tuple(measured)))
+        profiles = [replace(p, weights=formats.get(p.name, p.weights))
+                    for p in profiles_of(names, self.profiles + tuple(measured))]
+        if measured and config.probe_s > 0:
+            request = profile_request(str(self.model.path), rows, steps, self.max_context, config, self.config.weights)
+            profiles = measure_sharing(self.control, stages, profiles, request, config.probe_s, config.timeout_s)
+        self.profiles = tuple(profiles)
         self.time_links(stages)
         return bool(measured)
 

@@ -50,10 +50,11 @@ def collect_profiles(control: ControlPlane, stages: list[StageInfo], model_dir: 
                      micro_batch_size: int, max_step_tokens: int, max_context: int,
                      config: ProfilingConfig = ProfilingConfig(), weights: str = "auto") -> list[StageProfile]:
     """One StageProfile per stage, in the order given, each timed in its weight format (its own
-    --weights, else `weights`, the broker's)."""
-    kv_length = config.kv_length or min(256, max_context // 2)
-    request = {"model_dir": model_dir, "micro_batch_size": micro_batch_size, "kv_length": kv_length,
-               "prefill_tokens": max_step_tokens, "weights": weights}
+    --weights, else `weights`, the broker's). With config.probe_s > 0 the stages that share a machine
+    are probed together (`measure_sharing`) among themselves: a broker adding stages to ones it profiled
+    before probes the whole group instead (Broker.profile)."""
+    request = profile_request(model_dir, micro_batch_size, max_step_tokens, max_context, config, weights)
+    kv_length = request["kv_length"]
     probe_bytes = min(MAX_PROBE_BYTES, (micro_batch_size + max_step_tokens) * model.activation_bytes_per_token)
     profiles = []
     for stage in stages:
@@ -74,6 +75,14 @@ def collect_profiles(control: ControlPlane, stages: list[StageInfo], model_dir: 
     if config.probe_s > 0:
         profiles = measure_sharing(control, stages, profiles, request, config.probe_s, config.timeout_s)
     return profiles
+
+
+def profile_request(model_dir: str, micro_batch_size: int, max_step_tokens: int, max_context: int,
+                    config: ProfilingConfig, weights: str) -> dict:
+    """The PROFILE message's fields: the shapes the stages are timed (and co-run probed) at."""
+    return {"model_dir": model_dir, "micro_batch_size": micro_batch_size,
+            "kv_length": config.kv_length or min(256, max_context // 2), "prefill_tokens": max_step_tokens,
+            "weights": weights}
 
 
 def _bytes(value) -> int:

@@ -141,3 +141,35 @@ def test_a_cache_written_before_the_evening_is_read_evened(tmp_path):
     cached.write_text(json.dumps({**stored, "factors": [1.0, 1.8]}))
     assert factors(measure_sharing(AnsweringControl(), stages, profiles, REQUEST, 1.5, 10.0, cache_dir=tmp_path)) \
         == {"a": pytest.approx(1.4), "b": pytest.approx(1.4)}
+
+
+def test_a_stage_that_joins_is_probed_beside_every_stage_already_on_its_machine(tiny_models, monkeypatch):
+    """Broker.profile times only the stage it has no profile of, but probes the sharing over the whole
+    machine again: the factors its host-mates had were measured without it. Nothing new: no probe."""
+    from layerbus.broker import broker as broker_module
+    from layerbus.broker.broker import Broker, BrokerConfig
+    from layerbus.broker.link_probing import LinkProbeConfig
+
+    timed, probed = [], []
+
+    def collect(control, stages, *args):
+        timed.append([s.name for s in stages])
+        assert args[-2].probe_s == 0, "timed alone; the co-run probe comes after, over the whole machine"
+        return [profile(s.name) for s in stages]
+
+    def measure(control, stages, profiles, request, probe_s, timeout_s):
+        probed.append(sorted(s.name for s in stages))
+        return [replace(p, corun_factor=1.5) for p in profiles]
+
+    monkeypatch.setattr(broker_module, "collect_profiles", collect)
+    monkeypatch.setattr(broker_module, "measure_sharing", measure)
+    broker = Broker(BrokerConfig(str(tiny_models("llama")), 2, link_probe=LinkProbeConfig(enabled=False)))
+    try:
+        assert broker.profile([stage("a"), stage("b")])
+        assert broker.profile([stage("a"), stage("b"), stage("c")])
+        assert not broker.profile([stage("a"), stage("b"), stage("c")])
+    finally:
+        broker.close()
+    assert timed == [["a", "b"], ["c"]]
+    assert probed == [["a", "b"], ["a", "b", "c"]]
+    assert factors(broker.profiles) == {"a": 1.5, "b": 1.5, "c": 1.5}
