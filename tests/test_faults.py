@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 from layerbus.broker.broker import BrokerConfig
 from layerbus.broker.drift import DriftConfig
 from layerbus.broker.placement import PlanOptions
+from layerbus.broker.profiling import ProfilingConfig
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.pipeline import PipelineConfig
 from layerbus.broker.run_state import ListSource
@@ -59,12 +60,12 @@ def process_of(cluster, position: int):
 
 def run(model_dir, requests, num_stages=3, on_result=lambda cluster, count: None, env=None, events=None,
         batching=BatchingConfig(num_slots=8, num_micro_batches=4, max_step_tokens=32), pipeline=FAST_LIVENESS,
-        stage_args=(), secure=True, counts=None, reorder=True):
+        stage_args=(), secure=True, counts=None, reorder=True, profiling=ProfilingConfig()):
     # Every stage is used (no noisy profile gets one left out), so the faults hit the chain they aim at.
     # reorder=False: the chain keeps its order (by name; after a re-plan, the survivors' order), whatever
     # the profiles' noise says.
     config = BrokerConfig(str(model_dir), num_stages, batching=batching, pipeline=pipeline,
-                          plan_options=PlanOptions(allow_drop=False, allow_reorder=reorder))
+                          plan_options=PlanOptions(allow_drop=False, allow_reorder=reorder), profiling=profiling)
     options = LocalStageOptions(threads_per_stage=1, env=env or {}, stage_args=stage_args, secure=secure)
     with LocalCluster(config, options) as cluster:
         assert len(cluster.broker.chain) == num_stages, f"the plan left stages out: {cluster.broker.chain}"
@@ -213,8 +214,12 @@ def test_a_stage_slowed_mid_job_has_layers_moved_off_it_and_outputs_do_not_chang
     # where the baseline window and two slow windows take about 3 s.
     long_run = make_requests(model_dir, count=24, max_new_tokens=60)
     counts = []
+    # No co-run probe: the sharing is reckoned from threads and cores, so the first plan spreads the layers.
+    # A probe taken while CI loaded the machine read factors high enough that the first plan put 10 of 12
+    # layers on stage-0 and 1 on stage-1, which then had none to give up when slowed ("no other placement
+    # is faster"); what is tested here is the drift watch and the re-plan, not the probe.
     results, stats = run(model_dir, long_run, events=events, pipeline=watchful, stage_args=slow_later,
-                         on_result=note_initial_spans, counts=counts)
+                         on_result=note_initial_spans, counts=counts, profiling=ProfilingConfig(probe_s=0))
     assert "rebalanced" in [kind for kind, _, _ in events], f"no re-plan after the slowdown; events: {events}"
     assert counts[0].replans_slowed == [kind for kind, _, _ in events].count("rebalanced") >= 1
     moved = stats.recoveries[0]["placement"]
