@@ -59,7 +59,9 @@ def prompt_ratio(corpus: Path, model_dir: Path, max_new_tokens: int) -> float:
     from layerbus.models.model_info import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
-    lengths = [len(tokenizer.apply_chat_template(json.loads(line)["body"]["messages"], add_generation_prompt=True))
+    # return_dict=False: transformers 5 returns a BatchEncoding by default, whose len() is its 2 keys
+    lengths = [len(tokenizer.apply_chat_template(json.loads(line)["body"]["messages"], add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False))
                for line in corpus.read_text().splitlines()]
     return sum(lengths) / (len(lengths) * max_new_tokens)
 
