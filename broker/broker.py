@@ -275,7 +275,7 @@ class Broker:
         self.time_links(stages)
         return bool(measured)
 
-    def chain_planner(self, stages: list[StageInfo]) -> Callable[[list[StageProfile], tuple], Plan]:
+    def chain_planner(self, stages: list[StageInfo]) -> Callable[[list[StageProfile], tuple, int], Plan]:
         """A planner of one chain over some of `stages` (profiled), beside other chains' stages, with the
         batch sizes this broker would choose for that chain (planning.one_chain_planner). Pure once made:
         it touches no socket."""

@@ -23,9 +23,10 @@ from typing import Callable, Iterator, Sequence
 from layerbus.broker.placement import Neighbour, Neighbours, PlacementError, Plan, StageProfile
 from layerbus.broker.weight_choice import AUTO_FALLBACKS
 
-# A function that plans one chain over these stages with these neighbours (placement.plan_placement
-# with the caller's model, batch sizes and job); raises PlacementError when they cannot hold the model
-PlanOneChain = Callable[[Sequence[StageProfile], Neighbours], Plan]
+# A function that plans one chain over these stages with these neighbours, as one of `chains` chains on
+# the job, each running an even share of its items (placement.plan_placement with the caller's model,
+# batch sizes and that share of the job); raises PlacementError when they cannot hold the model
+PlanOneChain = Callable[[Sequence[StageProfile], Neighbours, int], Plan]
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ def price_grouping(groups: Sequence[Sequence[StageProfile]], plan_one: PlanOneCh
     as its neighbours, busy as the previous round predicted them (averaged with the round before, so
     that a pessimistic round and an optimistic one do not take turns). Raises PlacementError when a
     group cannot hold the model."""
-    plans = [plan_one(group, ()) for group in groups]
+    plans = [plan_one(group, (), len(groups)) for group in groups]
     if len(groups) == 1:
         return ChainGrouping(tuple(plans))
     by_name = {profile.name: profile for group in groups for profile in group}
@@ -168,7 +169,7 @@ def price_grouping(groups: Sequence[Sequence[StageProfile]], plan_one: PlanOneCh
             names = {profile.name for profile in group}
             neighbours = tuple(Neighbour(p, *shares[p.name]) for other in groups if other is not group
                                for p in other if p.name not in names)
-            plans.append(plan_one(group, neighbours))
+            plans.append(plan_one(group, neighbours, len(groups)))
         new = _shares(plans, by_name)
         shares = {name: tuple((a + b) / 2 for a, b in zip(shares[name], new[name])) for name in shares}
     return ChainGrouping(tuple(plans))

@@ -55,18 +55,20 @@ def one_chain_planner(requested, memory: ModelMemory, options: PlanOptions, netw
                       workload=None) -> Callable[[Sequence[StageProfile], tuple], Plan]:
     """What broker.chain_plan prices each grouping with: one chain over some stages, beside other chains'
     stages, with the batch sizes its broker would choose (batch_sizing.choose_by_plan from `requested`,
-    a BatchingConfig, and the job's `workload`, a broker.workload.Workload or None)."""
+    a BatchingConfig, and its share of the job's `workload`, a broker.workload.Workload or None: as
+    `run --chains K` gives each chain's broker, cli/chains.py)."""
     from layerbus.broker.batch_sizing import choose_by_plan
     from layerbus.broker.workload import job_shape, mean_decode_context
 
-    items = workload.items if workload is not None else None
+    def plan_one(group, neighbours, chains: int = 1) -> Plan:
+        share = workload.share(0, chains) if workload is not None else None
+        items = share.items if share is not None else None
 
-    def plan_one(group, neighbours) -> Plan:
         def plan_for(batching) -> Plan:
-            job = job_shape(workload, batching) if items else None
+            job = job_shape(share, batching) if items else None
             return plan_placement(group, memory, batching, options, job, network, neighbours)
 
-        return choose_by_plan(requested, len(group), group, memory, plan_for, items, mean_decode_context(workload),
+        return choose_by_plan(requested, len(group), group, memory, plan_for, items, mean_decode_context(share),
                               options.reserve_fraction)[1]
 
     return plan_one

@@ -45,6 +45,9 @@ class Workload:
     # Items the lengths stand for when they are an evenly spread sample of a larger job, each standing for
     # represents / len(prompt_lengths) of them. None: they are the job's own items, one each.
     represents: int | None = None
+    # Positions the longest item of the whole job reaches, where these are one chain's share of it
+    # (`share`): the KV caches are made that long at load, as the chain may take any item of the job.
+    job_longest: int = 0
 
     def __post_init__(self) -> None:
         if len(self.prompt_lengths) != len(self.max_new_tokens):
@@ -68,7 +71,7 @@ class Workload:
     def longest_sequence(self) -> int:
         """Positions the longest item can reach (its prompt plus its output budget); 0 for no items. Of a
         sample, the sample's longest, which a larger job's may pass."""
-        return max((p + m for p, m in zip(self.prompt_lengths, self.max_new_tokens)), default=0)
+        return max(max((p + m for p, m in zip(self.prompt_lengths, self.max_new_tokens)), default=0), self.job_longest)
 
     @property
     def items(self) -> int:
@@ -91,7 +94,31 @@ class Workload:
         sample is spread evenly over the queue, which the run follows, so the mix is the job's)."""
         if self.represents is not None and len(lengths) == self.represents != len(self.prompt_lengths):
             lengths = [lengths[p] for p in sample_places(len(self.prompt_lengths), self.represents)]
-        return Workload(self.prompt_lengths, self.max_new_tokens, 1.0, tuple(int(n) for n in lengths), self.represents)
+        return Workload(self.prompt_lengths, self.max_new_tokens, 1.0, tuple(int(n) for n in lengths), self.represents,
+                        self.job_longest)
+
+    def share(self, index: int, count: int) -> "Workload":
+        """The part of the job that one of `count` brokers (chains) working it side by side runs, the one
+        at `index`: each holds an even share of the items not yet done (jobs/claim_share.py) and claims in
+        the queue's order, so its items are about every count-th one. Planned for the whole job instead,
+        each chain sized its batches for items it never gets and predicted the ramp-up and drain of a job
+        `count` times as long as its own (bench_chains: each chain's broker 18-24% high). Of a sample:
+        the same sample, standing for a count-th of the items."""
+        if not 0 <= index < count:
+            raise ValueError(f"chain index {index} is not one of {count} chain(s)")
+        if count == 1 or not self.items:
+            return self
+        if self.represents is not None:
+            return Workload(self.prompt_lengths, self.max_new_tokens, self.output_fraction, self.output_lengths,
+                            max(len(self.prompt_lengths), round(self.represents / count)), self.job_longest)
+        places = list(range(index, len(self.prompt_lengths), count)) or [index % len(self.prompt_lengths)]
+
+        def pick(values: tuple[int, ...]) -> tuple[int, ...]:
+            return tuple(values[i] for i in places)
+
+        return Workload(pick(self.prompt_lengths), pick(self.max_new_tokens), self.output_fraction,
+                        pick(self.output_lengths) if self.output_lengths is not None else None,
+                        job_longest=self.longest_sequence)
 
     def describe(self) -> str:
         if not self.items:

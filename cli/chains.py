@@ -54,7 +54,8 @@ def chain_runs(chains: list[ChainStages], db_url: str, job_id: str, config: Brok
         stage_args = options.stage_args[chain.first:chain.first + chain.count] if options.stage_args else ()
         runs.append(ChainRun(
             chain=chain, db_url=db_url, job_id=job_id,
-            config=replace(config, num_stages=chain.count),
+            config=replace(config, num_stages=chain.count,
+                           workload=config.workload.share(chain.index, len(chains)) if config.workload else None),
             options=replace(options, first_stage=chain.first, stage_args=stage_args, threads_per_stage=threads),
             results_dir=results_dir, leases=replace(leases, peers=max(leases.peers, len(chains))),
             log_path=log_dir / f"chain-{chain.index + 1}.log",

@@ -24,7 +24,7 @@ def stage(name: str, layer: float = 0.01, overhead: float = 0.0, budget: int = 1
                         compute_share=share)
 
 
-def plan_one(group, neighbours):
+def plan_one(group, neighbours, chains=1):
     """Each chain with one micro-batch in flight more than it has stages, as the broker's default."""
     in_flight = len(group) + 1
     shapes = Shapes(num_slots=SHAPES.micro_batch_size * in_flight, micro_batch_size=SHAPES.micro_batch_size,
@@ -108,9 +108,9 @@ def test_pinned_chains_are_kept_and_compared_with_one_chain() -> None:
 def test_alike_stages_are_grouped_once_and_different_ones_every_way() -> None:
     calls = []
 
-    def counting(group, neighbours):
+    def counting(group, neighbours, chains):
         calls.append(tuple(p.name for p in group))
-        return plan_one(group, neighbours)
+        return plan_one(group, neighbours, chains)
 
     alike = [stage(f"stage-{i}", overhead=0.05) for i in range(4)]
     plan_chains(alike, counting, ChainPlanOptions(rounds=1))
