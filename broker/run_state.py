@@ -18,9 +18,11 @@ EventSink = Callable[..., None]
 
 
 class RequestSource(Protocol):
-    """Where requests come from (a list, a job store). `fetch` never blocks for long."""
+    """Where requests come from (a list, a job store). `fetch` never blocks for long. `ahead` of the
+    `limit` are for the broker's waiting line rather than its free slots: a source shared with other
+    brokers may hold those back where another broker could start them sooner (jobs/claim_share.py)."""
 
-    def fetch(self, limit: int) -> list[GenerationRequest]: ...
+    def fetch(self, limit: int, ahead: int = 0) -> list[GenerationRequest]: ...
 
     @property
     def exhausted(self) -> bool: ...
@@ -36,7 +38,7 @@ class ListSource:
     def __init__(self, requests: list[GenerationRequest]):
         self.pending = list(reversed(requests))
 
-    def fetch(self, limit: int) -> list[GenerationRequest]:
+    def fetch(self, limit: int, ahead: int = 0) -> list[GenerationRequest]:
         taken = []
         while self.pending and len(taken) < limit:
             taken.append(self.pending.pop())
@@ -54,8 +56,8 @@ class RecordingSource:
         self.source = source
         self.request_ids: list[str] = []
 
-    def fetch(self, limit: int) -> list[GenerationRequest]:
-        requests = self.source.fetch(limit)
+    def fetch(self, limit: int, ahead: int = 0) -> list[GenerationRequest]:
+        requests = self.source.fetch(limit, ahead=ahead)
         self.request_ids.extend(r.request_id for r in requests)
         return requests
 
@@ -161,12 +163,15 @@ class RunState:
         self.sink.deliver(finished)
 
     def top_up(self, clock: Callable[[], float]) -> None:
-        """Take requests from the source while slots are free, plus half the slots waiting in line."""
+        """Take requests from the source while slots are free, plus half the slots waiting in line (so
+        that a freed slot never waits for the store); the line's part is `ahead`."""
         scheduler = self.scheduler
         wanted = scheduler.free_slots() + scheduler.config.num_slots // 2 - len(scheduler.waiting)
         if wanted <= 0 or self.source.exhausted:
             return
+        ahead = wanted - max(0, scheduler.free_slots() - len(scheduler.waiting))
         now = clock()
-        self.deliver([r for r in (scheduler.submit(req, now) for req in self.source.fetch(wanted)) if r])
+        requests = self.source.fetch(wanted, ahead=ahead)
+        self.deliver([r for r in (scheduler.submit(req, now) for req in requests) if r])
         if self.source.exhausted and self.stats.source_exhausted_at is None:
             self.stats.source_exhausted_at = clock()

@@ -93,7 +93,7 @@ class StoreSource:
     def exhausted(self) -> bool:
         return self._exhausted and not self._unsent
 
-    def fetch(self, limit: int) -> list[GenerationRequest]:
+    def fetch(self, limit: int, ahead: int = 0) -> list[GenerationRequest]:
         if limit < 1:
             return []
         if len(self._unsent) < limit and not self._exhausted:
@@ -105,7 +105,8 @@ class StoreSource:
             workers = self._workers()
             if workers > 1:
                 counts = self.store.job_status(self.job_id)
-                wanted = fair_claim(wanted, counts.queued, counts.in_progress, held, workers)
+                ahead_items = min(wanted, math.ceil(max(0, ahead - len(self._unsent)) / self._samples_per_item))
+                wanted = fair_claim(wanted, counts.queued, counts.in_progress, held, workers, ahead_items)
                 if wanted == 0:  # its share is in hand: the others take the rest
                     self._share_full_at = held
                     return self._hand_out(limit)

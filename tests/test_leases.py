@@ -221,6 +221,32 @@ def test_a_broker_beside_others_holds_an_even_share_of_what_is_not_done(wanted, 
     assert fair_claim(wanted, queued, in_flight, held, workers) == claimed
 
 
+@pytest.mark.parametrize("wanted, ahead, queued, in_flight, held, workers, claimed", [
+    (24, 12, 24, 50, 14, 2, 12),  # the job's end (bench_chains): its free slots' part only, the rest to the other
+    (24, 12, 200, 50, 14, 2, 24),  # plenty queued for everyone: its waiting line too
+    (24, 12, 48, 50, 14, 2, 24),  # exactly what both want: still the line
+    (24, 12, 24, 50, 14, 1, 24),  # alone: the line as ever
+    (12, 12, 10, 30, 20, 2, 0),  # only its line wanted near the end: nothing, the other may start them now
+    (12, 12, 10, 30, 0, 2, 1),  # ... but a broker holding none takes one
+])
+def test_near_the_job_s_end_a_broker_beside_others_claims_for_its_free_slots_not_its_waiting_line(
+        wanted, ahead, queued, in_flight, held, workers, claimed):
+    from layerbus.jobs.claim_share import fair_claim
+
+    assert fair_claim(wanted, queued, in_flight, held, workers, ahead) == claimed
+
+
+def test_a_store_source_beside_another_broker_leaves_the_last_items_to_it(store, tokenizer):
+    job_id = queue_job(store, 12)
+    settings = store.job_settings(job_id)
+    first = StoreSource(store, job_id, tokenizer, settings, "a:1:aa", peers=2)
+    assert len(first.fetch(8, ahead=4)) == 4, "12 queued, less than 2 x 8: the 4 for free slots, not the line"
+    second = StoreSource(store, job_id, tokenizer, settings, "b:2:bb", peers=2)
+    assert len(second.fetch(8, ahead=0)) == 6, "for its free slots, up to an even share of the 12 not done"
+    alone = StoreSource(store, queue_job(store, 12), tokenizer, settings, "c:3:cc")
+    assert len(alone.fetch(8, ahead=4)) == 8, "alone on its job: its line too"
+
+
 def test_brokers_working_the_job_bound_what_each_claims(store, tokenizer):
     job_id = queue_job(store, 12)
     settings = store.job_settings(job_id)

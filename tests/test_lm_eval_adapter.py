@@ -192,11 +192,11 @@ class StopsEarly(StoreSource):
         super().__init__(*args, **kwargs)
         self.left = limit
 
-    def fetch(self, limit: int):
+    def fetch(self, limit: int, ahead: int = 0):
         if self.left <= 0:
             self._exhausted = True
             return []
-        requests = super().fetch(min(limit, self.left))
+        requests = super().fetch(min(limit, self.left), ahead=min(ahead, self.left))
         self.left -= len(requests)
         return requests
 
