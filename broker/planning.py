@@ -52,7 +52,7 @@ def plan_chain(names: Sequence[str], profiles: Sequence[StageProfile], inputs: P
 
 
 def one_chain_planner(requested, memory: ModelMemory, options: PlanOptions, network=None,
-                      workload=None) -> Callable[[Sequence[StageProfile], tuple], Plan]:
+                      workload=None) -> Callable[[Sequence[StageProfile], tuple, int], Plan]:
     """What broker.chain_plan prices each grouping with: one chain over some stages, beside other chains'
     stages, with the batch sizes its broker would choose (batch_sizing.choose_by_plan from `requested`,
     a BatchingConfig, and its share of the job's `workload`, a broker.workload.Workload or None: as

@@ -102,8 +102,7 @@ class Workload:
         at `index`: each holds an even share of the items not yet done (jobs/claim_share.py) and claims in
         the queue's order, so its items are about every count-th one. Planned for the whole job instead,
         each chain sized its batches for items it never gets and predicted the ramp-up and drain of a job
-        `count` times as long as its own (bench_chains: each chain's broker 18-24% high). Of a sample:
-        the same sample, standing for a count-th of the items."""
+        `count` times as long as its own. Of a sample: the same sample, standing for a count-th of the items."""
         if not 0 <= index < count:
             raise ValueError(f"chain index {index} is not one of {count} chain(s)")
         if count == 1 or not self.items:
