@@ -105,7 +105,10 @@ def run(chains: int, args: argparse.Namespace, model_dir: Path, corpus: Path, ho
         # broker then prices its own chain, and its "placed" event carries that prediction.
         config = BrokerConfig(str(model_dir), args.stages, partition="planned",
                               plan_options=PlanOptions(allow_drop=False),
-                              batching=BatchingConfig(micro_batch_size=args.micro_batch_size,
+                              # As `layerbus run --micro-batch-size M` asks: the number of micro-batches and
+                              # the prefill budget left to the broker (BatchingConfig's own default pins 256
+                              # tokens a step, and with it the count at one per stage plus one).
+                              batching=BatchingConfig(micro_batch_size=args.micro_batch_size, max_step_tokens=0,
                                                       max_context=args.max_context),
                               workload=job_workload(store, job_id, load_tokenizer(model_dir)))
         options = LocalStageOptions(threads_per_stage=1, log_dir=stage_log_dir(job_id),
