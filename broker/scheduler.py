@@ -68,8 +68,11 @@ class BatchingConfig:
 
     @property
     def chosen_by_broker(self) -> bool:
-        """Some size is left for the broker to choose (0 = auto)."""
-        return not (self.num_slots or self.micro_batch_size) or not self.max_step_tokens
+        """Some size is left for the broker to choose (0 = auto). The number of micro-batches counts too:
+        left at 0 beside a pinned size and prefill budget, it used to fall back to one per stage plus one
+        instead of being planned (bench_chains ran one chain of four at 5 x 8 slots that way: 96 items in
+        waves of 40, 40 and 16)."""
+        return not (self.num_slots or self.micro_batch_size) or not self.max_step_tokens or not self.num_micro_batches
 
 
 def default_micro_batches(num_stages: int) -> int:
