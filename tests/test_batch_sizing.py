@@ -149,3 +149,14 @@ def test_a_large_job_is_sized_to_what_the_planner_then_accepts() -> None:
                              memory, items=500)
     assert sizing.batching.num_slots > 64, sizing.reasons
     plan_placement(stages, memory, sizing.batching)  # raises PlacementError when the sizes do not fit
+
+
+@pytest.mark.parametrize("batching, chosen", [
+    (BatchingConfig(micro_batch_size=0, max_step_tokens=0), True),  # `layerbus run`'s defaults: all chosen
+    (BatchingConfig(micro_batch_size=8, max_step_tokens=256), True),  # the count still left: planned
+    (BatchingConfig(micro_batch_size=8, max_step_tokens=256, num_micro_batches=4), False),  # all pinned
+    (BatchingConfig(num_slots=64, max_step_tokens=512, num_micro_batches=2), False),
+    (BatchingConfig(micro_batch_size=8, max_step_tokens=0, num_micro_batches=4), True),  # the prefill budget
+])
+def test_the_broker_chooses_whatever_size_is_left_at_0_the_micro_batch_count_too(batching, chosen) -> None:
+    assert batching.chosen_by_broker is chosen
