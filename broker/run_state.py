@@ -166,10 +166,11 @@ class RunState:
         """Take requests from the source while slots are free, plus half the slots waiting in line (so
         that a freed slot never waits for the store); the line's part is `ahead`."""
         scheduler = self.scheduler
-        wanted = scheduler.free_slots() + scheduler.config.num_slots // 2 - len(scheduler.waiting)
+        free, waiting = scheduler.free_slots(), len(scheduler.waiting)
+        wanted = free + scheduler.config.num_slots // 2 - waiting
         if wanted <= 0 or self.source.exhausted:
             return
-        ahead = wanted - max(0, scheduler.free_slots() - len(scheduler.waiting))
+        ahead = wanted - max(0, free - waiting)
         now = clock()
         requests = self.source.fetch(wanted, ahead=ahead)
         self.deliver([r for r in (scheduler.submit(req, now) for req in requests) if r])
