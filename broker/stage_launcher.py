@@ -165,7 +165,8 @@ def forking_supported(environ=os.environ) -> bool:
 
 def die_with_parent() -> None:
     """In a child before exec: ask Linux for SIGTERM when the parent dies (prctl PR_SET_PDEATHSIG).
-    The setting survives exec; stages/launcher.py asks the same for the stages it forks."""
+    The setting survives exec; stages/launcher.py asks the same for the stages it forks, with a copy of
+    this function: the broker may not import stages (tests/test_import_graph.py), nor stages the broker."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
