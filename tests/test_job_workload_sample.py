@@ -4,7 +4,6 @@ new tokens) are the whole job's, and the planner tokenizes no more than the samp
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +15,7 @@ from layerbus.jobs.job_workload import job_workload
 from layerbus.storage import InvalidItem, JobSettings, JobStore, NewItem
 from layerbus.storage.sample_places import sample_places
 from tests.fixtures_jobs import tokenizer  # noqa: F401 - fixture
+from tests.fixtures_stores import store, store_url  # noqa: F401 - fixtures
 
 # "Within a few percent". For contrast: the sample's run scaled up as it is (no copies in job_shape) gives
 # 17-31% more steps than the job's, and a sample at one fixed place per stretch (the middles) misses every
@@ -98,14 +98,6 @@ class CountingTokenizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.tokenizer, name)
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def store(request: pytest.FixtureRequest, tmp_path: Path):
-    url = f"sqlite:///{tmp_path / 'jobs.db'}" if request.param == "sqlite" else request.getfixturevalue(
-        "postgres_fresh_url")
-    with JobStore.open(url) as opened:
-        yield opened
 
 
 def queued_job(store: JobStore, count: int, task: str = "summarize") -> str:

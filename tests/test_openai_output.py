@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -19,19 +18,12 @@ from layerbus.jobs.openai_output import (CANCELLED_CODE, FAILED_CODE, REFUSED_CO
                                          output_line, write_openai_files)
 from layerbus.storage import InvalidItem, ItemResult, JobSettings, JobStore, NewItem
 from tests.fixtures_jobs import tokenizer  # noqa: F401 - fixture
+from tests.fixtures_stores import store, store_url  # noqa: F401 - fixtures
 from tests.openai_batch_schema import ERROR_LINE, OUTPUT_LINE, check_files
 from tests.test_job_runner import FailingBroker, queue_job
 
 SETTINGS = JobSettings(task="generate", model="tiny-model", max_new_tokens=8)
 JOB = OutputJob(job_id="job_0123456789ab", model="tiny-model", created=1_900_000_000)
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def store(request: pytest.FixtureRequest, tmp_path: Path):
-    url = f"sqlite:///{tmp_path / 'store.db'}" if request.param == "sqlite" else request.getfixturevalue(
-        "postgres_fresh_url")
-    with JobStore.open(url) as opened:
-        yield opened
 
 
 def queue(store: JobStore) -> str:

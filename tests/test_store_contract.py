@@ -9,7 +9,6 @@ import threading
 import time
 from collections import Counter
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, func, select, text
@@ -21,22 +20,10 @@ from layerbus.storage.sample_places import sample_places
 from layerbus.storage.schema import items as items_table
 from layerbus.storage.schema import jobs as jobs_table
 from layerbus.storage.store import JobStore
+from tests.fixtures_stores import store, store_url  # noqa: F401 - fixtures
 
 T0 = datetime(2030, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc)
 SETTINGS = JobSettings(task="generate", model="tiny-model", max_new_tokens=16, name="demo", input_path="in.jsonl")
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'store.db'}"
-    return request.getfixturevalue("postgres_fresh_url")
-
-
-@pytest.fixture
-def store(store_url: str):
-    with JobStore.open(store_url) as opened:
-        yield opened
 
 
 def new_items(n: int, start: int = 0) -> list[NewItem]:

@@ -16,6 +16,7 @@ from layerbus.storage.eval_records import EvalMetric, EvalRun, canonical_fingerp
 from layerbus.storage.records import JobSettings, NewItem
 from layerbus.storage.schema import jobs as jobs_table
 from layerbus.storage.store import JobStore
+from tests.fixtures_stores import store, store_url  # noqa: F401 - fixtures
 
 T0 = datetime(2030, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc)
 FINGERPRINT = {"config_sha256": "c" * 64, "dtype": "float32", "wire": ["int8"], "layerbus": "0.1.0"}
@@ -32,19 +33,6 @@ SELECT job_id, created_at, model FROM (
          lag(fingerprint_hash) OVER (ORDER BY created_at, job_id) AS previous_hash
   FROM eval_runs WHERE suite = 'nightly' AND finished_at IS NOT NULL
 ) AS runs WHERE previous_hash IS NOT NULL AND fingerprint_hash <> previous_hash;"""
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'store.db'}"
-    return request.getfixturevalue("postgres_fresh_url")
-
-
-@pytest.fixture
-def store(store_url: str):
-    with JobStore.open(store_url) as opened:
-        yield opened
 
 
 def eval_job(store: JobStore, now: datetime = T0) -> str:
