@@ -18,6 +18,7 @@ import itertools
 import json
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -133,7 +134,7 @@ def main() -> None:
     for scenario in ("A", "B"):
         for row in report.get(scenario, {}).values():
             if isinstance(row, dict) and "profiles" in row:
-                row["profiles"] = [vars(p) for p in row["profiles"]]
+                row["profiles"] = [asdict(p) for p in row["profiles"]]  # nested: its step costs
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"\n{len(prompts)} prompts ({prompt_tokens} prompt tokens), up to {args.max_new_tokens} new tokens each, "
