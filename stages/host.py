@@ -43,6 +43,21 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: the best there is
 
 
+def budget_overrun(peak_bytes: int, budget_bytes: int | None, before_load_bytes: int, weight_bytes: int) -> str | None:
+    """What to say when a load's peak resident memory went over the stage's --memory-budget (None when it
+    did not, or no budget was given). The planner placed the span to fit, so an overrun is memory it did
+    not know of: the figures say where it went, and how much more budget would have held it."""
+    if budget_bytes is None or peak_bytes <= budget_bytes:
+        return None
+    mib = 1 << 20
+    rest = peak_bytes - before_load_bytes - weight_bytes
+    return (f"peak resident memory {peak_bytes / mib:.0f} MiB is over the --memory-budget of {budget_bytes / mib:.0f} "
+            f"MiB by {(peak_bytes - budget_bytes) / mib:.0f} MiB (before the load {before_load_bytes / mib:.0f} MiB, "
+            f"weights {weight_bytes / mib:.0f} MiB, the rest {rest / mib:.0f} MiB: KV cache and the load's "
+            f"temporaries); the planner counted on less. Give this stage at least {(peak_bytes - budget_bytes) / mib:.0f} "
+            "MiB more --memory-budget, and report the figures: they show where the plan's memory model falls short")
+
+
 def proc_kib_field(path: str, name: str) -> int | None:
     """A "Name:  N kB" field of a /proc file (status, meminfo) in bytes; None where there is none (not Linux)."""
     try:

@@ -28,7 +28,7 @@ from layerbus.models.attention_shape import attention_shape
 from layerbus.models.model_files import open_model_dir
 from layerbus.stages.forward import run_step
 from layerbus.stages.heartbeat import HeartbeatThread, busy_for
-from layerbus.stages.host import (check_device, current_rss_bytes, device_memory_bytes, peak_rss_bytes,
+from layerbus.stages.host import (budget_overrun, check_device, current_rss_bytes, device_memory_bytes, peak_rss_bytes,
                                   large_allocations_mapped, release_freed_memory, reset_peak_rss,
                                   runtime_rss_bytes)
 from layerbus.stages.kv_cache import KV_INITIAL_CAPACITY, KVArena
@@ -378,6 +378,11 @@ class StageWorker:
             self.tracer = (self.tracer or StageTracer()) if header.get("trace") is True else None
             log.info("stage %s loaded layers %s of %s as %s in %.2f s (%d weight bytes)", self.name, spec.layers,
                      header["model_dir"], weights.describe(shard.block_layouts()), time.monotonic() - started, shard.parameter_bytes())
+            # On a CPU the budget is the process's resident memory, which VmHWM measures (on a GPU, device memory).
+            overrun = budget_overrun(peak_rss_bytes(), self.config.memory_budget if shard.device.type == "cpu" else None,
+                                     rss_before, shard.parameter_bytes())
+            if overrun is not None:
+                log.warning("stage %s, loading layers %s: %s", self.name, spec.layers, overrun)
             self._send_control(protocol.READY, epoch=self.epoch, layers=spec.layers.to_json(),
                                param_bytes=shard.parameter_bytes(), weights=weights.describe(shard.block_layouts()),
                                load_s=time.monotonic() - started,

@@ -12,7 +12,7 @@ from layerbus.broker.broker import BatchingConfig, BrokerConfig
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.requests import GenerationRequest
 from layerbus.models.model_files import open_model_dir
-from layerbus.stages.host import proc_kib_field
+from layerbus.stages.host import budget_overrun, proc_kib_field
 from layerbus.stages.profile import largest_tensor_bytes, memory_figures
 from layerbus.wire.spans import LayerRange
 from tests.test_equivalence import TINY_PROMPTS
@@ -48,6 +48,21 @@ def vm_hwm(pid: int) -> int:
     peak = proc_kib_field(f"/proc/{pid}/status", "VmHWM")
     assert peak is not None, f"no VmHWM for process {pid}"
     return peak
+
+
+@pytest.mark.parametrize("peak, budget, said", [
+    (1100 * MIB, 1150 * MIB, None),  # within
+    (1150 * MIB, 1150 * MIB, None),  # exactly the budget is within it
+    (1224 * MIB, None, None),  # no --memory-budget: nothing promised
+    (1224 * MIB, 1150 * MIB, "1224 MiB is over the --memory-budget of 1150 MiB by 74 MiB (before the load 406 MiB, "
+                             "weights 652 MiB, the rest 166 MiB"),
+])
+def test_a_load_over_its_budget_is_named_with_where_the_memory_went(peak, budget, said):
+    message = budget_overrun(peak, budget, before_load_bytes=406 * MIB, weight_bytes=652 * MIB)
+    if said is None:
+        assert message is None
+    else:
+        assert said in message and "more --memory-budget" in message
 
 
 @pytest.mark.cluster
