@@ -594,17 +594,20 @@ def _event_recorder(store: JobStore, job_id: str) -> Callable[..., None]:
 def _hand_back(store: JobStore, sink: StoreSink, source: StoreSource) -> None:
     """Commit what finished; claimed items without a result go back to the store.
 
-    requeue_items returns them to the queue (only those this worker still holds), or cancels them when
-    the job is cancelling.
+    They go back to the queue (only those this worker still holds), or are cancelled when the job is
+    cancelling. What goes back is what the store lists under this worker's name, not only the source's
+    own list: an interrupt (Ctrl-C) can land after a claim committed and before claim_items returned,
+    and those items, never seen here, would otherwise wait out this worker's lease.
     """
     try:
         sink.flush()
     finally:
-        leftovers = list(source.outstanding)
+        leftovers = len(source.outstanding)
         source.outstanding.clear()
-        if leftovers:
-            store.requeue_items(leftovers, holder=source.worker_name)
-            log.info("job %s: %d unfinished item(s) handed back", source.job_id, len(leftovers))
+        handed_back = store.requeue_expired(source.job_id, holders=[source.worker_name]).get(source.worker_name, 0)
+        if leftovers or handed_back:
+            log.info("job %s: %d unfinished item(s) handed back (%d of them claimed as the run stopped)",
+                     source.job_id, handed_back, max(0, handed_back - leftovers))
 
 
 def _try_set_status(store: JobStore, job_id: str, status: str, error: str | None = None) -> bool:

@@ -200,6 +200,12 @@ def test_killed_between_part_and_commit_gives_each_custom_id_once(store, tokeniz
     with monkeypatch.context() as patch:
         patch.setattr(store, "complete_items", killed)
         patch.setattr(store, "requeue_items", killed)
+        real_requeue_expired = store.requeue_expired
+
+        def requeue_expired(job_id, *args, holders=(), **kwargs):  # a run's end hands its own items back so
+            return killed() if holders else real_requeue_expired(job_id, *args, **kwargs)
+
+        patch.setattr(store, "requeue_expired", requeue_expired)
         with pytest.raises(SystemExit):
             run_job(store, job_id, ScriptedBroker(tokenizer, batch=8), tmp_path, poll_cancel_s=0)
     parts = ResultWriter(tmp_path, job_id).part_paths()
@@ -375,3 +381,32 @@ def test_a_malformed_score_item_is_refused_with_its_id(store, tokenizer):
     source = StoreSource(store, job_id, tokenizer, store.job_settings(job_id), "w1")
     with pytest.raises(ValueError, match=r"item \d+: .*at least one token"):
         source.fetch(1)
+
+
+def test_an_interrupt_between_a_claims_commit_and_its_return_hands_those_items_back_too(store, tokenizer, tmp_path,
+                                                                                          monkeypatch):
+    """Ctrl-C can land after the store committed a claim but before claim_items returned it: the source never
+    saw those items. They must go back to the queue now, not wait out this worker's lease."""
+    job_id = queue_job(store, 10)
+    real_claim = store.claim_items
+    calls = []
+
+    def claim_then_interrupted(*args, **kwargs):
+        claimed = real_claim(*args, **kwargs)  # committed: the store lists them under this worker
+        calls.append(len(claimed))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return claimed
+
+    with monkeypatch.context() as patch:
+        patch.setattr(store, "claim_items", claim_then_interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            run_job(store, job_id, ScriptedBroker(tokenizer, batch=3, deliver_only=1), tmp_path, poll_cancel_s=0)
+    assert calls == [3, 3]
+    status = store.job_status(job_id)
+    assert (status.completed, status.in_progress, status.queued) == (1, 0, 9), "every unfinished claim went back"
+    assert store.job_leases(job_id) == []
+
+    status = run_job(store, job_id, ScriptedBroker(tokenizer, batch=3), tmp_path, poll_cancel_s=0)
+    assert status.status == "completed" and status.completed == 10
+    assert sorted(r["custom_id"] for r in final_rows(status.results_path)) == sorted(f"doc-{i}" for i in range(10))

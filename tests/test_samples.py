@@ -210,7 +210,7 @@ class DyingBroker:
                 def dead(*args, **kwargs):
                     raise SystemExit("killed")
 
-                self.store.complete_items = self.store.requeue_items = dead
+                self.store.complete_items = self.store.requeue_items = self.store.requeue_expired = dead
                 raise SystemExit("killed")
             sink.deliver(results)
             sink.flush()
@@ -225,7 +225,8 @@ def test_a_broker_killed_mid_item_then_resumed_records_every_sample_once(tokeniz
             if die_in is not None:
                 with pytest.raises(SystemExit):
                     run_job(store, job_id, DyingBroker(tokenizer, store, 4, die_in), tmp_path / name, poll_cancel_s=0)
-                del store.complete_items, store.requeue_items  # the dead process's store is gone; a new one opens
+                # the dead process's store is gone; a new one opens
+                del store.complete_items, store.requeue_items, store.requeue_expired
                 status = store.job_status(job_id)
                 # The first fetch claimed 4 items (the job has no n; their 12 samples then served 3 steps): 2
                 # done, item 2 finished but not committed, item 3 half-sampled, item 4 never claimed.
