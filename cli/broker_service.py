@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,13 @@ if TYPE_CHECKING:
     from layerbus.storage import JobStatus, JobStore
 
 log = logging.getLogger("layerbus.broker")
+
+# Who speaks on stderr: "layerbus broker", or with the chain it is behind a front door (--chains K).
+_speaker = "layerbus broker"
+
+
+def _say(text: str) -> None:
+    print(f"{_speaker}: {text}", file=sys.stderr, flush=True)
 
 
 
@@ -87,6 +95,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="how often to look for new jobs when idle (default: 2)")
     parser.add_argument("--register-timeout", metavar="SECONDS", type=float, default=600.0,
                         help="how long to wait for the stages to register (default: 600)")
+    parser.add_argument("--chains", metavar="K", type=positive_int, default=1,
+                        help="form K chains of the N stages (N // K each, one more for the first N %% K), all "
+                             "registering at --bind-control: each chain is a broker process of its own, and the "
+                             "chains serve the jobs side by side (default: 1, one pipeline over every stage)")
+    parser.add_argument("--chain-ports", metavar="PORT", type=positive_int, default=None,
+                        help="with --chains K: chain i's broker binds ports PORT + 2i (its stages' control) and "
+                             "PORT + 2i + 1 (its results) on the hosts of --bind-control / --bind-results; "
+                             "stages on other machines must reach them too (default: the --bind-control port + 2)")
+    # Set by the front door of --chains K on each chain's broker: brokers working the jobs beside it.
+    parser.add_argument("--peer-brokers", type=positive_int, default=1, help=argparse.SUPPRESS)
+    # ... and a file this broker creates once it listens, so the front door sends it its stages.
+    parser.add_argument("--ready-file", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--chain-label", default=None, help=argparse.SUPPRESS)  # "chain 2": said in its messages
     add_verbose(parser)
     parser.set_defaults(handler=main)
 
@@ -98,6 +119,11 @@ def main(args: argparse.Namespace) -> int:
 
     if args.exit_when_idle and args.job:
         raise UsageError("--exit-when-idle and --job: --job already exits after its one job: drop one")
+    if args.chains > 1:
+        return _serve_chains(args)
+    if args.chain_label:
+        global _speaker
+        _speaker = f"layerbus broker ({args.chain_label})"
     keys, control_bind, results_bind = _security(args)
     network = None
     if args.network is not None:
@@ -123,6 +149,8 @@ def main(args: argparse.Namespace) -> int:
         except zmq.ZMQError as error:
             raise UsageError(f"cannot bind {control_bind} / {results_bind}: {error}; another broker "
                              "may hold the port: pick others with --bind-control/--bind-results") from None
+        if args.ready_file is not None:
+            args.ready_file.touch()
         metrics = None
         try:
             metrics = start_metrics(args)  # /healthz says 503 while the stages register and load
@@ -131,14 +159,34 @@ def main(args: argparse.Namespace) -> int:
             with stop_on_signals():
                 return _serve(store, broker, model_dir, args, metrics)
         except Interrupted as interrupted:
-            print(f"layerbus broker: {interrupted}: stopped; stages told to stop, items in flight requeued",
-                  file=sys.stderr)
+            _say(f"{interrupted}: stopped; stages told to stop, items in flight requeued")
             return interrupted.exit_code  # 130 / 143, as for `layerbus run`
         finally:
             broker.close()  # writes --trace's file with what it has
             report_trace(args.trace)
             if metrics is not None:
                 metrics.close()
+
+
+def _serve_chains(args: argparse.Namespace) -> int:
+    """--chains K: the front door and a broker process per chain (cli/broker_chains.py). What can be checked
+    here is, before any chain starts: the counts, the model (every stage of the longest chain needs a
+    layer), the keys and binds, the job."""
+    from layerbus.cli.broker_chains import serve_chains
+    from layerbus.jobs.chain_split import chains_error, split_stages
+
+    error = chains_error(args.stages, args.chains)
+    if error is not None:
+        raise UsageError(error)
+    if args.metrics is not None or args.trace is not None:
+        raise UsageError(f"--metrics and --trace serve one broker; --chains {args.chains} runs {args.chains}: drop "
+                         "them, or use --chains 1")
+    keys, control_bind, results_bind = _security(args)
+    model_for_stages(resolve_model(args.model), max(share.count for share in split_stages(args.stages, args.chains)))
+    if args.job:
+        with open_store(args.db) as store:
+            store.job_status(args.job)  # StoreError names a job that does not exist
+    return serve_chains(args, keys, control_bind, results_bind)
 
 
 def _security(args: argparse.Namespace) -> tuple["ClusterKeys | None", str, str]:
@@ -170,7 +218,7 @@ def _security(args: argparse.Namespace) -> tuple["ClusterKeys | None", str, str]
     if exposed and keys is None:
         if not args.insecure:
             raise UsageError(unsecured_bind_message(exposed, "--keys DIR (and --allow DIR for the stages' keys)"))
-        print(f"layerbus broker: {insecure_warning(exposed)}", file=sys.stderr, flush=True)
+        _say(insecure_warning(exposed))
     return keys, control_bind, results_bind
 
 
@@ -180,17 +228,19 @@ def _serve(store: JobStore, broker: Broker, model_dir: Path, args: argparse.Name
     from layerbus.storage.run_info import write_run_info
     from layerbus.storage.states import RUNNABLE_JOB_STATES
 
-    leases = leases_from_args(args)
+    leases = replace(leases_from_args(args), peers=args.peer_brokers)
     keys = broker.config.keys
     key_options = f" --keys DIR --broker-key {str(keys.keypair.path).removesuffix('_secret')}" if keys else ""
-    print(f"layerbus broker: waiting for {args.stages} stage(s) at {broker.address}: start each with "
-          f"`layerbus stage --broker {broker.address}{key_options}`", file=sys.stderr, flush=True)
+    if args.chain_label:  # the stages register at the front door, which sends them here
+        _say(f"waiting for {args.stages} stage(s) at {broker.address}, sent here by the front door")
+    else:
+        _say(f"waiting for {args.stages} stage(s) at {broker.address}: start each with "
+             f"`layerbus stage --broker {broker.address}{key_options}`")
     if "0.0.0.0" in broker.address:
-        print("layerbus broker: stages on other machines use this machine's address instead of 0.0.0.0, and "
-              "need this broker started with --advertise HOST so their last stage can reach the results port",
-              file=sys.stderr, flush=True)
+        _say("stages on other machines use this machine's address instead of 0.0.0.0, and "
+             "need this broker started with --advertise HOST so their last stage can reach the results port")
     broker.start()
-    print(f"layerbus broker: ready: {broker.placement.text()}", file=sys.stderr, flush=True)
+    _say(f"ready: {broker.placement.text()}")
     if args.job:
         write_run_info(args.job, broker.run_info())
         if metrics is not None:
@@ -206,22 +256,21 @@ def _serve(store: JobStore, broker: Broker, model_dir: Path, args: argparse.Name
         job_id = next_job_for(store, model_dir, warned)
         if job_id is None and args.exit_when_idle:
             code = exit_code_when_idle([status.status for status in ran])
-            print(f"layerbus broker: no queued or running job for {model_dir}: exiting (--exit-when-idle) after "
-                  f"{len(ran)} job(s), {sum(s.status == 'completed' for s in ran)} completed", file=sys.stderr,
-                  flush=True)
+            _say(f"no queued or running job for {model_dir}: exiting (--exit-when-idle) after "
+                 f"{len(ran)} job(s), {sum(s.status == 'completed' for s in ran)} completed")
             return code
         if job_id is None:
             _idle(broker, args.poll)
             continue
-        print(f"layerbus broker: running {job_id}", file=sys.stderr, flush=True)
+        _say(f"running {job_id}")
         write_run_info(job_id, broker.run_info())
         if metrics is not None:
             metrics.watch_job(store, job_id)
         ran.append(run_job(store, job_id, broker, results_dir(), leases=leases))
         _report(ran[-1])
         if ran[-1].status in RUNNABLE_JOB_STATES:  # its stages broke and it left the job to other brokers
-            print(f"layerbus broker: this broker's stages broke; {job_id} is left to the other brokers working it "
-                  f"(`layerbus status {job_id}`): exiting", file=sys.stderr, flush=True)
+            _say(f"this broker's stages broke; {job_id} is left to the other brokers working it "
+                 f"(`layerbus status {job_id}`): exiting")
             return EXIT_FAILED
 
 
@@ -246,8 +295,8 @@ def next_job_for(store: JobStore, model_dir: Path, warned: set[str]) -> str | No
             return status.job_id
         if status.job_id not in warned:
             warned.add(status.job_id)
-            print(f"layerbus broker: skipping {status.job_id}: it is for model {status.model}, this broker serves "
-                  f"{model_dir}", file=sys.stderr, flush=True)
+            _say(f"skipping {status.job_id}: it is for model {status.model}, this broker serves "
+                 f"{model_dir}")
     return None
 
 
@@ -264,6 +313,6 @@ def _report(status: JobStatus) -> None:
     done = status.completed + status.failed + status.cancelled
     path = f"; results {status.results_path}" if status.results_path else ""
     error = f": {status.error}" if status.error else ""
-    print(f"layerbus broker: {status.job_id} {status.status}{error} ({done}/{status.total} items, "
-          f"{status.failed} failed){path}", file=sys.stderr, flush=True)
+    _say(f"{status.job_id} {status.status}{error} ({done}/{status.total} items, "
+         f"{status.failed} failed){path}")
 

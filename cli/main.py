@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra and not getattr(args, "takes_extra", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # `broker --chains K` starts brokers with these
     configure_logging(args.verbose)
     try:
         return args.handler(args)

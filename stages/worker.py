@@ -19,7 +19,7 @@ import os
 import signal
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import zmq
@@ -169,10 +169,7 @@ class StageWorker:
         # a stage forked from the launcher counts what the launcher held (stages/launcher.py).
         self.runtime_bytes = runtime_rss_bytes()
         self._register()
-        self.heartbeats = HeartbeatThread(self.context, self.config.broker, self.name.encode(),
-                                          self.config.heartbeat_interval_s, self._heartbeat_fields,
-                                          self._secure_client)
-        self.heartbeats.start()
+        self._start_heartbeats()
         self.last_heard = time.monotonic()
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)
@@ -313,6 +310,8 @@ class StageWorker:
                     self._serve_one()
                 self.shard, self.arena, self.epoch = None, None, -1
                 self._register()
+            elif message.kind == protocol.REDIRECT:
+                self._move_to(message.header)
             elif message.kind == protocol.PROFILE:
                 self._send_control(protocol.PROFILE_RESULT, **self._profile(message.header))
             elif message.kind == protocol.PROBE:
@@ -329,6 +328,33 @@ class StageWorker:
             elif message.kind == protocol.HEARTBEAT and self.tracer is not None:
                 self.tracer.broker_heartbeat(message.header.get("sent_us"))
             # otherwise heartbeats need nothing beyond last_heard
+
+    def _move_to(self, header: dict) -> None:
+        """The front door of several chains (`layerbus broker --chains K`) sends this stage on to its chain's
+        broker: the control socket and the heartbeats go there, and the stage registers again. Only an
+        empty stage moves: the front door answers registrations, never a stage that holds a span."""
+        if self.shard is not None:
+            log.warning("stage %s: a redirect while holding layers, ignored: %s", self.name, header)
+            return
+        try:
+            endpoint = protocol.redirected_endpoint(self.config.broker, header)
+        except WireError as error:
+            log.error("stage %s: %s", self.name, error)
+            return
+        log.info("stage %s: %s sends this stage to its chain's broker at %s", self.name, self.config.broker, endpoint)
+        self.control.disconnect(self.config.broker)
+        self.control.connect(endpoint)
+        self.config = replace(self.config, broker=endpoint)
+        if self.heartbeats is not None:
+            self.heartbeats.stop()
+        self._start_heartbeats()
+        self._register()
+
+    def _start_heartbeats(self) -> None:
+        self.heartbeats = HeartbeatThread(self.context, self.config.broker, self.name.encode(),
+                                          self.config.heartbeat_interval_s, self._heartbeat_fields,
+                                          self._secure_client)
+        self.heartbeats.start()
 
     def _assign(self, header: dict) -> None:
         try:

@@ -41,6 +41,10 @@ Control plane (DEALER at each stage, ROUTER at the broker), headers only:
                    and the one client key its data port admits; see wire/curve.py)}
                    heartbeat {sent_us?}     shutdown {}
                    reset {} (you were presumed dead: drop your span and register again)
+                   redirect {port, endpoint} (from the front door of `layerbus broker --chains K`, in
+                   answer to register: register with this chain's broker instead; the stage keeps the
+                   host it reached the front door at and takes `port`, or takes `endpoint` where its
+                   broker address has no tcp port)
                    profile {model_dir, micro_batch_size, kv_length, prefill_tokens}
                    probe {seq} + tensor "payload" (link probe: echoed at once)
                    link_admit {keys} (secured: the data port admits these stage keys too, until the next
@@ -67,6 +71,8 @@ from layerbus.wire.frames import WireError
 # Control-plane kinds.
 REGISTER, ASSIGN, READY, HEARTBEAT, FAILURE, REJECTED, SHUTDOWN, BYE, RESET = (
     "register", "assign", "ready", "heartbeat", "failure", "rejected", "shutdown", "bye", "reset")
+# Several chains behind one address (`layerbus broker --chains K`): go register with this chain's broker.
+REDIRECT = "redirect"
 # Placement: the broker asks each stage to measure itself, and times its link with echoed probes.
 PROFILE, PROFILE_RESULT, PROBE, PROBE_ECHO = "profile", "profile_result", "probe", "probe_echo"
 # The link matrix (issue 21): the broker has each stage time its links to the others (stages/peer_links.py).
@@ -80,6 +86,31 @@ STEP, RESULT = "step", "result"
 # Appended to a stage's control identity by its heartbeat socket: the broker counts this socket's
 # traffic as the stage's.
 HEARTBEAT_IDENTITY_SUFFIX = b"\x00heartbeat"
+
+
+def redirect_header(endpoint: str) -> dict:
+    """A redirect's fields for a chain's broker bound at `endpoint` (e.g. tcp://0.0.0.0:5557): its port,
+    which the stage joins to the host it reached the front door at (a wildcard bind names no host a
+    stage could use), and the endpoint itself for binds without a port (ipc://)."""
+    port = _tcp_port(endpoint)
+    return {"port": port, "endpoint": endpoint} if port is not None else {"endpoint": endpoint}
+
+
+def redirected_endpoint(current: str, header: dict) -> str:
+    """Where a stage that reached the front door at `current` registers next, from a redirect's fields."""
+    port, endpoint = header.get("port"), header.get("endpoint")
+    if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536 and _tcp_port(current) is not None:
+        return f"{current.rsplit(':', 1)[0]}:{port}"
+    if isinstance(endpoint, str) and endpoint:
+        return endpoint
+    raise WireError(f"redirect without a usable port or endpoint: {header!r}")
+
+
+def _tcp_port(endpoint: str) -> int | None:
+    if not endpoint.startswith("tcp://"):
+        return None
+    _, _, port = endpoint.rpartition(":")
+    return int(port) if port.isdigit() else None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,229 @@
+"""`layerbus broker --stages N --chains K`: the front door's choices as table tests (which chain a stage
+joins, where a redirect sends it, each chain's ports and command line), and end to end with real processes:
+two stages started by hand at one address form two chains, both work one job, and the outputs are a single
+broker's, every item once."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import zmq
+
+from layerbus.broker.front_door import ChainDoor, FrontDoor, chain_for_stage
+from layerbus.cli.broker_chains import chain_binds, chain_command
+from layerbus.cli.errors import UsageError
+from layerbus.cli.main import build_parser
+from layerbus.cli.main import main as cli_main
+from layerbus.storage import JobStore
+from layerbus.wire import protocol
+from layerbus.wire.frames import WireError, decode, encode
+from layerbus.wire.protocol import redirect_header, redirected_endpoint
+from tests.test_brokers_one_job import GHOST, wait_until
+from tests.test_cli_helpers import JOB_ID, cli_env, layerbus, layerbus_executable, status_json, write_jsonl
+from tests.test_cli_run import assert_parquet_matches_store
+
+
+@pytest.mark.parametrize("name, assigned, sizes, chain", [
+    ("a", {}, [2, 2], 0),  # the first chain fills first
+    ("b", {"a": 0}, [2, 2], 0),
+    ("c", {"a": 0, "b": 0}, [2, 2], 1),
+    ("b", {"a": 0, "b": 1}, [2, 2], 1),  # a restarted stage goes back to its chain
+    ("c", {"a": 0, "b": 1}, [1, 1], 0),  # a spare: the chain with the fewest for its size, the first of equals
+    ("d", {"a": 0, "b": 1, "c": 1}, [1, 2], 0),  # 1/1 against 2/2: equal, the first
+    ("d", {"a": 0, "b": 0, "c": 1}, [2, 1], 0),  # 2/2 against 1/1
+    ("e", {"a": 0, "b": 0, "c": 1, "d": 0}, [2, 1], 1),  # 3/2 against 1/1
+    ("c", {"a": 0, "b": 1}, [2, 1], 0),  # chain 1 still short
+])
+def test_chain_for_stage(name, assigned, sizes, chain):
+    assert chain_for_stage(name, assigned, sizes) == chain
+
+
+@pytest.mark.parametrize("stage_knows, chain_bind, registers_at", [
+    ("tcp://10.0.0.5:5555", "tcp://0.0.0.0:5557", "tcp://10.0.0.5:5557"),  # the host it reached, the chain's port
+    ("tcp://broker-host:5555", "tcp://127.0.0.1:6001", "tcp://broker-host:6001"),
+    ("tcp://[::1]:5555", "tcp://[::]:5557", "tcp://[::1]:5557"),
+    ("ipc:///tmp/front", "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5557"),  # no port to keep a host for
+    ("tcp://10.0.0.5:5555", "ipc:///tmp/chain-1", "ipc:///tmp/chain-1"),
+])
+def test_a_redirect_keeps_the_host_the_stage_reached_and_takes_the_chains_port(stage_knows, chain_bind, registers_at):
+    assert redirected_endpoint(stage_knows, redirect_header(chain_bind)) == registers_at
+
+
+@pytest.mark.parametrize("header", [{}, {"port": "5557"}, {"port": True}, {"port": 70000}, {"endpoint": ""}])
+def test_a_redirect_without_a_usable_address_is_refused(header):
+    with pytest.raises(WireError, match="redirect"):
+        redirected_endpoint("tcp://10.0.0.5:5555", header)
+
+
+def fake_stage(context, address: str, name: str):
+    stage = context.socket(zmq.DEALER)
+    stage.setsockopt(zmq.IDENTITY, name.encode())
+    stage.setsockopt(zmq.LINGER, 0)
+    stage.connect(address)
+    stage.send_multipart(encode({"kind": protocol.REGISTER, "name": name, "host": "box-a"}))
+    return stage
+
+
+def answer(door: FrontDoor, stage) -> dict:
+    for _ in range(50):
+        door.serve(20)
+        if stage.poll(20):
+            message = decode(stage.recv_multipart(copy=False))
+            return dict(message.header, kind=message.kind)
+    raise AssertionError("the front door did not answer")
+
+
+def test_the_front_door_holds_stages_until_their_chains_broker_listens_then_sends_each_on():
+    context = zmq.Context()
+    chains = [ChainDoor("chain 1", "tcp://0.0.0.0:6001", 1), ChainDoor("chain 2", "tcp://0.0.0.0:6003", 1)]
+    door = FrontDoor(context, "tcp://127.0.0.1:*", chains)
+    stages = []
+    try:
+        stages.append(fake_stage(context, door.address, "s0"))
+        assert answer(door, stages[0])["kind"] == protocol.HEARTBEAT, "chain 1 does not listen yet: kept waiting"
+        assert door.mark_ready(0) == ["stage s0 (host box-a) -> chain 1 at tcp://0.0.0.0:6001"]
+        assert answer(door, stages[0]) == {"kind": protocol.REDIRECT, "port": 6001, "endpoint": "tcp://0.0.0.0:6001", "v": 1}
+        door.mark_ready(1)
+        stages.append(fake_stage(context, door.address, "s1"))
+        assert answer(door, stages[1])["port"] == 6003, "chain 1 is full: the next stage goes to chain 2"
+        stages[0].close()
+        stages.append(fake_stage(context, door.address, "s0"))  # restarted under its name
+        assert answer(door, stages[2])["port"] == 6001, "back to its own chain"
+        assert door.assigned == {"s0": 0, "s1": 1} and door.waiting == {}
+    finally:
+        for stage in stages:
+            stage.close(linger=0)
+        door.close()
+        context.term()
+
+
+def test_each_chain_binds_two_ports_of_its_own_beside_the_front_doors():
+    assert chain_binds("tcp://0.0.0.0:5555", "tcp://0.0.0.0:5556", None, 2) == [
+        ("tcp://0.0.0.0:5557", "tcp://0.0.0.0:5558"), ("tcp://0.0.0.0:5559", "tcp://0.0.0.0:5560")]
+    assert chain_binds("tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556", 7000, 3)[2] == (
+        "tcp://127.0.0.1:7004", "tcp://127.0.0.1:7005")
+
+
+@pytest.mark.parametrize("control, results, first, message", [
+    ("tcp://127.0.0.1:5555", "tcp://127.0.0.1:5558", None, "own port 5558"),  # results inside the chains' range
+    ("tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556", 5554, "own port 5555"),
+    ("tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556", 65534, "past 65535"),
+    ("ipc:///tmp/front", "tcp://127.0.0.1:5556", None, "--bind-control ipc:///tmp/front"),
+])
+def test_chain_ports_that_cannot_work_are_refused_with_the_way_out(control, results, first, message):
+    with pytest.raises(UsageError, match=message) as refused:
+        chain_binds(control, results, first, 2)
+    assert "--chain-ports" in str(refused.value) or "tcp://HOST:PORT" in str(refused.value)
+
+
+def test_a_chains_command_line_overrides_the_users_values_however_spelled():
+    argv = ["broker", "--stages=4", "--chains=2", "--bind-control", "tcp://127.0.0.1:5555", "--poll", "0.5"]
+    command = chain_command(argv, "chain 1", 2, "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", 2, Path("/run/chain-1.ready"))
+    assert command[1:3] == ["-m", "layerbus.cli.main"]
+    args = build_parser(lambda name: name == "broker").parse_args(command[3:])
+    assert (args.stages, args.chains, args.peer_brokers, args.poll) == (2, 1, 2, 0.5)
+    assert (args.ready_file, args.chain_label) == (Path("/run/chain-1.ready"), "chain 1")
+    assert (args.bind_control, args.bind_results) == ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")
+
+
+def test_chains_with_more_chains_than_stages_are_refused_before_anything_starts(tmp_path, capsys):
+    assert cli_main(["broker", "--stages", "2", "--chains", "3", "--db", f"sqlite:///{tmp_path / 'jobs.db'}"]) == 2
+    assert "--chains 3 with --stages 2" in capsys.readouterr().err
+    assert not (tmp_path / "jobs.db").exists()
+
+
+def test_chains_refuse_metrics_and_trace_which_serve_one_broker(tmp_path, capsys):
+    assert cli_main(["broker", "--stages", "2", "--chains", "2", "--metrics", "127.0.0.1:0",
+                     "--db", f"sqlite:///{tmp_path / 'jobs.db'}"]) == 2
+    assert "--metrics and --trace serve one broker" in capsys.readouterr().err
+
+
+def free_ports(count: int) -> int:
+    """A port P with P .. P + count - 1 all free on loopback."""
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            first = probe.getsockname()[1]
+        if first + count > 65535:
+            continue
+        try:
+            for port in range(first, first + count):
+                with socket.socket() as check:
+                    check.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} free consecutive ports")
+
+
+ITEMS = 60
+JOB_ARGS = ("--task", "summarize", "--max-new-tokens", "6")
+TIMEOUT_S = 240
+
+
+@pytest.mark.cluster  # a front door, two chain brokers and two stage processes
+def test_two_stages_at_one_address_form_two_chains_that_share_the_job_with_one_brokers_outputs(tmp_path, tiny_models):
+    model = tiny_models("llama")
+    corpus = write_jsonl(tmp_path / "docs.jsonl",
+                         [{"id": f"doc-{i:02d}", "text": f"Front door {i} sends stage {i % 2} on."} for i in range(ITEMS)])
+    single_home, single_db = tmp_path / "single", f"sqlite:///{tmp_path / 'single.db'}"
+    single = layerbus(single_home, "run", corpus, "--model", model, "--db", single_db, "--stages", "1",
+                      "--threads-per-stage", "1", *JOB_ARGS, timeout=TIMEOUT_S)
+    assert single.returncode == 0, single.stderr
+    expected = {row["custom_id"]: row["output"] for row in assert_parquet_matches_store(
+        single_db, JOB_ID.search(single.stdout).group(),
+        status_json(single_home, JOB_ID.search(single.stdout).group(), "--db", single_db)["results_path"])}
+
+    home, db, port = tmp_path / "home", f"sqlite:///{tmp_path / 'jobs.db'}", free_ports(6)
+    submitted = layerbus(home, "submit", corpus, "--model", model, "--db", db, *JOB_ARGS)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    with JobStore.open(db) as store:  # every item held elsewhere until both chains work the job (as in
+        assert len(store.claim_items(job_id, GHOST, ITEMS, lease_s=3600)) == ITEMS  # test_brokers_one_job)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    processes: list[subprocess.Popen] = []
+    try:
+        with open(logs / "front.log", "w") as handle:
+            front = subprocess.Popen([layerbus_executable(), "-v", "broker", "--model", str(model), "--stages", "2",
+                                      "--chains", "2", "--db", db, "--bind-control", f"tcp://127.0.0.1:{port}",
+                                      "--bind-results", f"tcp://127.0.0.1:{port + 1}", "--exit-when-idle",
+                                      "--poll", "0.2", "--lease", "6"],
+                                     env=cli_env(home), stdout=handle, stderr=subprocess.STDOUT)
+        processes.append(front)
+        for i in range(2):
+            with open(logs / f"stage-{i}.log", "w") as handle:
+                processes.append(subprocess.Popen(
+                    [layerbus_executable(), "-v", "stage", "--broker", f"tcp://127.0.0.1:{port}", "--name",
+                     f"stage-{i}", "--threads", "1"], env=cli_env(home), stdout=handle, stderr=subprocess.STDOUT))
+        with JobStore.open(db) as store:
+            wait_until(lambda: len(store.job_workers(job_id)) == 2, "both chains on the job", processes, logs)
+            assert store.requeue_expired(job_id, holders=[GHOST]) == {GHOST: ITEMS}
+        try:
+            code = front.wait(TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the front door did not exit once idle:\n{_logs(logs)}") from None
+        assert code == 0, _logs(logs)
+        assert [stage.wait(30) for stage in processes[1:]] == [0, 0], "stages stop when their broker says so"
+    finally:
+        for process in processes:
+            process.kill()
+    front_log = (logs / "front.log").read_text()
+    assert "stage stage-0" in front_log and "stage stage-1" in front_log and "-> chain 1" in front_log \
+        and "-> chain 2" in front_log, front_log
+
+    status = status_json(home, job_id, "--db", db)
+    assert status["status"] == "completed" and status["request_counts"]["completed"] == ITEMS
+    rows = assert_parquet_matches_store(db, job_id, status["results_path"])
+    assert sorted(row["custom_id"] for row in rows) == sorted(expected), "every custom_id exactly once"
+    assert {row["custom_id"]: row["output"] for row in rows} == expected, "token for token one broker's outputs"
+    done = [worker["items_done"] for worker in status["workers"]]
+    assert len(done) == 2 and all(count > 0 for count in done) and sum(done) == ITEMS, status["workers"]
+
+
+def _logs(folder: Path) -> str:
+    return "\n".join(f"--- {path.name}\n{path.read_text()[-3000:]}" for path in sorted(folder.glob("*.log")))
