@@ -120,6 +120,10 @@ class FrontDoor:
         return [self._send_on(identity) for identity, (_, _, waits_for) in list(self.waiting.items())
                 if waits_for == chain]
 
+    def mark_gone(self, chain: int) -> None:
+        """Chain `chain`'s broker ended: its stages that register again wait here until it listens again."""
+        self.ready[chain] = False
+
     def _send_on(self, identity: bytes) -> str:
         name, host, chain = self.waiting.pop(identity)
         door = self.chains[chain]

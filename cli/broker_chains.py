@@ -7,6 +7,10 @@ bound on two ports of its own: chain i on --chain-ports + 2i (its control) and +
 on this broker's hosts. The chains serve the store's jobs side by side, through the item leases, as
 several `layerbus broker` processes on one job do; `layerbus status JOB` shows each.
 
+A chain's broker that ends is marked gone at the front door (its stages that register again wait there);
+behind a front door that serves until stopped (neither --job nor --exit-when-idle) a failed one is started
+again, a few times (restarts_chain).
+
 Child processes rather than one process driving K chains: cli/chains.py says why for `layerbus run
 --chains K`, and it holds here too (each broker's Python work is its own, a fault stops one chain).
 The front door runs no model.
@@ -28,6 +32,8 @@ from layerbus.cli.errors import EXIT_FAILED, EXIT_OK, UsageError
 
 STOP_WAIT_S = 60.0  # after a signal: how long each chain's broker may take to requeue and stop its stages
 POLL_MS = 500
+MAX_CHAIN_RESTARTS = 3  # a serving front door starts a failed chain's broker again this many times
+RESTART_DELAY_S = 2.0
 
 
 def chain_binds(control_bind: str, results_bind: str, first_port: int | None, chains: int) -> list[tuple[str, str]]:
@@ -66,82 +72,126 @@ def chain_command(argv: list[str], label: str, size: int, control_bind: str, res
             "--ready-file", str(ready_file), "--chain-label", label]
 
 
+def restarts_chain(code: int, serving: bool, restarts: int) -> bool:
+    """Whether a chain's broker that ended with exit `code` is started again: only behind a serving front door
+    (neither --job nor --exit-when-idle: it serves jobs until stopped, and so should its chains), after a
+    failure (not 0; not Ctrl-C or SIGTERM handled, 130 or 143; a SIGKILL is -9 and counts as one), at most
+    MAX_CHAIN_RESTARTS times. A --job or --exit-when-idle chain's exit code is its answer."""
+    return serving and code not in (0, 128 + signal.SIGINT, 128 + signal.SIGTERM) and restarts < MAX_CHAIN_RESTARTS
+
+
 def serve_chains(args: argparse.Namespace, keys, control_bind: str, results_bind: str) -> int:
     """Start every chain's broker, redirect the stages to them until all have ended; 0 iff every chain
     ended with 0 (for --job and --exit-when-idle: the job completed / every job completed)."""
     import zmq
 
     from layerbus.broker.front_door import ChainDoor, FrontDoor
-    from layerbus.broker.stage_launcher import die_with_parent
     from layerbus.cli.signals import Interrupted, stop_on_signals
     from layerbus.jobs.chain_split import split_stages
 
     shares = split_stages(args.stages, args.chains)
     binds = chain_binds(control_bind, results_bind, args.chain_ports, args.chains)
     doors = [ChainDoor(share.label, control, share.count) for share, (control, _) in zip(shares, binds)]
-    # The chains first: preexec_fn is safe only before this process has threads (the front door's ZeroMQ
-    # context and CURVE authenticator start some). A chain's broker gets SIGTERM if this process dies.
     flags = Path(tempfile.mkdtemp(prefix="layerbus-chains-"))
-    ready_files = [flags / f"chain-{share.index + 1}.ready" for share in shares]
-    children = [subprocess.Popen(chain_command(args.argv, share.label, share.count, control, results, args.chains, ready),
-                                 preexec_fn=die_with_parent)
-                for share, (control, results), ready in zip(shares, binds, ready_files)]
+    chains = [ChainProcess(chain_command(args.argv, share.label, share.count, control, results, args.chains,
+                                         flags / f"chain-{share.index + 1}.ready"), share.label)
+              for share, (control, results) in zip(shares, binds)]
     context = zmq.Context()
     try:
         door = FrontDoor(context, control_bind, doors, keys)
     except zmq.ZMQError as error:
-        _stop(children, signal.SIGTERM)
         context.term()
+        shutil.rmtree(flags, ignore_errors=True)
         raise UsageError(f"cannot bind {control_bind}: {error}; another broker may hold the port: pick another "
                          "with --bind-control") from None
     try:
+        for chain in chains:
+            chain.start()
         layout = "; ".join(f"{d.label}: {d.size} stage(s) at {d.control_bind}" for d in doors)
-        print(f"layerbus broker: waiting for {args.stages} stage(s) at {door.address}, sent on to {args.chains} chains "
-              f"({layout})", file=sys.stderr, flush=True)
+        _say(f"waiting for {args.stages} stage(s) at {door.address}, sent on to {args.chains} chains ({layout})")
         with stop_on_signals():
-            return _redirect_until_done(door, children, doors, ready_files)
+            return _redirect_until_done(door, chains, serving=not (args.job or args.exit_when_idle))
     except Interrupted as interrupted:
-        _stop(children, interrupted.signum)
-        print(f"layerbus broker: {interrupted}: stopped every chain; items in flight requeued", file=sys.stderr)
+        _stop(chains, interrupted.signum)
+        _say(f"{interrupted}: stopped every chain; items in flight requeued")
         return interrupted.exit_code
     finally:
-        _stop(children, signal.SIGTERM)
+        _stop(chains, signal.SIGTERM)
         door.close()
         context.term()
         shutil.rmtree(flags, ignore_errors=True)
 
 
-def _redirect_until_done(door, children: list[subprocess.Popen], doors, ready_files: list[Path]) -> int:
-    ended: dict[int, int] = {}
-    while len(ended) < len(children):
+class ChainProcess:
+    """One chain's `layerbus broker` process: started (again) from its command line; `ready` once it listens.
+    The broker asks Linux itself to be sent SIGTERM if this process dies (cli/broker_service.py)."""
+
+    def __init__(self, command: list[str], label: str):
+        self.command, self.label = command, label
+        self.ready_file = Path(command[command.index("--ready-file") + 1])
+        self.process: subprocess.Popen | None = None
+        self.restarts, self.restart_at, self.exit_code = 0, None, None
+
+    def start(self) -> None:
+        self.ready_file.unlink(missing_ok=True)
+        self.process, self.restart_at, self.exit_code = subprocess.Popen(self.command), None, None
+
+    @property
+    def ready(self) -> bool:
+        return self.process is not None and self.process.poll() is None and self.ready_file.exists()
+
+    def ended(self) -> int | None:
+        """Its exit code the first time it is seen ended, else None."""
+        if self.process is None or self.exit_code is not None or self.process.poll() is None:
+            return None
+        self.exit_code = self.process.returncode
+        return self.exit_code
+
+
+def _redirect_until_done(door, chains: list[ChainProcess], serving: bool) -> int:
+    while True:
         moved = door.serve(POLL_MS)
-        for index, ready in enumerate(ready_files):
-            if not door.ready[index] and ready.exists():
+        for index, chain in enumerate(chains):
+            if not door.ready[index] and chain.ready:
                 moved += door.mark_ready(index)
         for line in moved:
-            print(f"layerbus broker: {line}", file=sys.stderr, flush=True)
-        for index, child in enumerate(children):
-            if index not in ended and child.poll() is not None:
-                ended[index] = child.returncode
-                print(f"layerbus broker: {doors[index].label}'s broker ended with exit code {child.returncode}"
-                      + (f"; {len(children) - len(ended)} chain(s) still running" if len(ended) < len(children) else ""),
-                      file=sys.stderr, flush=True)
-    return EXIT_OK if all(code == 0 for code in ended.values()) else next(
-        (code for code in ended.values() if code != 0), EXIT_FAILED)
+            _say(line)
+        for index, chain in enumerate(chains):
+            code = chain.ended()
+            if code is not None:
+                door.mark_gone(index)  # its stages that register again wait here for it
+                again = restarts_chain(code, serving, chain.restarts)
+                running = sum(other.exit_code is None for other in chains)  # this one has its exit code now
+                _say(f"{chain.label}'s broker ended with exit code {code}"
+                     + (f"; starting it again in {RESTART_DELAY_S:.0f} s ({chain.restarts + 1} of "
+                        f"{MAX_CHAIN_RESTARTS})" if again else "")
+                     + (f"; {running} chain(s) still running" if running > 0 and not again else ""))
+                if again:
+                    chain.restarts += 1
+                    chain.restart_at = time.monotonic() + RESTART_DELAY_S
+            if chain.restart_at is not None and time.monotonic() >= chain.restart_at:
+                chain.start()
+        if all(chain.exit_code is not None and chain.restart_at is None for chain in chains):
+            codes = [chain.exit_code for chain in chains]
+            return EXIT_OK if all(code == 0 for code in codes) else next(code for code in codes if code != 0)
 
 
-def _stop(children: list[subprocess.Popen], signum: int) -> None:
+def _stop(chains: list[ChainProcess], signum: int) -> None:
     """Pass `signum` to every chain's broker still running, STOP_WAIT_S for them all, then kill the rest."""
-    alive = [child for child in children if child.poll() is None]
-    for child in alive:
+    alive = [chain.process for chain in chains if chain.process is not None and chain.process.poll() is None]
+    for process in alive:
         try:
-            os.kill(child.pid, signum)
+            os.kill(process.pid, signum)
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + STOP_WAIT_S
-    for child in alive:
+    for process in alive:
         try:
-            child.wait(max(0.1, deadline - time.monotonic()))
+            process.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+            process.kill()
+            process.wait()
+
+
+def _say(text: str) -> None:
+    print(f"layerbus broker: {text}", file=sys.stderr, flush=True)

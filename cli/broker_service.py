@@ -121,7 +121,10 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError("--exit-when-idle and --job: --job already exits after its one job: drop one")
     if args.chains > 1:
         return _serve_chains(args)
-    if args.chain_label:
+    if args.chain_label:  # one chain behind a front door (cli/broker_chains.py)
+        from layerbus.broker.stage_launcher import die_with_parent
+
+        die_with_parent()  # a killed front door leaves no chain behind
         global _speaker
         _speaker = f"layerbus broker ({args.chain_label})"
     keys, control_bind, results_bind = _security(args)

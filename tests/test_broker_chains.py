@@ -5,8 +5,11 @@ broker's, every item once."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,7 @@ import pytest
 import zmq
 
 from layerbus.broker.front_door import ChainDoor, FrontDoor, chain_for_stage
-from layerbus.cli.broker_chains import chain_binds, chain_command
+from layerbus.cli.broker_chains import MAX_CHAIN_RESTARTS, chain_binds, chain_command, restarts_chain
 from layerbus.cli.errors import UsageError
 from layerbus.cli.main import build_parser
 from layerbus.cli.main import main as cli_main
@@ -94,6 +97,12 @@ def test_the_front_door_holds_stages_until_their_chains_broker_listens_then_send
         stages.append(fake_stage(context, door.address, "s0"))  # restarted under its name
         assert answer(door, stages[2])["port"] == 6001, "back to its own chain"
         assert door.assigned == {"s0": 0, "s1": 1} and door.waiting == {}
+        door.mark_gone(1)  # chain 2's broker ended: its stage, restarted, waits until it listens again
+        stages[1].close()
+        stages.append(fake_stage(context, door.address, "s1"))
+        assert answer(door, stages[3])["kind"] == protocol.HEARTBEAT
+        assert door.mark_ready(1) == ["stage s1 (host box-a) -> chain 2 at tcp://0.0.0.0:6003"]
+        assert answer(door, stages[3])["port"] == 6003
     finally:
         for stage in stages:
             stage.close(linger=0)
@@ -118,6 +127,20 @@ def test_chain_ports_that_cannot_work_are_refused_with_the_way_out(control, resu
     with pytest.raises(UsageError, match=message) as refused:
         chain_binds(control, results, first, 2)
     assert "--chain-ports" in str(refused.value) or "tcp://HOST:PORT" in str(refused.value)
+
+
+@pytest.mark.parametrize("code, serving, restarts, again", [
+    (1, True, 0, True),  # a serving front door's chain failed: started again
+    (-9, True, 0, True),  # killed (the OOM killer): started again
+    (2, True, MAX_CHAIN_RESTARTS - 1, True),
+    (1, True, MAX_CHAIN_RESTARTS, False),  # bounded
+    (0, True, 0, False),  # ended cleanly
+    (130, True, 0, False),  # Ctrl-C / SIGTERM, handled: stopping on purpose
+    (143, True, 0, False),
+    (1, False, 0, False),  # --job / --exit-when-idle: its exit code is its answer
+])
+def test_restarts_chain(code, serving, restarts, again):
+    assert restarts_chain(code, serving, restarts) is again
 
 
 def test_a_chains_command_line_overrides_the_users_values_however_spelled():
@@ -227,3 +250,57 @@ def test_two_stages_at_one_address_form_two_chains_that_share_the_job_with_one_b
 
 def _logs(folder: Path) -> str:
     return "\n".join(f"--- {path.name}\n{path.read_text()[-3000:]}" for path in sorted(folder.glob("*.log")))
+
+
+def chain_broker_pid(front: subprocess.Popen, label: str) -> int | None:
+    """The pid of the front door's child broker for `label` ("chain 1"), from its command line."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            words = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == front.pid and b"--chain-label" in words and words[words.index(b"--chain-label") + 1] == label.encode():
+            return int(entry.name)
+    return None
+
+
+@pytest.mark.cluster  # a front door and its two chain brokers, killed with real signals
+def test_a_serving_front_door_starts_a_killed_chain_again_and_sigterm_stops_every_chain(tmp_path, tiny_models):
+    model, port = tiny_models("llama"), free_ports(6)
+    log = tmp_path / "front.log"
+    with open(log, "w") as handle:
+        front = subprocess.Popen([layerbus_executable(), "broker", "--model", str(model), "--stages", "2", "--chains",
+                                  "2", "--db", f"sqlite:///{tmp_path / 'jobs.db'}", "--bind-control",
+                                  f"tcp://127.0.0.1:{port}", "--bind-results", f"tcp://127.0.0.1:{port + 1}"],
+                                 env=cli_env(tmp_path / "home"), stdout=handle, stderr=subprocess.STDOUT)
+    try:
+        def wait_for(condition, what):
+            deadline = time.monotonic() + TIMEOUT_S
+            while not condition():
+                assert front.poll() is None, f"the front door ended ({front.returncode}):\n{log.read_text()}"
+                assert time.monotonic() < deadline, f"no {what}:\n{log.read_text()}"
+                time.sleep(0.1)
+
+        wait_for(lambda: log.read_text().count("sent here by the front door") == 2, "two chain brokers listening")
+        first = chain_broker_pid(front, "chain 1")
+        os.kill(first, signal.SIGKILL)
+        wait_for(lambda: "chain 1's broker ended with exit code -9; starting it again" in log.read_text(), "restart")
+        wait_for(lambda: log.read_text().count("sent here by the front door") == 3, "chain 1's broker listening again")
+        second = chain_broker_pid(front, "chain 1")
+        assert second not in (None, first)
+        brokers = [second, chain_broker_pid(front, "chain 2")]
+
+        front.send_signal(signal.SIGTERM)
+        assert front.wait(TIMEOUT_S) == 143, log.read_text()
+        for pid in brokers:  # each chain's broker was stopped by the signal passed on, not left behind
+            deadline = time.monotonic() + 10
+            while Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2] \
+                    and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    finally:
+        front.kill()
+    assert "SIGTERM: stopped every chain" in log.read_text(), log.read_text()
