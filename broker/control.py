@@ -316,6 +316,13 @@ class ControlPlane:
             if reason is not None:
                 raise StageLost(stage, reason)
 
+    def redirect(self, stage: StageInfo, endpoint: str) -> None:
+        """Send `stage` on to the broker at `endpoint` (`layerbus broker --chains auto`, once its stages are
+        profiled and grouped) and forget it: it is that broker's now, and hears nothing more from this one,
+        not even the shutdown at close."""
+        self.send(stage, protocol.REDIRECT, **protocol.redirect_header(endpoint))
+        del self.stages[stage.identity]
+
     def shutdown_all(self) -> None:
         for stage in self.live_stages():
             self.send(stage, protocol.SHUTDOWN)

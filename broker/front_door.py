@@ -75,7 +75,11 @@ class FrontDoor:
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted stage reuses its name
         if self.gate is not None:
             self.gate.guard(self.socket)
-        self.socket.bind(self.bind)
+        try:
+            self.socket.bind(self.bind)
+        except zmq.ZMQError:
+            self.close()  # an open socket would hold its context's term() for ever
+            raise
         self.address = self.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
 
     def serve(self, timeout_ms: int) -> list[str]:

@@ -7,6 +7,10 @@ bound on two ports of its own: chain i on --chain-ports + 2i (its control) and +
 on this broker's hosts. The chains serve the store's jobs side by side, through the item leases, as
 several `layerbus broker` processes on one job do; `layerbus status JOB` shows each.
 
+--chains auto: first a broker bound at the front door's own address waits for the N stages and profiles
+them, the planner groups them (broker/chain_plan.py), and once each chain's broker listens that broker
+sends its stages on to it; then it closes and the front door takes the address over.
+
 A chain's broker that ends is marked gone at the front door (its stages that register again wait there);
 behind a front door that serves until stopped (neither --job nor --exit-when-idle) a failed one is started
 again, a few times (restarts_chain).
@@ -27,8 +31,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from layerbus.cli.errors import EXIT_FAILED, EXIT_OK, UsageError
+from layerbus.cli.errors import EXIT_FAILED, EXIT_OK, RunFailed, UsageError
+
+if TYPE_CHECKING:
+    from layerbus.broker.broker import Broker, BrokerConfig
 
 STOP_WAIT_S = 60.0  # after a signal: how long each chain's broker may take to requeue and stop its stages
 POLL_MS = 500
@@ -80,46 +88,110 @@ def restarts_chain(code: int, serving: bool, restarts: int) -> bool:
     return serving and code not in (0, 128 + signal.SIGINT, 128 + signal.SIGTERM) and restarts < MAX_CHAIN_RESTARTS
 
 
-def serve_chains(args: argparse.Namespace, keys, control_bind: str, results_bind: str) -> int:
+def serve_chains(args: argparse.Namespace, keys, control_bind: str, results_bind: str,
+                 profiler: "BrokerConfig | None" = None) -> int:
     """Start every chain's broker, redirect the stages to them until all have ended; 0 iff every chain
-    ended with 0 (for --job and --exit-when-idle: the job completed / every job completed)."""
+    ended with 0 (for --job and --exit-when-idle: the job completed / every job completed). With `profiler`
+    (--chains auto) a broker of that config first waits for the stages at this address, profiles them, and
+    the planner groups them; it sends each on to its chain itself."""
     import zmq
 
     from layerbus.broker.front_door import ChainDoor, FrontDoor
     from layerbus.cli.signals import Interrupted, stop_on_signals
     from layerbus.jobs.chain_split import split_stages
 
-    shares = split_stages(args.stages, args.chains)
-    binds = chain_binds(control_bind, results_bind, args.chain_ports, args.chains)
-    doors = [ChainDoor(share.label, control, share.count) for share, (control, _) in zip(shares, binds)]
     flags = Path(tempfile.mkdtemp(prefix="layerbus-chains-"))
-    chains = [ChainProcess(chain_command(args.argv, share.label, share.count, control, results, args.chains,
-                                         flags / f"chain-{share.index + 1}.ready"), share.label)
-              for share, (control, results) in zip(shares, binds)]
-    context = zmq.Context()
+    chains: list[ChainProcess] = []
+    profiling: Broker | None = None
     try:
-        door = FrontDoor(context, control_bind, doors, keys)
-    except zmq.ZMQError as error:
-        context.term()
-        shutil.rmtree(flags, ignore_errors=True)
-        raise UsageError(f"cannot bind {control_bind}: {error}; another broker may hold the port: pick another "
-                         "with --bind-control") from None
-    try:
-        for chain in chains:
-            chain.start()
-        layout = "; ".join(f"{d.label}: {d.size} stage(s) at {d.control_bind}" for d in doors)
-        _say(f"waiting for {args.stages} stage(s) at {door.address}, sent on to {args.chains} chains ({layout})")
         with stop_on_signals():
-            return _redirect_until_done(door, chains, serving=not (args.job or args.exit_when_idle))
+            if profiler is None:
+                sizes, assigned = [share.count for share in split_stages(args.stages, args.chains)], {}
+            else:
+                from layerbus.broker.broker import Broker
+
+                # A context of its own, terminated with it: its sockets' ports are free once term() returns,
+                # for the front door to bind the same address (the shared instance would free them later).
+                profiling_context = zmq.Context()
+                profiling = Broker(profiler, context=profiling_context)
+                sizes, assigned = _planned_groups(profiling, args.stages)
+            binds = chain_binds(control_bind, results_bind, args.chain_ports, len(sizes))
+            doors = [ChainDoor(f"chain {i + 1}", control, size) for i, (size, (control, _)) in enumerate(zip(sizes, binds))]
+            chains = [ChainProcess(chain_command(args.argv, door.label, door.size, control, results, len(doors),
+                                                 flags / f"chain-{i + 1}.ready"), door.label)
+                      for i, (door, (control, results)) in enumerate(zip(doors, binds))]
+            if profiling is not None:
+                _hand_over(profiling, chains, doors, assigned)
+                profiling.close()  # its address is the front door's now
+                profiling_context.term()
+                profiling = None
+            context = zmq.Context()
+            try:
+                door = FrontDoor(context, control_bind, doors, keys, assigned=dict(assigned))
+            except zmq.ZMQError as error:
+                context.term()
+                raise UsageError(f"cannot bind {control_bind}: {error}; another broker may hold the port: pick "
+                                 "another with --bind-control") from None
+            try:
+                for chain in chains:
+                    if chain.process is None:
+                        chain.start()
+                layout = "; ".join(f"{d.label}: {d.size} stage(s) at {d.control_bind}" for d in doors)
+                _say(f"waiting for {args.stages} stage(s) at {door.address}, sent on to {len(doors)} chain(s) "
+                     f"({layout})")
+                return _redirect_until_done(door, chains, serving=not (args.job or args.exit_when_idle))
+            finally:
+                door.close()
+                context.term()
     except Interrupted as interrupted:
         _stop(chains, interrupted.signum)
         _say(f"{interrupted}: stopped every chain; items in flight requeued")
         return interrupted.exit_code
     finally:
+        if profiling is not None:
+            profiling.close()  # tells the stages it profiled to stop, as any broker does on its way out
+            profiling_context.term()
         _stop(chains, signal.SIGTERM)
-        door.close()
-        context.term()
         shutil.rmtree(flags, ignore_errors=True)
+
+
+def _planned_groups(broker: "Broker", stages: int) -> tuple[list[int], dict[str, int]]:
+    """--chains auto: the chains' sizes and which stage goes to which chain, from `broker` (bound at the front
+    door's address), which waits for `stages` stages and profiles them as a broker placing them would; the
+    planner groups them (broker/chain_plan.py)."""
+    from layerbus.broker.chain_plan import plan_chains
+
+    _say(f"--chains auto: waiting for {stages} stage(s) at {broker.address} to profile them")
+    found = broker.control.wait_for_stages(stages, broker.config.register_timeout_s,
+                                           broker.config.pipeline.heartbeat_interval_s)
+    broker.profile(found)
+    plan = plan_chains(list(broker.profiles), broker.chain_planner(found))
+    groups = [list(chain.order) + list(chain.left_out) for chain in plan.chosen.plans]
+    single = f"; one chain of all: {plan.single.tokens_per_s:.1f}" if plan.single and len(groups) > 1 else ""
+    _say(f"--chains auto: {len(groups)} chain(s) ({' | '.join(' -> '.join(g) for g in groups)}), "
+         f"{plan.chosen.tokens_per_s:.1f} tok/s predicted{single}")
+    return [len(group) for group in groups], {name: i for i, group in enumerate(groups) for name in group}
+
+
+def _hand_over(broker: "Broker", chains: list["ChainProcess"], doors, assigned: dict[str, int]) -> None:
+    """Start the chains' brokers; while they start, keep the profiled stages alive; once each listens, send its
+    stages on to it (the caller then closes `broker`, whose stages are all handed over)."""
+    for chain in chains:
+        chain.start()
+    waiting = set(range(len(chains)))
+    while waiting:
+        broker.keep_alive(0.2)
+        for index in sorted(waiting):
+            chain = chains[index]
+            if chain.ended() is not None:
+                raise RunFailed(f"{chain.label}'s broker ended with exit code {chain.exit_code} before it listened; "
+                                "the stages are told to stop")
+            if chain.ready:
+                for stage in [s for s in broker.control.live_stages() if assigned.get(s.name) == index]:
+                    broker.control.redirect(stage, doors[index].control_bind)
+                    _say(f"stage {stage.name} (host {stage.host or '?'}) -> {doors[index].label} at "
+                         f"{doors[index].control_bind}")
+                waiting.discard(index)
 
 
 class ChainProcess:

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 from layerbus.cli.errors import EXIT_FAILED, EXIT_OK, UsageError
 from layerbus.cli.options import (
+    AUTO_CHAINS,
+    chains_count,
     add_cluster_options,
     add_metrics,
     add_weights,
@@ -35,6 +37,7 @@ from layerbus.cli.options import (
 from layerbus.cli.signals import Interrupted, stop_on_signals
 
 if TYPE_CHECKING:
+    from layerbus.broker.broker import BrokerConfig
     from layerbus.broker.broker import Broker
     from layerbus.broker.metrics_server import MetricsServer
     from layerbus.wire.curve import ClusterKeys
@@ -95,10 +98,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="how often to look for new jobs when idle (default: 2)")
     parser.add_argument("--register-timeout", metavar="SECONDS", type=float, default=600.0,
                         help="how long to wait for the stages to register (default: 600)")
-    parser.add_argument("--chains", metavar="K", type=positive_int, default=1,
-                        help="form K chains of the N stages (N // K each, one more for the first N %% K), all "
-                             "registering at --bind-control: each chain is a broker process of its own, and the "
-                             "chains serve the jobs side by side (default: 1, one pipeline over every stage)")
+    parser.add_argument("--chains", metavar="K", type=chains_count, default=1,
+                        help="form K chains of the N stages (the first N // K stages to register, and so on; one "
+                             "more for the first N %% K chains), all registering at --bind-control: each chain is a "
+                             "broker process of its own, and the chains serve the jobs side by side; auto: profile "
+                             "the stages and let the planner group them (default: 1, one pipeline over every stage)")
     parser.add_argument("--chain-ports", metavar="PORT", type=positive_int, default=None,
                         help="with --chains K: chain i's broker binds ports PORT + 2i (its stages' control) and "
                              "PORT + 2i + 1 (its results) on the hosts of --bind-control / --bind-results; "
@@ -115,11 +119,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     import zmq
 
-    from layerbus.broker.broker import Broker, BrokerConfig
+    from layerbus.broker.broker import Broker
 
     if args.exit_when_idle and args.job:
         raise UsageError("--exit-when-idle and --job: --job already exits after its one job: drop one")
-    if args.chains > 1:
+    if args.chains != 1:
         return _serve_chains(args)
     if args.chain_label:  # one chain behind a front door (cli/broker_chains.py)
         from layerbus.broker.stage_launcher import die_with_parent
@@ -128,22 +132,9 @@ def main(args: argparse.Namespace) -> int:
         global _speaker
         _speaker = f"layerbus broker ({args.chain_label})"
     keys, control_bind, results_bind = _security(args)
-    network = None
-    if args.network is not None:
-        from layerbus.broker.cluster_file import ClusterFileError, read_network_file
-
-        try:
-            network = read_network_file(args.network)
-        except ClusterFileError as error:
-            raise UsageError(f"--network: {error}") from None
     model_dir = resolve_model(args.model)
     model_for_stages(model_dir, args.stages)
-    config = BrokerConfig(str(model_dir), args.stages, control_bind=control_bind, keys=keys,
-                          results_bind=results_bind, advertise_host=args.advertise, partition=args.partition,
-                          batching=batching_from_args(args), pipeline=pipeline_from_args(args),
-                          **wire_from_args(args), weights=args.weights,
-                          register_timeout_s=args.register_timeout, trace=args.trace, network=network,
-                          link_probe=link_probe_from_args(args))
+    config = _broker_config(args, model_dir, keys, control_bind, results_bind)
     with open_store(args.db) as store:
         if args.job:
             store.job_status(args.job)  # StoreError names a job that does not exist
@@ -171,6 +162,25 @@ def main(args: argparse.Namespace) -> int:
                 metrics.close()
 
 
+def _broker_config(args: argparse.Namespace, model_dir: Path, keys, control_bind: str, results_bind: str) -> BrokerConfig:
+    from layerbus.broker.broker import BrokerConfig
+
+    network = None
+    if args.network is not None:
+        from layerbus.broker.cluster_file import ClusterFileError, read_network_file
+
+        try:
+            network = read_network_file(args.network)
+        except ClusterFileError as error:
+            raise UsageError(f"--network: {error}") from None
+    return BrokerConfig(str(model_dir), args.stages, control_bind=control_bind, keys=keys,
+                        results_bind=results_bind, advertise_host=args.advertise, partition=args.partition,
+                        batching=batching_from_args(args), pipeline=pipeline_from_args(args),
+                        **wire_from_args(args), weights=args.weights,
+                        register_timeout_s=args.register_timeout, trace=args.trace, network=network,
+                        link_probe=link_probe_from_args(args))
+
+
 def _serve_chains(args: argparse.Namespace) -> int:
     """--chains K: the front door and a broker process per chain (cli/broker_chains.py). What can be checked
     here is, before any chain starts: the counts, the model (every stage of the longest chain needs a
@@ -178,18 +188,26 @@ def _serve_chains(args: argparse.Namespace) -> int:
     from layerbus.cli.broker_chains import serve_chains
     from layerbus.jobs.chain_split import chains_error, split_stages
 
-    error = chains_error(args.stages, args.chains)
+    auto = args.chains == AUTO_CHAINS
+    error = None if auto else chains_error(args.stages, args.chains)
     if error is not None:
         raise UsageError(error)
+    if auto and args.partition != "planned":
+        raise UsageError(f"--chains auto chooses from the stages' profiles, which --partition {args.partition} does "
+                         "not use: drop --partition, or pin --chains K")
     if args.metrics is not None or args.trace is not None:
-        raise UsageError(f"--metrics and --trace serve one broker; --chains {args.chains} runs {args.chains}: drop "
+        raise UsageError(f"--metrics and --trace serve one broker; --chains {args.chains} may run several: drop "
                          "them, or use --chains 1")
     keys, control_bind, results_bind = _security(args)
-    model_for_stages(resolve_model(args.model), max(share.count for share in split_stages(args.stages, args.chains)))
+    model_dir = resolve_model(args.model)
+    # Every stage of the longest chain needs a layer (under auto the planner leaves out what finds none).
+    model_for_stages(model_dir, 1 if auto else max(share.count for share in split_stages(args.stages, args.chains)))
     if args.job:
         with open_store(args.db) as store:
             store.job_status(args.job)  # StoreError names a job that does not exist
-    return serve_chains(args, keys, control_bind, results_bind)
+    # Under auto a broker on the front door's own address profiles the stages for the planner first.
+    profiler = _broker_config(args, model_dir, keys, control_bind, results_bind) if auto else None
+    return serve_chains(args, keys, control_bind, results_bind, profiler)
 
 
 def _security(args: argparse.Namespace) -> tuple["ClusterKeys | None", str, str]:

@@ -344,3 +344,16 @@ def results_dir() -> Path:
     from layerbus.storage import default_results_dir
 
     return default_results_dir()
+
+
+AUTO_CHAINS = "auto"  # --chains auto: the planner chooses
+
+
+def chains_count(text: str) -> int | str:
+    """--chains K (`run`, `broker`): a whole number, or 'auto' (AUTO_CHAINS)."""
+    if text.strip().lower() == "auto":
+        return AUTO_CHAINS
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of chains: give 1 to --stages, or auto") from None

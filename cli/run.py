@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from layerbus.cli.errors import EXIT_FAILED, EXIT_OK, RunFailed, UsageError
 from layerbus.cli.options import (
+    AUTO_CHAINS,
     add_cluster_options,
     add_metrics,
     add_weights,
@@ -17,6 +18,7 @@ from layerbus.cli.options import (
     batching_from_args,
     add_job_options,
     add_verbose,
+    chains_count,
     model_for_stages,
     link_probe_from_args,
     wire_from_args,
@@ -161,19 +163,6 @@ def run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.Na
         raise
     finally:
         report_trace(trace)  # written by the broker as it closes, whatever the run's end
-
-
-AUTO_CHAINS = "auto"  # --chains auto: the planner chooses
-
-
-def chains_count(text: str) -> int | str:
-    """--chains K: a whole number, or 'auto' (AUTO_CHAINS)."""
-    if text.strip().lower() == "auto":
-        return AUTO_CHAINS
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of chains: give 1 to --stages, or auto") from None
 
 
 def check_chains(args: argparse.Namespace) -> None:

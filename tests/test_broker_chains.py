@@ -6,6 +6,7 @@ broker's, every item once."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -188,32 +189,55 @@ JOB_ARGS = ("--task", "summarize", "--max-new-tokens", "6")
 TIMEOUT_S = 240
 
 
-@pytest.mark.cluster  # a front door, two chain brokers and two stage processes
-def test_two_stages_at_one_address_form_two_chains_that_share_the_job_with_one_brokers_outputs(tmp_path, tiny_models):
-    model = tiny_models("llama")
-    corpus = write_jsonl(tmp_path / "docs.jsonl",
-                         [{"id": f"doc-{i:02d}", "text": f"Front door {i} sends stage {i % 2} on."} for i in range(ITEMS)])
-    single_home, single_db = tmp_path / "single", f"sqlite:///{tmp_path / 'single.db'}"
-    single = layerbus(single_home, "run", corpus, "--model", model, "--db", single_db, "--stages", "1",
-                      "--threads-per-stage", "1", *JOB_ARGS, timeout=TIMEOUT_S)
-    assert single.returncode == 0, single.stderr
-    expected = {row["custom_id"]: row["output"] for row in assert_parquet_matches_store(
-        single_db, JOB_ID.search(single.stdout).group(),
-        status_json(single_home, JOB_ID.search(single.stdout).group(), "--db", single_db)["results_path"])}
+@pytest.fixture(scope="module")
+def model(tiny_models) -> Path:
+    return tiny_models("llama")
 
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("corpus") / "docs.jsonl",
+                       [{"id": f"doc-{i:02d}", "text": f"Front door {i} sends stage {i % 2} on."} for i in range(ITEMS)])
+
+
+@pytest.fixture(scope="module")
+def one_brokers_outputs(tmp_path_factory, corpus, model) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("single")
+    home, db = folder / "home", f"sqlite:///{folder / 'jobs.db'}"
+    done = layerbus(home, "run", corpus, "--model", model, "--db", db, "--stages", "1", "--threads-per-stage", "1",
+                    *JOB_ARGS, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
+    job_id = JOB_ID.search(done.stdout).group()
+    rows = assert_parquet_matches_store(db, job_id, status_json(home, job_id, "--db", db)["results_path"])
+    return {row["custom_id"]: row["output"] for row in rows}
+
+
+def chains_formed(log: Path, asked: str) -> int | None:
+    """How many chains the front door runs: --chains K, or under auto what it said it chose (None: not yet)."""
+    if asked != "auto":
+        return int(asked)
+    found = re.search(r"--chains auto: (\d+) chain\(s\)", log.read_text())
+    return int(found.group(1)) if found else None
+
+
+@pytest.mark.cluster  # a front door, its chain brokers and two stage processes
+@pytest.mark.parametrize("chains", ["2", "auto"])
+def test_two_stages_at_one_address_form_chains_that_share_the_job_with_one_brokers_outputs(
+        chains, tmp_path, model, corpus, one_brokers_outputs):
     home, db, port = tmp_path / "home", f"sqlite:///{tmp_path / 'jobs.db'}", free_ports(6)
     submitted = layerbus(home, "submit", corpus, "--model", model, "--db", db, *JOB_ARGS)
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
-    with JobStore.open(db) as store:  # every item held elsewhere until both chains work the job (as in
+    with JobStore.open(db) as store:  # every item held elsewhere until every chain works the job (as in
         assert len(store.claim_items(job_id, GHOST, ITEMS, lease_s=3600)) == ITEMS  # test_brokers_one_job)
     logs = tmp_path / "logs"
     logs.mkdir()
+    front_log = logs / "front.log"
     processes: list[subprocess.Popen] = []
     try:
-        with open(logs / "front.log", "w") as handle:
+        with open(front_log, "w") as handle:
             front = subprocess.Popen([layerbus_executable(), "-v", "broker", "--model", str(model), "--stages", "2",
-                                      "--chains", "2", "--db", db, "--bind-control", f"tcp://127.0.0.1:{port}",
+                                      "--chains", chains, "--db", db, "--bind-control", f"tcp://127.0.0.1:{port}",
                                       "--bind-results", f"tcp://127.0.0.1:{port + 1}", "--exit-when-idle",
                                       "--poll", "0.2", "--lease", "6"],
                                      env=cli_env(home), stdout=handle, stderr=subprocess.STDOUT)
@@ -223,8 +247,10 @@ def test_two_stages_at_one_address_form_two_chains_that_share_the_job_with_one_b
                 processes.append(subprocess.Popen(
                     [layerbus_executable(), "-v", "stage", "--broker", f"tcp://127.0.0.1:{port}", "--name",
                      f"stage-{i}", "--threads", "1"], env=cli_env(home), stdout=handle, stderr=subprocess.STDOUT))
+        wait_until(lambda: chains_formed(front_log, chains) is not None, "choice of chains", processes, logs)
+        formed = chains_formed(front_log, chains)
         with JobStore.open(db) as store:
-            wait_until(lambda: len(store.job_workers(job_id)) == 2, "both chains on the job", processes, logs)
+            wait_until(lambda: len(store.job_workers(job_id)) == formed, "every chain on the job", processes, logs)
             assert store.requeue_expired(job_id, holders=[GHOST]) == {GHOST: ITEMS}
         try:
             code = front.wait(TIMEOUT_S)
@@ -235,17 +261,17 @@ def test_two_stages_at_one_address_form_two_chains_that_share_the_job_with_one_b
     finally:
         for process in processes:
             process.kill()
-    front_log = (logs / "front.log").read_text()
-    assert "stage stage-0" in front_log and "stage stage-1" in front_log and "-> chain 1" in front_log \
-        and "-> chain 2" in front_log, front_log
+    said = front_log.read_text()
+    assert "stage stage-0" in said and "stage stage-1" in said, said
+    assert all(f"-> chain {k + 1}" in said for k in range(formed)), said
 
     status = status_json(home, job_id, "--db", db)
     assert status["status"] == "completed" and status["request_counts"]["completed"] == ITEMS
     rows = assert_parquet_matches_store(db, job_id, status["results_path"])
-    assert sorted(row["custom_id"] for row in rows) == sorted(expected), "every custom_id exactly once"
-    assert {row["custom_id"]: row["output"] for row in rows} == expected, "token for token one broker's outputs"
+    assert sorted(row["custom_id"] for row in rows) == sorted(one_brokers_outputs), "every custom_id exactly once"
+    assert {row["custom_id"]: row["output"] for row in rows} == one_brokers_outputs, "token for token one broker's"
     done = [worker["items_done"] for worker in status["workers"]]
-    assert len(done) == 2 and all(count > 0 for count in done) and sum(done) == ITEMS, status["workers"]
+    assert len(done) == formed and all(count > 0 for count in done) and sum(done) == ITEMS, status["workers"]
 
 
 def _logs(folder: Path) -> str:
@@ -268,8 +294,8 @@ def chain_broker_pid(front: subprocess.Popen, label: str) -> int | None:
 
 
 @pytest.mark.cluster  # a front door and its two chain brokers, killed with real signals
-def test_a_serving_front_door_starts_a_killed_chain_again_and_sigterm_stops_every_chain(tmp_path, tiny_models):
-    model, port = tiny_models("llama"), free_ports(6)
+def test_a_serving_front_door_starts_a_killed_chain_again_and_sigterm_stops_every_chain(tmp_path, model):
+    port = free_ports(6)
     log = tmp_path / "front.log"
     with open(log, "w") as handle:
         front = subprocess.Popen([layerbus_executable(), "broker", "--model", str(model), "--stages", "2", "--chains",
