@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from layerbus.cli.errors import EXIT_FAILED, EXIT_OK, RunFailed, UsageError
+from layerbus.cli.errors import EXIT_OK, RunFailed, UsageError
 
 if TYPE_CHECKING:
     from layerbus.broker.broker import Broker, BrokerConfig
@@ -244,8 +244,14 @@ def _redirect_until_done(door, chains: list[ChainProcess], serving: bool) -> int
             if chain.restart_at is not None and time.monotonic() >= chain.restart_at:
                 chain.start()
         if all(chain.exit_code is not None and chain.restart_at is None for chain in chains):
-            codes = [chain.exit_code for chain in chains]
-            return EXIT_OK if all(code == 0 for code in codes) else next(code for code in codes if code != 0)
+            return front_door_exit([chain.exit_code for chain in chains])
+
+
+def front_door_exit(codes: list[int]) -> int:
+    """The front door's exit status from its chains' (Popen's: -N for a chain killed by signal N): 0 iff every
+    chain's was, else the first failure's, a killed chain's as a shell reports it (128 + N)."""
+    failed = next((code for code in codes if code != 0), EXIT_OK)
+    return 128 - failed if failed < 0 else failed
 
 
 def _stop(chains: list[ChainProcess], signum: int) -> None:

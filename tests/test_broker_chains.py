@@ -18,7 +18,13 @@ import pytest
 import zmq
 
 from layerbus.broker.front_door import ChainDoor, FrontDoor, chain_for_stage
-from layerbus.cli.broker_chains import MAX_CHAIN_RESTARTS, chain_binds, chain_command, restarts_chain
+from layerbus.cli.broker_chains import (
+    MAX_CHAIN_RESTARTS,
+    chain_binds,
+    chain_command,
+    front_door_exit,
+    restarts_chain,
+)
 from layerbus.cli.errors import UsageError
 from layerbus.cli.main import build_parser
 from layerbus.cli.main import main as cli_main
@@ -142,6 +148,17 @@ def test_chain_ports_that_cannot_work_are_refused_with_the_way_out(control, resu
 ])
 def test_restarts_chain(code, serving, restarts, again):
     assert restarts_chain(code, serving, restarts) is again
+
+
+@pytest.mark.parametrize("codes, status", [
+    ([0, 0], 0),
+    ([0, 1], 1),  # the job did not complete on one chain
+    ([2, 1], 2),  # the first failure
+    ([0, -9], 137),  # a chain killed by SIGKILL, as a shell reports it
+    ([143, 0], 143),
+])
+def test_front_door_exit(codes, status):
+    assert front_door_exit(codes) == status
 
 
 def test_a_chains_command_line_overrides_the_users_values_however_spelled():
