@@ -604,10 +604,13 @@ def _hand_back(store: JobStore, sink: StoreSink, source: StoreSource) -> None:
     finally:
         leftovers = len(source.outstanding)
         source.outstanding.clear()
-        handed_back = store.requeue_expired(source.job_id, holders=[source.worker_name]).get(source.worker_name, 0)
-        if leftovers or handed_back:
-            log.info("job %s: %d unfinished item(s) handed back (%d of them claimed as the run stopped)",
-                     source.job_id, handed_back, max(0, handed_back - leftovers))
+        # Counts only what went back to the queue (a cancelling job's items are cancelled instead).
+        requeued = store.requeue_expired(source.job_id, holders=[source.worker_name]).get(source.worker_name, 0)
+        if leftovers or requeued:
+            unseen = max(0, requeued - leftovers)
+            log.info("job %s: %d unfinished item(s) handed back (or cancelled with the job)%s", source.job_id,
+                     max(leftovers, requeued),
+                     f", {unseen} of them claimed as the run stopped" if unseen else "")
 
 
 def _try_set_status(store: JobStore, job_id: str, status: str, error: str | None = None) -> bool:
