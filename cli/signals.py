@@ -1,6 +1,7 @@
 """Stopping long-running commands cleanly: the first SIGINT or SIGTERM raises `Interrupted` where the
 program is, so `finally` blocks requeue items and stop stages; later ones are ignored until that is done.
-One that lands inside a finalizer, where Python drops exceptions, is delivered again."""
+One that lands inside a finalizer, where Python drops exceptions, is delivered again; one that lands inside
+a store transaction is raised as the transaction closes (storage/signal_guard.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from layerbus.storage.signal_guard import hold_until_closed
 
 
 class Interrupted(KeyboardInterrupt):
@@ -36,6 +39,8 @@ def stop_on_signals() -> Iterator[None]:
     def first(signum: int, frame: object) -> None:
         for other in handled:
             signal.signal(other, while_stopping)
+        if hold_until_closed(lambda: _raise(Interrupted(signum))):
+            return  # inside a store transaction: raised as it closes (storage/signal_guard.py says why)
         raise Interrupted(signum)
 
     previous_hook = sys.unraisablehook
@@ -61,3 +66,7 @@ def stop_on_signals() -> Iterator[None]:
         sys.unraisablehook = previous_hook
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _raise(interrupted: Interrupted) -> None:
+    raise interrupted

@@ -46,6 +46,7 @@ from layerbus.storage.schema import items as items_table
 from layerbus.storage.schema import job_events as events_table
 from layerbus.storage.schema import stage_snapshots as snapshots_table
 from layerbus.storage.schema import jobs as jobs_table
+from layerbus.storage.signal_guard import guarded
 from layerbus.storage.states import (
     CANCELLABLE_JOB_STATES,
     FINISHED_ITEM_STATES,
@@ -694,14 +695,16 @@ class JobStore:
 
     # --- internals --------------------------------------------------------------------------------
 
+    # Guarded: a Ctrl-C or SIGTERM that comes during a transaction is raised once it has closed
+    # (storage/signal_guard.py says what an open one left behind).
     @contextmanager
     def _write(self) -> Iterator[Connection]:
-        with self._engine.begin() as conn:
+        with guarded(), self._engine.begin() as conn:
             yield conn
 
     @contextmanager
     def _read(self) -> Iterator[Connection]:
-        with self._read_engine.begin() as conn:
+        with guarded(), self._read_engine.begin() as conn:
             yield conn
 
     def _locking(self, query: Select[Any], skip_locked: bool = False) -> Select[Any]:
