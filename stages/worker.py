@@ -203,7 +203,10 @@ class StageWorker:
             events = dict(poller.poll(timeout_ms))
             if self.control in events:
                 self._drain_control()
-            if self.data_in in events and not self.stopping:
+            # Asked again: the control messages just handled may have served what the poll saw (a RESET
+            # serves the old epoch's steps first), and a blocking receive on an empty socket would leave
+            # this stage deaf to the broker while its heartbeats go on.
+            if self.data_in in events and not self.stopping and self.data_in.poll(0):
                 self._serve_one()
             if self.control_handshakes in events and self._broker_refused():
                 return 2
