@@ -156,6 +156,9 @@ class Broker:
         # kept across re-plans, a lost stage's pairs dropped. `links_timed` counts every pair ever timed.
         self.measured_links: dict[tuple[str, str], MeasuredLink] = {}
         self.links_timed = 0
+        # The live stages when the placement in use was made (those it left out included): a stage not
+        # among them registered since (started mid-job, or back after it was lost) and may join (grow).
+        self._placed_among: set[str] = set()
 
     # -- the placement in use, read-only views -------------------------------------------------
     @property
@@ -247,10 +250,12 @@ class Broker:
             log.info("%s", line)
         return planned(plan)
 
-    def profile(self, stages: list[StageInfo]) -> bool:
+    def profile(self, stages: list[StageInfo], corun_probe: bool = True) -> bool:
         """Measure the stages not profiled yet and time the links not timed yet (what placing them
         starts with); `self.profiles` then holds every stage's, in name order, each carrying the weight
-        format its stage was asked for (the planner sizes its weights in it). True when some were measured."""
+        format its stage was asked for (the planner sizes its weights in it). True when some were measured.
+        Without `corun_probe`, how much stages of one machine slow each other is not measured again (mid-job,
+        the stages in use hold their spans and caches: the probe would load layers beside them)."""
         stages = sorted(stages, key=lambda s: s.name)
         names = [stage.name for stage in stages]
         missing = set(unprofiled(names, self.profiles))
@@ -268,7 +273,7 @@ class Broker:
         formats = {stage.name: stage.own_weights or self.config.weights for stage in stages}
         profiles = [replace(p, weights=formats.get(p.name, p.weights))
                     for p in profiles_of(names, self.profiles + tuple(measured))]
-        if measured and config.probe_s > 0:
+        if measured and config.probe_s > 0 and corun_probe:
             request = profile_request(str(self.model.path), rows, steps, self.max_context, config, self.config.weights)
             profiles = measure_sharing(self.control, stages, profiles, request, config.probe_s, config.timeout_s)
         self.profiles = tuple(profiles)
@@ -365,6 +370,7 @@ class Broker:
         wire, auto = link_codec_inputs(self.config.wire, self.config.wire_auto, placement, self.profiles)
         codecs = plan_link_codecs(wire, len(placement.stages) - 1, self.step_bytes, self.config.model_dir, auto)
         self.placement = placement.with_codecs(codecs)
+        self._placed_among = {stage.name for stage in self.control.live_stages()}
         if placement.plan is not None and self.config.plan_options.max_auto_level > 0:
             # Re-plans keep the precision this first placement chose (see PlanOptions.max_auto_level).
             quantized = {stage.weights for stage in placement.plan.stages} & set(AUTO_FALLBACKS)
@@ -414,7 +420,8 @@ class Broker:
             log.warning("%s", self.start_events[-1][1])
         self.pipeline = Pipeline(self.context, self.control, lambda: self.placement, self.results, self.batching,
                                  set(self.model.eos_ids), self._new_detokenizer, self.config.pipeline,
-                                 recover=self.recover, rebalance=self.rebalance, expected=self._expected_busy_s,
+                                 recover=self.recover, rebalance=self.rebalance, grow=self.grow,
+                                 expected=self._expected_busy_s,
                                  tracer=self.tracer, counts=self.counts, new_grammar=self._new_grammar)
 
     # -- re-planning -----------------------------------------------------------------------------
@@ -429,6 +436,7 @@ class Broker:
     def _forget(self, stage: StageInfo) -> None:
         """A lost stage serves no more; if it registers again it is measured anew."""
         self.control.mark_lost(stage)
+        self._placed_among.discard(stage.name)  # back under its name later, it is a stage that joins
         before = {p.name: p.corun_factor for p in self.profiles}
         self.profiles = without_stage(self.profiles, stage.name)
         dropped = sorted(p.name for p in self.profiles if p.corun_factor != before[p.name])
@@ -508,6 +516,58 @@ class Broker:
             failed = next((stage for stage in self.chain if stage.state is StageState.FAILED), self.chain[0])
             raise StageLost(failed, f"could not load its new span: {error}") from None
         self.counts.replans_slowed += 1
+        return self.placement
+
+    def joined_stages(self) -> list[StageInfo]:
+        """Live stages that registered after the placement in use was made: started mid-job (`layerbus stage
+        --broker` pointed here), or back under their name after they were lost."""
+        if self.placement is None:
+            return []
+        return [stage for stage in self.control.live_stages()
+                if stage.name not in self._placed_among and stage.state is StageState.SPARE]
+
+    def grow(self, report=lambda *a, **k: None) -> Placement | None:
+        """Put stages that joined mid-job to work: with --partition planned, profile them (alone) and move to
+        the best plan over every live stage if it is at least `drift.min_gain` faster than the placement in
+        use (re-loading spans and re-prefilling cost something), else they stay spares, ready for the next
+        re-plan; with equal or balanced the user asked for every stage, so the split is made again over all.
+        Returns the new placement, loaded and ready, or None (nothing joined, or nothing faster)."""
+        joined = self.joined_stages()
+        if not joined:
+            return None
+        names = ", ".join(stage.name for stage in joined)
+        self._placed_among.update(stage.name for stage in joined)  # considered once: no re-plan per loop
+        live = [stage for stage in self.control.live_stages() if stage.state is not StageState.FAILED]
+        if self.config.partition == "planned":
+            try:  # the job waits meanwhile: a few seconds, or a cached profile's fraction of one
+                self.profile(live, corun_probe=False)
+            except StageLost:
+                raise  # one of the chain's: the pipeline re-plans without it
+            except ClusterError as error:  # the newcomer's own failure is no reason to stop the job
+                report("joined", f"{names} registered mid-job but could not be profiled ({error}): left out")
+                return None
+            min_gain = self.config.pipeline.drift.min_gain
+            decision = replan_slowed({}, self.placement, [stage.name for stage in live], self.profiles,
+                                     self._plan_inputs(live), min_gain)
+            if decision.plan is None:
+                best = f"{decision.best.step_s * 1e3:.1f} ms per step" if decision.best is not None else "none fits"
+                report("joined", f"{names} registered mid-job; the best plan with it ({best}) is not at least "
+                                 f"{min_gain:.0%} faster than the placement in use ({decision.current_step_s * 1e3:.1f} "
+                                 f"ms): kept as a spare for the next re-plan")
+                return None
+            for line in format_plan(decision.plan).splitlines():
+                log.info("%s", line)
+            placement = planned(decision.plan)
+        else:
+            placement = self._place(live)
+        try:
+            self._assign(placement)
+        except StageLost:
+            raise
+        except ClusterError as error:  # a stage could not load its new span: re-plan without it
+            failed = next((stage for stage in self.chain if stage.state is StageState.FAILED), joined[0])
+            raise StageLost(failed, f"could not load its new span: {error}") from None
+        self.counts.replans_joined += 1
         return self.placement
 
     def _write_trace(self) -> None:

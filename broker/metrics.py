@@ -192,10 +192,11 @@ def counter_families(counts: BrokerCounts, ready: bool, epoch: int) -> list[Fami
                "re-plan is one more).", (Sample((), float(epoch)),)),
         Family("layerbus_stages_lost_total", "counter", "Stages declared lost (silent, stuck, gone or failed).",
                (Sample((), counts.stages_lost),)),
-        Family("layerbus_replans_total", "counter", "Placements made again: without a lost stage (reason=lost) "
-               "or to move layers off a slowed one (reason=slowed).",
+        Family("layerbus_replans_total", "counter", "Placements made again: without a lost stage (reason=lost), "
+               "to move layers off a slowed one (reason=slowed) or to put stages that joined to work (reason=joined).",
                (Sample((("reason", "lost"),), counts.replans_lost),
-                Sample((("reason", "slowed"),), counts.replans_slowed))),
+                Sample((("reason", "slowed"),), counts.replans_slowed),
+                Sample((("reason", "joined"),), counts.replans_joined))),
         Family("layerbus_failed_steps_total", "counter", "Steps a stage reported failed (their items are retried "
                "alone, then fail).", (Sample((), counts.failed_steps),)),
         Family("layerbus_step_retries_total", "counter", "Steps sent again: not back in time, or the next hop "

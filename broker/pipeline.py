@@ -92,6 +92,9 @@ class PipelineConfig:
 Recover = Callable[[StageLost, Callable[[], bool], EventSink], "Placement | None"]
 # rebalance({stage: slowdown factor}, report) -> a new placement, loaded and ready, or None: no better plan.
 Rebalance = Callable[[dict, EventSink], "Placement | None"]
+# grow(report) -> a new placement with stages that registered mid-job, loaded and ready, or None: none joined,
+# or no plan with them is enough faster.
+Grow = Callable[[EventSink], "Placement | None"]
 
 
 class Pipeline:
@@ -99,7 +102,7 @@ class Pipeline:
                  results_socket: zmq.Socket, batching: BatchingConfig, eos_ids: set[int],
                  new_detokenizer: Callable[[], IncrementalDetokenizer] | None = None,
                  config: PipelineConfig = PipelineConfig(), clock: Callable[[], float] = time.monotonic,
-                 recover: Recover | None = None, rebalance: Rebalance | None = None,
+                 recover: Recover | None = None, rebalance: Rebalance | None = None, grow: Grow | None = None,
                  expected: Expected | None = None, tracer: BrokerTrace | None = None,
                  counts: BrokerCounts | None = None,
                  new_grammar: Callable[[Constraint], TokenGrammar] | None = None):
@@ -112,6 +115,7 @@ class Pipeline:
         self._prefixes_epoch = -1  # the placement epoch they were saved in (a re-plan empties every arena)
         self.recover = recover  # None: a lost stage ends the run with ClusterError
         self.rebalance = rebalance  # None: a slowed stage keeps its layers
+        self.grow = grow  # None: a stage that registers mid-run waits as a spare
         self.drift = DriftWatch(config.drift, expected)  # expected: each stage's price of the work sent
         self.work = Work()  # what has been sent down the chain, for the drift watch
         self.results = results_socket
@@ -235,6 +239,8 @@ class Pipeline:
         self._resend_overdue(run)
         self.control.check_stages(self.chain, self.config.liveness_window_s, self.config.stuck_step_s)
         self._watch_speed(run)
+        self._watch_joins(run)
+
     # -- sending -------------------------------------------------------------------------------
     def _send(self, run: RunState, mb: int) -> bool:
         """Plan and send the micro-batch's next step; False when it has nothing to send."""
@@ -405,6 +411,20 @@ class Pipeline:
         event = self._resume_on(run, started, ",".join(slowed), described)
         run.report("rebalanced", f"{described} than its normal: re-planned in {event['replan_s']:.2f} s: "
                                  f"{event['chain']}; {_replay_text(event)}",
+                   duration_s=event["replan_s"], replay_layers=event["replay_layers"])
+
+    def _watch_joins(self, run: RunState) -> None:
+        """Stages that registered since the placement was made join the chain when the owner's plan with them
+        is faster (Broker.grow); every active sequence then replays what the stages did not keep."""
+        if self.grow is None:
+            return
+        started, before = self.clock(), self.placement()
+        if self.grow(run.report) is None:
+            return
+        joined = [name for name in self.placement().stages if name not in before.stages]
+        event = self._resume_on(run, started, ",".join(joined), "joined")
+        run.report("grown", f"{', '.join(joined) or 'a stage'} joined: re-planned in {event['replan_s']:.2f} s: "
+                            f"{event['chain']}; {_replay_text(event)}",
                    duration_s=event["replan_s"], replay_layers=event["replay_layers"])
 
     def _recover(self, run: RunState, lost: StageLost) -> bool:

@@ -119,6 +119,7 @@ class BrokerCounts:
     stages_lost: int = 0  # stages declared lost (silent, stuck, gone or failed), while starting or serving
     replans_lost: int = 0  # placements made again without a lost stage
     replans_slowed: int = 0  # placements made again to move layers off a slowed stage
+    replans_joined: int = 0  # placements made again to put stages that registered mid-job to work
     failed_steps: int = 0  # steps a stage reported failed (their items are retried alone, or fail)
     resent_steps: int = 0  # steps sent again: overdue, or the next hop could not be reached
 

@@ -568,11 +568,12 @@ def _wait_for_other_holders(store: JobStore, job_id: str, broker: Runner, in_fli
 
 def _chain_follower(store: JobStore, job_id: str, broker: Runner, worker_name: str, leases: LeaseConfig,
                     record: Callable[..., None]) -> Callable[..., None]:
-    """The pipeline's event callback, passed on to `record`; after a re-plan (a lost stage, a slowed one)
-    the broker's new chain is recorded as this worker's, so `layerbus status JOB` shows the chain in use."""
+    """The pipeline's event callback, passed on to `record`; after a re-plan (a lost stage, a slowed one, one
+    that joined) the broker's new chain is recorded as this worker's, so `layerbus status JOB` shows the
+    chain in use."""
     def follow(kind: str, message: str, *args: Any, **fields: Any) -> None:
         record(kind, message, *args, **fields)
-        if kind in ("recovered", "rebalanced"):
+        if kind in ("recovered", "rebalanced", "grown"):
             try:
                 store.register_worker(job_id, worker_name, socket.gethostname(), _chain_text(broker), leases.lease_s)
             except Exception:  # noqa: BLE001 (a figure for status: never what stops the job)

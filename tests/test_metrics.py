@@ -170,9 +170,11 @@ def test_stage_families_describe_each_stage_and_its_place_in_the_chain():
 
 
 def test_counter_families():
-    counts = BrokerCounts(stages_lost=2, replans_lost=1, replans_slowed=3, failed_steps=4, resent_steps=5)
+    counts = BrokerCounts(stages_lost=2, replans_lost=1, replans_slowed=3, replans_joined=6, failed_steps=4,
+                          resent_steps=5)
     families = by_name(counter_families(counts, ready=True, epoch=7))
-    assert values(families["layerbus_replans_total"]) == {(("reason", "lost"),): 1, (("reason", "slowed"),): 3}
+    assert values(families["layerbus_replans_total"]) == {(("reason", "lost"),): 1, (("reason", "slowed"),): 3,
+                                                          (("reason", "joined"),): 6}
     assert values(families["layerbus_stages_lost_total"]) == {(): 2}
     assert values(families["layerbus_failed_steps_total"]) == {(): 4}
     assert values(families["layerbus_step_retries_total"]) == {(): 5}

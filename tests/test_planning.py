@@ -175,6 +175,23 @@ def test_replan_slowed(slowed, min_gain, want_move, want_spans):
     assert (tuple(decision.plan.spans) if decision.plan else None) == want_spans
 
 
+@pytest.mark.parametrize("joiner_speed, min_gain, want_move, want_stages", [
+    (1.0, 0.15, True, ("a", "b")),  # as fast as a: the 8 layers split 4 / 4, twice as fast
+    (0.1, 0.15, False, None),  # ten times slower: even one layer on it is slower than a alone
+    (1.0, 0.6, False, None),  # would gain half, but more is asked
+])
+def test_a_stage_that_joins_mid_job_is_used_when_the_plan_with_it_is_faster(joiner_speed, min_gain, want_move,
+                                                                               want_stages):
+    """Broker.grow's decision: the placement in use (a alone) against the best plan over every live stage,
+    the one that joined included, with nothing slowed."""
+    current = Placement(("a",), spans(0, 8))
+    decision = replan_slowed({}, current, ["a", "b"], [profile("a", 1.0), profile("b", 1.0 / joiner_speed)],
+                             inputs(8, KEEP_ORDER), min_gain)
+    assert decision.current_step_s == pytest.approx(8.0)  # a's 8 layers at 1 s each
+    assert decision.move is want_move
+    assert (tuple(decision.plan.order) if decision.plan else None) == want_stages
+
+
 def test_replan_slowed_keeps_an_unchanged_placement():
     current = Placement(("a", "b"), spans(0, 4, 8))
     decision = replan_slowed({"a": 1.0}, current, ["a", "b"], [profile("a", 1.0), profile("b", 1.0)],

@@ -1,0 +1,112 @@
+"""A stage that registers while a job runs is put to work (Broker.grow): with --partition equal the split is
+made again over every stage; with planned, the new stage is profiled and the chain moves when the plan with
+it is faster. Real processes: a broker started with one stage, a second `layerbus stage` started by hand
+mid-job; the job's events say it joined, the chain in use ends with both, and the outputs are token for
+token a one-stage run's, every item once."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from layerbus.storage import JobStore
+from tests.test_broker_chains import free_ports
+from tests.test_brokers_one_job import GHOST, wait_until
+from tests.test_cli_helpers import JOB_ID, cli_env, layerbus, layerbus_executable, status_json, write_jsonl
+from tests.test_cli_run import assert_parquet_matches_store
+
+pytestmark = pytest.mark.cluster  # a broker and two stage processes
+
+ITEMS, FIRST_WAVE = 48, 8  # the broker runs FIRST_WAVE items on one stage; the rest once the second joined
+JOB_ARGS = ("--task", "summarize", "--max-new-tokens", "6")
+TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models) -> Path:
+    return tiny_models("llama")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("corpus") / "docs.jsonl",
+                       [{"id": f"doc-{i:02d}", "text": f"Stage {i % 3} joins the chain at item {i}."}
+                        for i in range(ITEMS)])
+
+
+@pytest.fixture(scope="module")
+def one_stage_outputs(tmp_path_factory, corpus, model) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("single")
+    home, db = folder / "home", f"sqlite:///{folder / 'jobs.db'}"
+    done = layerbus(home, "run", corpus, "--model", model, "--db", db, "--stages", "1", "--threads-per-stage", "1",
+                    *JOB_ARGS, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
+    job_id = JOB_ID.search(done.stdout).group()
+    rows = assert_parquet_matches_store(db, job_id, status_json(home, job_id, "--db", db)["results_path"])
+    return {row["custom_id"]: row["output"] for row in rows}
+
+
+def start_stage(home: Path, port: int, name: str, logs: Path, *extra: str) -> subprocess.Popen:
+    with open(logs / f"{name}.log", "w") as handle:
+        return subprocess.Popen([layerbus_executable(), "-v", "stage", "--broker", f"tcp://127.0.0.1:{port}", "--name",
+                                 name, "--threads", "1", *extra], env=cli_env(home), stdout=handle,
+                                stderr=subprocess.STDOUT)
+
+
+@pytest.mark.parametrize("partition, first_stage_args", [
+    ("equal", ()),
+    # The first stage emulates a card 5x slower: a plan with the second stage is much faster.
+    ("planned", ("--emulate-speed", "0.2")),
+])
+def test_a_stage_started_mid_job_joins_the_chain_and_the_outputs_do_not_change(
+        partition, first_stage_args, tmp_path, model, corpus, one_stage_outputs):
+    home, db, port = tmp_path / "home", f"sqlite:///{tmp_path / 'jobs.db'}", free_ports(2)
+    submitted = layerbus(home, "submit", corpus, "--model", model, "--db", db, *JOB_ARGS)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    with JobStore.open(db) as store:  # all but the first wave held elsewhere until the second stage is there
+        held = store.claim_items(job_id, GHOST, ITEMS - FIRST_WAVE, lease_s=3600)
+        assert len(held) == ITEMS - FIRST_WAVE
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    broker_log = logs / "broker.log"
+    processes: list[subprocess.Popen] = []
+    try:
+        with open(broker_log, "w") as handle:
+            processes.append(subprocess.Popen(
+                [layerbus_executable(), "-v", "broker", "--model", str(model), "--stages", "1", "--db", db,
+                 "--partition", partition, "--bind-control", f"tcp://127.0.0.1:{port}",
+                 "--bind-results", f"tcp://127.0.0.1:{port + 1}", "--exit-when-idle", "--poll", "0.2"],
+                env=cli_env(home), stdout=handle, stderr=subprocess.STDOUT))
+        processes.append(start_stage(home, port, "stage-0", logs, *first_stage_args))
+        with JobStore.open(db) as store:
+            wait_until(lambda: store.job_status(job_id).completed == FIRST_WAVE, "first wave on one stage",
+                       processes, logs)
+            processes.append(start_stage(home, port, "stage-1", logs))
+            wait_until(lambda: "stage stage-1 registered" in broker_log.read_text(), "stage-1 registered",
+                       processes, logs)
+            assert store.requeue_expired(job_id, holders=[GHOST]) == {GHOST: ITEMS - FIRST_WAVE}
+        try:
+            code = processes[0].wait(TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the broker did not exit once idle:\n{_logs(logs)}") from None
+        assert code == 0, _logs(logs)
+    finally:
+        for process in processes:
+            process.kill()
+
+    status = status_json(home, job_id, "--db", db)
+    assert status["status"] == "completed" and status["request_counts"]["completed"] == ITEMS
+    rows = assert_parquet_matches_store(db, job_id, status["results_path"])
+    assert sorted(row["custom_id"] for row in rows) == sorted(one_stage_outputs), "every custom_id exactly once"
+    assert {row["custom_id"]: row["output"] for row in rows} == one_stage_outputs, "token for token one stage's"
+    grown = [event for event in status["events"] if event["kind"] == "grown"]
+    assert len(grown) == 1 and grown[0]["message"].startswith("stage-1 joined"), status["events"]
+    assert "stage-1 [" in grown[0]["message"], grown[0]["message"]
+    assert "stage-1" in status["workers"][0]["chain"], "status shows the chain in use, with the stage that joined"
+
+
+def _logs(folder: Path) -> str:
+    return "\n".join(f"--- {path.name}\n{path.read_text()[-3000:]}" for path in sorted(folder.glob("*.log")))
