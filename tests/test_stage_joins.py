@@ -12,40 +12,15 @@ from pathlib import Path
 import pytest
 
 from layerbus.storage import JobStore
-from tests.test_broker_chains import free_ports
+from tests.test_broker_chains import ITEMS, JOB_ARGS, TIMEOUT_S, _logs, free_ports
+from tests.test_broker_chains import corpus, model, one_brokers_outputs  # noqa: F401 (fixtures)
 from tests.test_brokers_one_job import GHOST, wait_until
-from tests.test_cli_helpers import JOB_ID, cli_env, layerbus, layerbus_executable, status_json, write_jsonl
+from tests.test_cli_helpers import cli_env, layerbus, layerbus_executable, status_json
 from tests.test_cli_run import assert_parquet_matches_store
 
 pytestmark = pytest.mark.cluster  # a broker and two stage processes
 
-ITEMS, FIRST_WAVE = 48, 8  # the broker runs FIRST_WAVE items on one stage; the rest once the second joined
-JOB_ARGS = ("--task", "summarize", "--max-new-tokens", "6")
-TIMEOUT_S = 240
-
-
-@pytest.fixture(scope="module")
-def model(tiny_models) -> Path:
-    return tiny_models("llama")
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return write_jsonl(tmp_path_factory.mktemp("corpus") / "docs.jsonl",
-                       [{"id": f"doc-{i:02d}", "text": f"Stage {i % 3} joins the chain at item {i}."}
-                        for i in range(ITEMS)])
-
-
-@pytest.fixture(scope="module")
-def one_stage_outputs(tmp_path_factory, corpus, model) -> dict[str, str]:
-    folder = tmp_path_factory.mktemp("single")
-    home, db = folder / "home", f"sqlite:///{folder / 'jobs.db'}"
-    done = layerbus(home, "run", corpus, "--model", model, "--db", db, "--stages", "1", "--threads-per-stage", "1",
-                    *JOB_ARGS, timeout=TIMEOUT_S)
-    assert done.returncode == 0, done.stderr
-    job_id = JOB_ID.search(done.stdout).group()
-    rows = assert_parquet_matches_store(db, job_id, status_json(home, job_id, "--db", db)["results_path"])
-    return {row["custom_id"]: row["output"] for row in rows}
+FIRST_WAVE = 8  # the broker runs this many items on one stage; the rest once the second stage has joined
 
 
 def start_stage(home: Path, port: int, name: str, logs: Path, *extra: str) -> subprocess.Popen:
@@ -61,7 +36,7 @@ def start_stage(home: Path, port: int, name: str, logs: Path, *extra: str) -> su
     ("planned", ("--emulate-speed", "0.2")),
 ])
 def test_a_stage_started_mid_job_joins_the_chain_and_the_outputs_do_not_change(
-        partition, first_stage_args, tmp_path, model, corpus, one_stage_outputs):
+        partition, first_stage_args, tmp_path, model, corpus, one_brokers_outputs):
     home, db, port = tmp_path / "home", f"sqlite:///{tmp_path / 'jobs.db'}", free_ports(2)
     submitted = layerbus(home, "submit", corpus, "--model", model, "--db", db, *JOB_ARGS)
     assert submitted.returncode == 0, submitted.stderr
@@ -100,13 +75,10 @@ def test_a_stage_started_mid_job_joins_the_chain_and_the_outputs_do_not_change(
     status = status_json(home, job_id, "--db", db)
     assert status["status"] == "completed" and status["request_counts"]["completed"] == ITEMS
     rows = assert_parquet_matches_store(db, job_id, status["results_path"])
-    assert sorted(row["custom_id"] for row in rows) == sorted(one_stage_outputs), "every custom_id exactly once"
-    assert {row["custom_id"]: row["output"] for row in rows} == one_stage_outputs, "token for token one stage's"
+    assert sorted(row["custom_id"] for row in rows) == sorted(one_brokers_outputs), "every custom_id exactly once"
+    assert {row["custom_id"]: row["output"] for row in rows} == one_brokers_outputs, "token for token one stage's"
     grown = [event for event in status["events"] if event["kind"] == "grown"]
     assert len(grown) == 1 and grown[0]["message"].startswith("stage-1 joined"), status["events"]
     assert "stage-1 [" in grown[0]["message"], grown[0]["message"]
     assert "stage-1" in status["workers"][0]["chain"], "status shows the chain in use, with the stage that joined"
 
-
-def _logs(folder: Path) -> str:
-    return "\n".join(f"--- {path.name}\n{path.read_text()[-3000:]}" for path in sorted(folder.glob("*.log")))
