@@ -508,15 +508,20 @@ class Broker:
             return None
         for line in format_plan(decision.plan).splitlines():
             log.info("%s", line)
-        try:
-            self._assign(planned(decision.plan))
-        except StageLost:
-            raise
-        except ClusterError as error:  # a stage could not load its new span: re-plan without it
-            failed = next((stage for stage in self.chain if stage.state is StageState.FAILED), self.chain[0])
-            raise StageLost(failed, f"could not load its new span: {error}") from None
+        self._assign_mid_run(planned(decision.plan), blamed=None)
         self.counts.replans_slowed += 1
         return self.placement
+
+    def _assign_mid_run(self, placement: Placement, blamed: StageInfo | None) -> None:
+        """Load a re-plan while the job runs. A stage that cannot load its new span is reported lost (the
+        failed one, else `blamed`, else the chain's first), so the pipeline re-plans without it."""
+        try:
+            self._assign(placement)
+        except StageLost:
+            raise
+        except ClusterError as error:
+            failed = next((stage for stage in self.chain if stage.state is StageState.FAILED), blamed or self.chain[0])
+            raise StageLost(failed, f"could not load its new span: {error}") from None
 
     def joined_stages(self) -> list[StageInfo]:
         """Live stages that registered after the placement in use was made: started mid-job (`layerbus stage
@@ -560,13 +565,7 @@ class Broker:
             placement = planned(decision.plan)
         else:
             placement = self._place(live)
-        try:
-            self._assign(placement)
-        except StageLost:
-            raise
-        except ClusterError as error:  # a stage could not load its new span: re-plan without it
-            failed = next((stage for stage in self.chain if stage.state is StageState.FAILED), joined[0])
-            raise StageLost(failed, f"could not load its new span: {error}") from None
+        self._assign_mid_run(placement, blamed=joined[0])
         self.counts.replans_joined += 1
         return self.placement
 
