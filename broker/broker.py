@@ -632,8 +632,10 @@ class Broker:
         log.info("%s", lines[-1], extra={"prediction": report})
         return report
 
-    def keep_alive(self, seconds: float, report=lambda *a, **k: None) -> None:
-        """Between jobs: keep heartbeats going and re-plan when a stage is lost (the next run follows)."""
+    def keep_alive(self, seconds: float, report=lambda *a, **k: None, should_stop=lambda: False) -> None:
+        """Between jobs: keep heartbeats going and re-plan when a stage is lost (the next run follows). While
+        the stages left cannot hold the model it waits for one to register, until `should_stop` says so:
+        then it returns early, the lost stage still in the placement (found lost again on the next call)."""
         deadline = self.control.clock() + seconds
         while self.control.clock() < deadline:
             self.control.poll(100)
@@ -643,7 +645,11 @@ class Broker:
                                           self.config.pipeline.stuck_step_s)
             except StageLost as lost:
                 report("stage_lost", str(lost), stage=lost.stage.name)
-                self.recover(lost, report=report)
+                started = self.control.clock()
+                if self.recover(lost, should_stop=should_stop, report=report) is None:
+                    return
+                report("recovered", f"re-planned without {lost.stage.name} between runs: {self.placement.text()}",
+                       stage=lost.stage.name, duration_s=self.control.clock() - started)
 
     def generate(self, requests: list[GenerationRequest]) -> tuple[list[GenerationResult], RunStats]:
         """Run requests to the end; results come back in request order."""

@@ -352,8 +352,10 @@ class CancelWatch:
     Reads the store at most every `interval_s`, since the pipeline asks every few milliseconds.
     """
 
-    def __init__(self, store: JobStore, job_id: str, interval_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, store: JobStore, job_id: str, interval_s: float, clock: Callable[[], float] = time.monotonic,
+                 states: tuple[str, ...] = RUNNABLE_JOB_STATES):
         self.store, self.job_id, self.interval_s, self.clock = store, job_id, interval_s, clock
+        self.states = states  # true once the job's status is none of these
         self.stopping = False
         self.last_check = clock()
 
@@ -362,7 +364,7 @@ class CancelWatch:
         if not self.stopping and now - self.last_check >= self.interval_s:
             self.last_check = now
             status = self.store.job_status(self.job_id).status
-            if status not in RUNNABLE_JOB_STATES:
+            if status not in self.states:
                 log.info("job %s is %s: finishing the items in flight, claiming no more", self.job_id, status)
                 self.stopping = True
         return self.stopping
@@ -433,7 +435,9 @@ def _waiter(store: JobStore, job_id: str, broker: Runner) -> Callable[[float], N
     keep_alive = getattr(broker, "keep_alive", None)
     if not callable(keep_alive):
         return time.sleep
-    return lambda seconds: keep_alive(seconds, report=_event_recorder(store, job_id))
+    # A stage lost meanwhile that the rest cannot do without is waited for only while the other finalizes.
+    finalizing = CancelWatch(store, job_id, 1.0, states=("finalizing",))
+    return lambda seconds: keep_alive(seconds, report=_event_recorder(store, job_id), should_stop=finalizing)
 
 
 def _finalized_elsewhere(store: JobStore, job_id: str, worker_name: str) -> bool:
@@ -517,7 +521,7 @@ def _run_rounds(store: JobStore, job_id: str, broker: Runner, writer: ResultWrit
     while True:
         status = store.job_status(job_id)
         if status.queued == 0 and status.in_progress > 0:
-            _wait_for_other_holders(store, job_id, broker, status.in_progress, leases)
+            _wait_for_other_holders(store, job_id, broker, status.in_progress, leases, worker_name)
             status = store.job_status(job_id)
             if status.status not in RUNNABLE_JOB_STATES or status.queued == 0:
                 return
@@ -549,19 +553,29 @@ def _run_rounds(store: JobStore, job_id: str, broker: Runner, writer: ResultWrit
 
 
 def _wait_for_other_holders(store: JobStore, job_id: str, broker: Runner, in_flight: int,
-                            leases: LeaseConfig) -> None:
+                            leases: LeaseConfig, worker_name: str) -> None:
     """While other workers hold the job's last items and nothing is queued: keep the stages alive (the
     broker's keep_alive, where it has one) until those items finish, come back (the LeaseKeeper requeues
-    them once their leases run out), or the job stops being runnable."""
+    them once their leases run out), or the job stops being runnable.
+
+    A stage lost meanwhile is re-planned around as in a run. If the rest cannot hold the model, the broker
+    waits for a stage only while the job is runnable, and beside other brokers for one lease (as in a run,
+    StrandedWatch), then leaves the job to them (ClusterError): a chain idle at the job's end must not wait
+    for ever for a stage while the others finish the job."""
     log.info("job %s: nothing queued, %d item(s) in flight with other workers: waiting for them to finish "
              "or for their leases to run out", job_id, in_flight)
     keep_alive = getattr(broker, "keep_alive", None)
+    watch = CancelWatch(store, job_id, 1.0)
+    stranded = StrandedWatch(store, job_id, worker_name, grace_s=leases.lease_s)
+    record = stranded.watching(_chain_follower(store, job_id, broker, worker_name, leases, _event_recorder(store, job_id)))
     while True:
         status = store.job_status(job_id)
         if status.status not in RUNNABLE_JOB_STATES or status.queued > 0 or status.in_progress == 0:
             return
         if callable(keep_alive):
-            keep_alive(leases.renew_every_s, report=_event_recorder(store, job_id))
+            keep_alive(leases.renew_every_s, report=record, should_stop=lambda: watch() or stranded())
+            if stranded.left:
+                raise ClusterError(stranded.reason)
         else:
             time.sleep(leases.renew_every_s)
 

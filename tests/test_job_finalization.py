@@ -116,7 +116,7 @@ def test_a_broker_that_breaks_while_another_finalizes_does_not_fail_the_job(stor
     assert store.claim_finalization(job_id, other, 30).claimed
 
     class BreakingBroker(ScriptedBroker):
-        def keep_alive(self, seconds, report=None):
+        def keep_alive(self, seconds, report=None, should_stop=None):
             raise RuntimeError("every stage of this broker is gone")
 
     status = run_job(store, job_id, BreakingBroker(tokenizer), tmp_path, poll_cancel_s=0, worker_name="box:3:03")
@@ -125,3 +125,40 @@ def test_a_broker_that_breaks_while_another_finalizes_does_not_fail_the_job(stor
     assert store.finish_finalization(job_id, other, "/elsewhere/final.parquet", "completed")
     (me,) = [w for w in store.job_workers(job_id) if w.worker == "box:3:03"]
     assert me.state == "stopped"
+
+
+class StrandedBroker(ScriptedBroker):
+    """Loses a stage while it waits for the other broker's last items, and the rest cannot hold the model:
+    its keep_alive waits for a stage to register (reporting so, as Broker.recover does) until told to stop."""
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        self.stopped_waiting = False
+
+    def keep_alive(self, seconds, report=None, should_stop=lambda: False):
+        report("stage_lost", "stage stage-1 lost: no heartbeat for 5.0 s", stage="stage-1")
+        report("waiting", "the stages left cannot hold tiny (needs 2 MiB, has 1 MiB); waiting for a stage")
+        deadline = time.monotonic() + 30
+        while not should_stop():
+            assert time.monotonic() < deadline, "never told to stop waiting: a chain idle at the job's end hangs"
+            time.sleep(0.05)
+        self.stopped_waiting = True
+
+
+def test_a_broker_that_breaks_while_others_hold_the_last_items_leaves_the_job_to_them(store, tokenizer, tmp_path):
+    """Nothing queued, every item with another broker: this broker waits, keeping its stages alive. It loses
+    a stage there that it cannot do without: it waits one lease for a stage, then leaves the job to the other
+    (a worker_left event), instead of waiting for ever while the other finishes the job."""
+    job_id = queue_job(store, 3)
+    other = "other-host:7:ee"
+    assert len(store.claim_items(job_id, other, 3, lease_s=3600)) == 3
+    store.register_worker(job_id, other, "other-host", "stage-9 [0, 4)", lease_s=3600)
+    broker = StrandedBroker(tokenizer)
+
+    status = run_job(store, job_id, broker, tmp_path, poll_cancel_s=0, worker_name="box:3:03",
+                     leases=LeaseConfig(lease_s=1.0))
+
+    assert broker.stopped_waiting and status.status == "in_progress" and status.error is None
+    left = [event.message for event in store.job_events(job_id) if event.kind == "worker_left"]
+    assert len(left) == 1 and "box:3:03 left the job" in left[0] and other in left[0], left
+    assert status.in_progress == 3, "the other broker's items stay its own"
