@@ -6,6 +6,7 @@ broker's, every item once."""
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -184,13 +185,15 @@ def test_chains_refuse_metrics_and_trace_which_serve_one_broker(tmp_path, capsys
 
 
 def free_ports(count: int) -> int:
-    """A port P with P .. P + count - 1 all free on loopback."""
-    for _ in range(100):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            first = probe.getsockname()[1]
-        if first + count > 65535:
-            continue
+    """A port P with P .. P + count - 1 all free on loopback, below the kernel's ephemeral range: ports taken
+    by binds to port 0 (every stage's data port, other tests' brokers) come from that range, so one of
+    these could be taken between this check and the broker's bind if they were in it (a CI run lost a
+    chain's broker so: 'Address already in use')."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
+        if Path("/proc/sys/net/ipv4/ip_local_port_range").exists() else 32768
+    rng = random.Random()
+    for _ in range(200):
+        first = rng.randrange(10000, max(10001, low - count))
         try:
             for port in range(first, first + count):
                 with socket.socket() as check:
@@ -198,7 +201,7 @@ def free_ports(count: int) -> int:
             return first
         except OSError:
             continue
-    raise RuntimeError(f"no {count} free consecutive ports")
+    raise RuntimeError(f"no {count} free consecutive ports below {low}")
 
 
 ITEMS = 60
