@@ -323,6 +323,16 @@ class ControlPlane:
         self.send(stage, protocol.REDIRECT, **protocol.redirect_header(endpoint))
         del self.stages[stage.identity]
 
+    def release_all(self, endpoint: str) -> list[StageInfo]:
+        """Send every live stage, spans dropped, to the broker at `endpoint` (a chain that gives up hands its
+        survivors back to its front door, cli/broker_chains.py) and forget them, as `redirect` does; the
+        stages sent."""
+        sent = self.live_stages()
+        for stage in sent:
+            self.send(stage, protocol.REDIRECT, **protocol.redirect_header(endpoint, release=True))
+            del self.stages[stage.identity]
+        return sent
+
     def shutdown_all(self) -> None:
         for stage in self.live_stages():
             self.send(stage, protocol.SHUTDOWN)

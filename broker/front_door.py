@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import AbstractSet, Sequence
 
 import zmq
 
@@ -29,20 +29,24 @@ from layerbus.wire.frames import WireError, decode, encode
 log = logging.getLogger("layerbus.front_door")
 
 
-def chain_for_stage(name: str, assigned: dict[str, int], sizes: Sequence[int]) -> int:
+def chain_for_stage(name: str, assigned: dict[str, int], sizes: Sequence[int], ended: AbstractSet[int] = frozenset()) -> int:
     """The chain (an index into `sizes`, each chain's stage count) a registering stage joins: the one it
-    joined before, for a restarted stage; else the first chain still short of its size; else (a stage
-    beyond N: a spare, which its chain's broker takes up when one of its stages is lost) the chain with
-    the fewest stages for its size, the first of equals."""
-    if name in assigned:
+    joined before, for a restarted stage, unless that chain has ended for good (`ended`: its broker exited
+    and is not started again; the stage is then a survivor its chain gave back); else the first chain still
+    short of its size; else (a stage beyond N: a spare, which its chain's broker takes up when one of its
+    stages is lost or, mid-job, when the stage would speed the chain up) the chain with the fewest stages
+    for its size, the first of equals. Ended chains are chosen only when every chain has ended."""
+    if name in assigned and assigned[name] not in ended:
         return assigned[name]
+    open_chains = [chain for chain in range(len(sizes)) if chain not in ended] or list(range(len(sizes)))
     counts = [0] * len(sizes)
-    for chain in assigned.values():
-        counts[chain] += 1
-    for chain, (count, size) in enumerate(zip(counts, sizes)):
-        if count < size:
+    for stage, chain in assigned.items():
+        if stage != name:
+            counts[chain] += 1
+    for chain in open_chains:
+        if counts[chain] < sizes[chain]:
             return chain
-    return min(range(len(sizes)), key=lambda chain: (counts[chain] / sizes[chain], chain))
+    return min(open_chains, key=lambda chain: (counts[chain] / sizes[chain], chain))
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,7 @@ class FrontDoor:
 
     def __post_init__(self) -> None:
         self.ready = [False] * len(self.chains)
+        self.ended: set[int] = set()  # chains whose broker exited for good: their stages go to the others
         # The same CURVE server as a broker's control plane (broker/control.py): the stages hold its key.
         self.gate = CurveGate(self.context, self.keys.keypair, self.keys.allowed) if self.keys is not None else None
         self.socket = self.context.socket(zmq.ROUTER)
@@ -110,10 +115,13 @@ class FrontDoor:
         if message.kind != protocol.REGISTER:
             return None  # a bye, or a late message from a stage already sent on
         name = str(message.header.get("name") or identity.decode(errors="replace"))
-        chain = chain_for_stage(name, self.assigned, [door.size for door in self.chains])
+        # A stage whose chain gave up comes back before the chain's process is seen to end: never back to it.
+        # (If every chain has ended it waits here; the front door is about to exit.)
+        given_up = {self.assigned[name]} if message.header.get("left_chain") is True and name in self.assigned else set()
+        chain = chain_for_stage(name, self.assigned, [door.size for door in self.chains], self.ended | given_up)
         self.assigned[name] = chain
         self.waiting[identity] = (name, str(message.header.get("host", "?")), chain)
-        if self.ready[chain]:
+        if self.ready[chain] and chain not in given_up:
             return self._send_on(identity)
         self._send(identity, protocol.HEARTBEAT)
         return None
@@ -128,6 +136,22 @@ class FrontDoor:
         """Chain `chain`'s broker ended: its stages that register again wait here until it listens again."""
         self.ready[chain] = False
 
+    def mark_ended(self, chain: int) -> list[str]:
+        """Chain `chain`'s broker ended for good (it is not started again): its stages that come back here (a
+        chain that gives up sends its survivors back) go to the chains still working; so do those already
+        waiting for it. A line for each sent on now."""
+        self.ready[chain] = False
+        self.ended.add(chain)
+        moved = []
+        for identity, (name, host, waits_for) in list(self.waiting.items()):
+            if waits_for == chain:
+                other = chain_for_stage(name, self.assigned, [door.size for door in self.chains], self.ended)
+                self.assigned[name] = other
+                self.waiting[identity] = (name, host, other)
+                if self.ready[other]:
+                    moved.append(self._send_on(identity))
+        return moved
+
     def _send_on(self, identity: bytes) -> str:
         name, host, chain = self.waiting.pop(identity)
         door = self.chains[chain]
@@ -138,6 +162,9 @@ class FrontDoor:
         self.socket.send_multipart([identity, *encode(dict(fields, kind=kind))], copy=False)
 
     def close(self) -> None:
+        """Stages still waiting here (their chain ended, and no other runs) are told to stop, as a broker's are."""
+        for identity in self.waiting:
+            self._send(identity, protocol.SHUTDOWN)
         if self.gate is not None:
             self.gate.close()
-        self.socket.close(linger=0)
+        self.socket.close(linger=500 if self.waiting else 0)  # time for those shutdowns to leave

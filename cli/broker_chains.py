@@ -13,7 +13,10 @@ sends its stages on to it; then it closes and the front door takes the address o
 
 A chain's broker that ends is marked gone at the front door (its stages that register again wait there);
 behind a front door that serves until stopped (neither --job nor --exit-when-idle) a failed one is started
-again, a few times (restarts_chain).
+again, a few times (restarts_chain). A chain whose stages broke (one lost, and the rest cannot hold the
+model) leaves its job to the others and sends its surviving stages back to the front door, spans dropped;
+it is not started again, and the front door sends its stages on to the chains still running, whose
+brokers put them to work mid-job where the plan gains by it (Broker.grow) or keep them as spares.
 
 Child processes rather than one process driving K chains: cli/chains.py says why for `layerbus run
 --chains K`, and it holds here too (each broker's Python work is its own, a fault stops one chain).
@@ -33,7 +36,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from layerbus.cli.errors import EXIT_OK, RunFailed, UsageError
+from layerbus.cli.errors import EXIT_CHAIN_LEFT, EXIT_FAILED, EXIT_OK, RunFailed, UsageError
 
 if TYPE_CHECKING:
     from layerbus.broker.broker import Broker, BrokerConfig
@@ -71,21 +74,25 @@ def _tcp_host_port(bind: str, option: str) -> tuple[str, int]:
 
 
 def chain_command(argv: list[str], label: str, size: int, control_bind: str, results_bind: str, chains: int,
-                  ready_file: Path) -> list[str]:
+                  ready_file: Path, front_door: str) -> list[str]:
     """The child broker's command line: this command's own arguments, then what differs for the chain.
     argparse keeps the last value of an option given twice, so the chain's values win however the user
-    spelled theirs (abbreviated, or --opt=value). The broker creates `ready_file` once it listens."""
+    spelled theirs (abbreviated, or --opt=value). The broker creates `ready_file` once it listens, and
+    sends its surviving stages back to `front_door` (the front door's bind) if it gives up."""
     return [sys.executable, "-m", "layerbus.cli.main", *argv, "--stages", str(size), "--chains", "1",
             "--bind-control", control_bind, "--bind-results", results_bind, "--peer-brokers", str(chains),
-            "--ready-file", str(ready_file), "--chain-label", label]
+            "--ready-file", str(ready_file), "--chain-label", label, "--front-door", front_door]
 
 
 def restarts_chain(code: int, serving: bool, restarts: int) -> bool:
     """Whether a chain's broker that ended with exit `code` is started again: only behind a serving front door
     (neither --job nor --exit-when-idle: it serves jobs until stopped, and so should its chains), after a
     failure (not 0; not Ctrl-C or SIGTERM handled, 130 or 143; a SIGKILL is -9 and counts as one), at most
-    MAX_CHAIN_RESTARTS times. A --job or --exit-when-idle chain's exit code is its answer."""
-    return serving and code not in (0, 128 + signal.SIGINT, 128 + signal.SIGTERM) and restarts < MAX_CHAIN_RESTARTS
+    MAX_CHAIN_RESTARTS times. A --job or --exit-when-idle chain's exit code is its answer. A chain that left
+    its job because its stages broke (EXIT_CHAIN_LEFT) is not: its broker is sound, and its surviving stages
+    came back to the front door, which sends them on to the other chains."""
+    stopped = (0, EXIT_CHAIN_LEFT, 128 + signal.SIGINT, 128 + signal.SIGTERM)
+    return serving and code not in stopped and restarts < MAX_CHAIN_RESTARTS
 
 
 def serve_chains(args: argparse.Namespace, keys, control_bind: str, results_bind: str,
@@ -118,7 +125,7 @@ def serve_chains(args: argparse.Namespace, keys, control_bind: str, results_bind
             binds = chain_binds(control_bind, results_bind, args.chain_ports, len(sizes))
             doors = [ChainDoor(f"chain {i + 1}", control, size) for i, (size, (control, _)) in enumerate(zip(sizes, binds))]
             chains = [ChainProcess(chain_command(args.argv, door.label, door.size, control, results, len(doors),
-                                                 flags / f"chain-{i + 1}.ready"), door.label)
+                                                 flags / f"chain-{i + 1}.ready", control_bind), door.label)
                       for i, (door, (control, results)) in enumerate(zip(doors, binds))]
             if profiling is not None:
                 _hand_over(profiling, chains, doors, assigned)
@@ -234,13 +241,17 @@ def _redirect_until_done(door, chains: list[ChainProcess], serving: bool) -> int
                 door.mark_gone(index)  # its stages that register again wait here for it
                 again = restarts_chain(code, serving, chain.restarts)
                 running = sum(other.exit_code is None for other in chains)  # this one has its exit code now
-                _say(f"{chain.label}'s broker ended with exit code {code}"
+                left = " (its stages broke: it left the job to the other chains)" if code == EXIT_CHAIN_LEFT else ""
+                _say(f"{chain.label}'s broker ended with exit code {code}{left}"
                      + (f"; starting it again in {RESTART_DELAY_S:.0f} s ({chain.restarts + 1} of "
                         f"{MAX_CHAIN_RESTARTS})" if again else "")
                      + (f"; {running} chain(s) still running" if running > 0 and not again else ""))
                 if again:
                     chain.restarts += 1
                     chain.restart_at = time.monotonic() + RESTART_DELAY_S
+                elif running > 0:  # gone for good: its stages (the survivors it sends back) join the others
+                    for line in door.mark_ended(index):
+                        _say(line)
             if chain.restart_at is not None and time.monotonic() >= chain.restart_at:
                 chain.start()
         if all(chain.exit_code is not None and chain.restart_at is None for chain in chains):
@@ -249,8 +260,13 @@ def _redirect_until_done(door, chains: list[ChainProcess], serving: bool) -> int
 
 def front_door_exit(codes: list[int]) -> int:
     """The front door's exit status from its chains' (Popen's: -N for a chain killed by signal N): 0 iff every
-    chain's was, else the first failure's, a killed chain's as a shell reports it (128 + N)."""
-    failed = next((code for code in codes if code != 0), EXIT_OK)
+    chain's was, else the first failure's, a killed chain's as a shell reports it (128 + N). A chain that left
+    its job to the others (EXIT_CHAIN_LEFT) says nothing about the job: the others' codes do; 1 if every chain
+    left (nobody finished it)."""
+    answers = [code for code in codes if code != EXIT_CHAIN_LEFT]
+    if not answers:
+        return EXIT_FAILED
+    failed = next((code for code in answers if code != 0), EXIT_OK)
     return 128 - failed if failed < 0 else failed
 
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from layerbus.cli.errors import EXIT_FAILED, EXIT_OK, UsageError
+from layerbus.cli.errors import EXIT_CHAIN_LEFT, EXIT_FAILED, EXIT_OK, UsageError
 from layerbus.cli.options import (
     AUTO_CHAINS,
     chains_count,
@@ -112,6 +112,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     # ... and a file this broker creates once it listens, so the front door sends it its stages.
     parser.add_argument("--ready-file", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--chain-label", default=None, help=argparse.SUPPRESS)  # "chain 2": said in its messages
+    # ... and the front door's own bind, where this chain sends its surviving stages if it gives up.
+    parser.add_argument("--front-door", default=None, help=argparse.SUPPRESS)
     add_verbose(parser)
     parser.set_defaults(handler=main)
 
@@ -268,6 +270,8 @@ def _serve(store: JobStore, broker: Broker, model_dir: Path, args: argparse.Name
             metrics.watch_job(store, args.job)
         status = run_job(store, args.job, broker, results_dir(), leases=leases)
         _report(status)
+        if status.status in RUNNABLE_JOB_STATES:  # its stages broke and it left the job to other brokers
+            return _leave(broker, args, args.job)
         return EXIT_OK if status.status == "completed" else EXIT_FAILED
     warned: set[str] = set()
     ran: list[JobStatus] = []
@@ -290,9 +294,22 @@ def _serve(store: JobStore, broker: Broker, model_dir: Path, args: argparse.Name
         ran.append(run_job(store, job_id, broker, results_dir(), leases=leases))
         _report(ran[-1])
         if ran[-1].status in RUNNABLE_JOB_STATES:  # its stages broke and it left the job to other brokers
-            _say(f"this broker's stages broke; {job_id} is left to the other brokers working it "
-                 f"(`layerbus status {job_id}`): exiting")
-            return EXIT_FAILED
+            return _leave(broker, args, job_id)
+
+
+def _leave(broker: Broker, args: argparse.Namespace, job_id: str) -> int:
+    """This broker's stages broke and it left `job_id` to the other brokers working it: exit. One chain
+    behind a front door first sends its surviving stages back there (their spans dropped), which sends
+    them on to the chains still working, instead of telling them to stop."""
+    _say(f"this broker's stages broke; {job_id} is left to the other brokers working it "
+         f"(`layerbus status {job_id}`): exiting")
+    if args.front_door is None:
+        return EXIT_FAILED
+    sent = broker.control.release_all(args.front_door)
+    if sent:
+        _say(f"sent its {len(sent)} surviving stage(s) ({', '.join(stage.name for stage in sent)}) back to the "
+             f"front door at {args.front_door}, for the chains still working")
+    return EXIT_CHAIN_LEFT
 
 
 def exit_code_when_idle(final_states: list[str]) -> int:

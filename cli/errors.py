@@ -11,6 +11,10 @@ EXIT_USAGE = 2  # the command cannot be done as given: fix the arguments, the in
 # `layerbus eval compare --fail-on-regression`: a metric is significantly worse. Not 1, so a CI script can tell
 # a regression from a comparison that could not run.
 EXIT_REGRESSION = 3
+# One chain's broker behind `layerbus broker --chains K` (never a command a user runs): its stages broke, it
+# left its job to the other chains and sent its surviving stages back to the front door to join them.
+# The front door reads it as "no answer about the job" (cli/broker_chains.py, front_door_exit).
+EXIT_CHAIN_LEFT = 4
 EXIT_INTERRUPTED = 130  # Ctrl-C (SIGTERM: 143)
 
 

@@ -120,6 +120,7 @@ class StageWorker:
         self.stopping = False
         self.stopped_by_signal: int | None = None
         self.shard: StageShard | None = None
+        self.left_chain = False  # its chain's broker gave up and sent it back to the front door
         self.arena: KVArena | None = None
         self.loaded_as: tuple[str, str] | None = None  # (model directory, weight format) of the loaded span
         self.epoch = -1
@@ -269,10 +270,12 @@ class StageWorker:
 
     # -- control plane --------------------------------------------------------------------------
     def _register(self) -> None:
+        extra = {"left_chain": True} if self.left_chain else {}
+        self.left_chain = False
         self._send_control(protocol.REGISTER, name=self.name, device=self.config.device, dtype=self.config.dtype,
                            weights=self.config.weights, threads=torch.get_num_threads(), memory_budget=self.config.memory_budget,
                            emulate_speed=self.config.emulate_speed,
-                           data_address=self.data_address, pid=os.getpid(), host=socket.gethostname())
+                           data_address=self.data_address, pid=os.getpid(), host=socket.gethostname(), **extra)
         log.info("stage %s registered with %s, receiving on %s", self.name, self.config.broker, self.data_address)
 
     def _heartbeat_fields(self) -> dict:
@@ -335,8 +338,9 @@ class StageWorker:
     def _move_to(self, header: dict) -> None:
         """The front door of several chains (`layerbus broker --chains K`) sends this stage on to its chain's
         broker: the control socket and the heartbeats go there, and the stage registers again. Only an
-        empty stage moves: the front door answers registrations, never a stage that holds a span."""
-        if self.shard is not None:
+        empty stage moves, unless its own chain's broker, giving up, sends it back to the front door with
+        `release` (protocol.redirect_header)."""
+        if self.shard is not None and header.get("release") is not True:
             log.warning("stage %s: a redirect while holding layers, ignored: %s", self.name, header)
             return
         try:
@@ -344,7 +348,17 @@ class StageWorker:
         except WireError as error:
             log.error("stage %s: %s", self.name, error)
             return
-        log.info("stage %s: %s sends this stage to its chain's broker at %s", self.name, self.config.broker, endpoint)
+        if self.shard is not None:
+            # Its chain gave up (it cannot hold the model without a lost stage): the span and its caches go,
+            # and so do steps still queued for it, whose chain no longer waits for their results.
+            log.warning("stage %s: its chain's broker gave up; dropping layers %s and going back to %s",
+                        self.name, self.shard.spec.layers, endpoint)
+            while self.data_in.poll(0):
+                self.data_in.recv_multipart(copy=False)
+            self.shard, self.arena, self.epoch = None, None, -1
+            release_freed_memory()
+            self.left_chain = True  # said once to the front door, which then sends it to another chain
+        log.info("stage %s: %s sends this stage to %s", self.name, self.config.broker, endpoint)
         self.control.disconnect(self.config.broker)
         self.control.connect(endpoint)
         self.config = replace(self.config, broker=endpoint)

@@ -26,7 +26,7 @@ from layerbus.cli.broker_chains import (
     front_door_exit,
     restarts_chain,
 )
-from layerbus.cli.errors import UsageError
+from layerbus.cli.errors import EXIT_CHAIN_LEFT, UsageError
 from layerbus.cli.main import build_parser
 from layerbus.cli.main import main as cli_main
 from layerbus.storage import JobStore
@@ -53,6 +53,17 @@ def test_chain_for_stage(name, assigned, sizes, chain):
     assert chain_for_stage(name, assigned, sizes) == chain
 
 
+@pytest.mark.parametrize("name, assigned, sizes, ended, chain", [
+    ("b", {"a": 0, "b": 1}, [2, 2], {1}, 0),  # its chain ended for good: to one still running
+    ("c", {"a": 0, "b": 0, "c": 1}, [2, 1], {1}, 0),  # the only one running, full: there as a spare
+    ("d", {"a": 0, "b": 1, "c": 2, "d": 2}, [1, 1, 2], {2}, 0),  # fewest for their size among the running
+    ("b", {"a": 0, "b": 1}, [2, 2], {0}, 1),  # another chain ended: a restarted stage keeps its own
+    ("b", {"a": 0, "b": 1}, [1, 1], {0, 1}, 1),  # every chain ended: any will do (it waits at the door, which exits)
+])
+def test_a_stage_whose_chain_ended_joins_a_running_one(name, assigned, sizes, ended, chain):
+    assert chain_for_stage(name, assigned, sizes, ended) == chain
+
+
 @pytest.mark.parametrize("stage_knows, chain_bind, registers_at", [
     ("tcp://10.0.0.5:5555", "tcp://0.0.0.0:5557", "tcp://10.0.0.5:5557"),  # the host it reached, the chain's port
     ("tcp://broker-host:5555", "tcp://127.0.0.1:6001", "tcp://broker-host:6001"),
@@ -70,12 +81,12 @@ def test_a_redirect_without_a_usable_address_is_refused(header):
         redirected_endpoint("tcp://10.0.0.5:5555", header)
 
 
-def fake_stage(context, address: str, name: str):
+def fake_stage(context, address: str, name: str, **fields):
     stage = context.socket(zmq.DEALER)
     stage.setsockopt(zmq.IDENTITY, name.encode())
     stage.setsockopt(zmq.LINGER, 0)
     stage.connect(address)
-    stage.send_multipart(encode({"kind": protocol.REGISTER, "name": name, "host": "box-a"}))
+    stage.send_multipart(encode({"kind": protocol.REGISTER, "name": name, "host": "box-a", **fields}))
     return stage
 
 
@@ -118,6 +129,32 @@ def test_the_front_door_holds_stages_until_their_chains_broker_listens_then_send
         context.term()
 
 
+def test_a_survivor_its_chain_gave_up_goes_to_another_chain_even_before_the_chain_is_seen_to_end():
+    """A chain that gives up sends its surviving stages back (redirect with release); the first of them can
+    register here before the front door sees the chain's process end: it is never sent back to that chain.
+    Stages that wait for a chain which then ends for good are sent on to the others."""
+    context = zmq.Context()
+    chains = [ChainDoor("chain 1", "tcp://0.0.0.0:6001", 2), ChainDoor("chain 2", "tcp://0.0.0.0:6003", 1)]
+    door = FrontDoor(context, "tcp://127.0.0.1:*", chains, assigned={"s0": 0, "s1": 0, "s2": 1})
+    stages = []
+    try:
+        door.mark_ready(0), door.mark_ready(1)
+        stages.append(fake_stage(context, door.address, "s1", left_chain=True))  # chain 1 gave it up
+        assert answer(door, stages[0])["port"] == 6003, "to chain 2, though chain 1 still looks ready"
+        assert door.assigned["s1"] == 1
+        door.mark_gone(1)  # chain 2's broker ended: a stage of it registering now waits for it ...
+        stages.append(fake_stage(context, door.address, "s2"))
+        assert answer(door, stages[1])["kind"] == protocol.HEARTBEAT
+        # ... until it is known to have ended for good: then it goes to chain 1, still running.
+        assert door.mark_ended(1) == ["stage s2 (host box-a) -> chain 1 at tcp://0.0.0.0:6001"]
+        assert answer(door, stages[1])["port"] == 6001 and door.assigned["s2"] == 0
+    finally:
+        for stage in stages:
+            stage.close(linger=0)
+        door.close()
+        context.term()
+
+
 def test_each_chain_binds_two_ports_of_its_own_beside_the_front_doors():
     assert chain_binds("tcp://0.0.0.0:5555", "tcp://0.0.0.0:5556", None, 2) == [
         ("tcp://0.0.0.0:5557", "tcp://0.0.0.0:5558"), ("tcp://0.0.0.0:5559", "tcp://0.0.0.0:5560")]
@@ -146,6 +183,7 @@ def test_chain_ports_that_cannot_work_are_refused_with_the_way_out(control, resu
     (130, True, 0, False),  # Ctrl-C / SIGTERM, handled: stopping on purpose
     (143, True, 0, False),
     (1, False, 0, False),  # --job / --exit-when-idle: its exit code is its answer
+    (EXIT_CHAIN_LEFT, True, 0, False),  # its stages broke: the survivors went on to the other chains
 ])
 def test_restarts_chain(code, serving, restarts, again):
     assert restarts_chain(code, serving, restarts) is again
@@ -157,6 +195,10 @@ def test_restarts_chain(code, serving, restarts, again):
     ([2, 1], 2),  # the first failure
     ([0, -9], 137),  # a chain killed by SIGKILL, as a shell reports it
     ([143, 0], 143),
+    ([EXIT_CHAIN_LEFT, 0], 0),  # a chain left the job to the other, which completed it
+    ([0, EXIT_CHAIN_LEFT], 0),
+    ([EXIT_CHAIN_LEFT, 1], 1),
+    ([EXIT_CHAIN_LEFT, EXIT_CHAIN_LEFT], 1),  # nobody finished it
 ])
 def test_front_door_exit(codes, status):
     assert front_door_exit(codes) == status
@@ -164,12 +206,14 @@ def test_front_door_exit(codes, status):
 
 def test_a_chains_command_line_overrides_the_users_values_however_spelled():
     argv = ["broker", "--stages=4", "--chains=2", "--bind-control", "tcp://127.0.0.1:5555", "--poll", "0.5"]
-    command = chain_command(argv, "chain 1", 2, "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", 2, Path("/run/chain-1.ready"))
+    command = chain_command(argv, "chain 1", 2, "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", 2, Path("/run/chain-1.ready"),
+                            "tcp://127.0.0.1:5555")
     assert command[1:3] == ["-m", "layerbus.cli.main"]
     args = build_parser(lambda name: name == "broker").parse_args(command[3:])
     assert (args.stages, args.chains, args.peer_brokers, args.poll) == (2, 1, 2, 0.5)
     assert (args.ready_file, args.chain_label) == (Path("/run/chain-1.ready"), "chain 1")
     assert (args.bind_control, args.bind_results) == ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")
+    assert args.front_door == "tcp://127.0.0.1:5555"  # where it sends its surviving stages if it gives up
 
 
 def test_chains_with_more_chains_than_stages_are_refused_before_anything_starts(tmp_path, capsys):
@@ -371,3 +415,112 @@ def test_a_serving_front_door_starts_a_killed_chain_again_and_sigterm_stops_ever
     finally:
         front.kill()
     assert "SIGTERM: stopped every chain" in log.read_text(), log.read_text()
+
+
+SECOND_GHOST = "ghost-host:2:0ff"
+FOLD_ARGS = ("--weights", "fp32", "--slots", "8", "--micro-batches", "2", "--max-step-tokens", "32", "--max-context",
+             "128", "--no-prefix-cache", "--lease", "6", "--liveness-window", "2", "--poll", "0.2")
+
+
+def half_model_budget(model: Path) -> int:
+    """Memory (--emulate-memory) in which two stages hold the model under FOLD_ARGS' batching but one does not."""
+    from layerbus.broker.model_memory import model_memory
+    from layerbus.broker.placement import PlacementError, PlanOptions, StageProfile, plan_placement
+    from layerbus.cli.options import batching_from_args
+    from layerbus.models.model_files import open_model_dir
+
+    args = build_parser(lambda name: name == "broker").parse_args(["broker", "--stages", "2", *FOLD_ARGS])
+    batching, memory = batching_from_args(args), model_memory(open_model_dir(model))
+
+    def fits(budget: int, stages: int) -> bool:
+        profiles = [StageProfile(f"s{i}", 1e-3, 1e-2, 1e-4, 1e-3, budget) for i in range(stages)]
+        try:
+            return len(plan_placement(profiles, memory, batching.resolved(stages),
+                                      PlanOptions(max_auto_level=0)).order) == stages
+        except PlacementError:
+            return False
+
+    two = next(b for b in range(1 << 14, 1 << 32, 1 << 12) if fits(b, 2))
+    one = next(b for b in range(two, 1 << 32, 1 << 12) if fits(b, 1))
+    return (two + one) // 2  # a margin either way
+
+
+@pytest.mark.cluster  # a front door, two chain brokers, three stage processes, one killed with SIGKILL
+def test_a_chain_that_cannot_go_on_sends_its_survivor_to_the_other_chain_which_puts_it_to_work(
+        tmp_path, model, corpus, one_brokers_outputs):
+    """Chain 1 is stage-b and stage-c, each with memory for half the model; chain 2 is stage-a, which holds
+    it all but runs at a fifth of the speed. stage-c is killed mid-job: stage-b alone cannot hold the model,
+    so chain 1 leaves the job to chain 2 after a lease and sends stage-b back to the front door, which sends
+    it on to chain 2, whose broker puts it to work (Broker.grow). The front door exits 0 (the job completed),
+    the outputs are one broker's, every item once."""
+    home, db, port = tmp_path / "home", f"sqlite:///{tmp_path / 'jobs.db'}", free_ports(6)
+    budget = half_model_budget(model)
+    submitted = layerbus(home, "submit", corpus, "--model", model, "--db", db, *JOB_ARGS)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    with JobStore.open(db) as store:  # the first third for both chains; the rest held until stage-b moved
+        assert len(store.claim_items(job_id, GHOST, ITEMS // 3, lease_s=3600)) == ITEMS // 3
+        assert len(store.claim_items(job_id, SECOND_GHOST, ITEMS, lease_s=3600)) == ITEMS - ITEMS // 3
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    front_log = logs / "front.log"
+    processes: dict[str, subprocess.Popen] = {}
+
+    def start_stage(name: str, *args: str) -> None:
+        with open(logs / f"{name}.log", "w") as handle:
+            processes[name] = subprocess.Popen(
+                [layerbus_executable(), "-v", "stage", "--broker", f"tcp://127.0.0.1:{port}", "--name", name,
+                 "--threads", "1", *args], env=cli_env(home), stdout=handle, stderr=subprocess.STDOUT)
+
+    def said(text: str) -> bool:
+        return text in front_log.read_text()
+
+    try:
+        with open(front_log, "w") as handle:
+            processes["front"] = subprocess.Popen(
+                [layerbus_executable(), "-v", "broker", "--model", str(model), "--stages", "3", "--chains", "2",
+                 "--job", job_id, "--db", db, "--bind-control", f"tcp://127.0.0.1:{port}", "--bind-results",
+                 f"tcp://127.0.0.1:{port + 1}", *FOLD_ARGS], env=cli_env(home), stdout=handle, stderr=subprocess.STDOUT)
+        def running() -> list[subprocess.Popen]:
+            return list(processes.values())
+
+        for name in ("stage-b", "stage-c"):  # the first two to register form chain 1
+            start_stage(name, "--emulate-memory", str(budget))
+            wait_until(lambda: said(f"stage {name} (host"), f"{name} sent on", running(), logs)
+        start_stage("stage-a", "--emulate-speed", "0.2")
+        with JobStore.open(db) as store:
+            wait_until(lambda: len(store.job_workers(job_id)) == 2, "both chains on the job", running(), logs)
+            assert "-> chain 1" in front_log.read_text().split("stage stage-c")[1].split("\n")[0]
+            assert store.requeue_expired(job_id, holders=[GHOST]) == {GHOST: ITEMS // 3}
+
+            def chain_1_worked() -> bool:
+                return any("stage-b" in (w.chain or "") and w.items_done > 0 for w in store.job_workers(job_id))
+
+            wait_until(chain_1_worked, "work by chain 1", running(), logs)
+            processes.pop("stage-c").kill()
+            wait_until(lambda: said("stage stage-b (host") and said("-> chain 2") and
+                       front_log.read_text().count("stage stage-b (host") == 2, "stage-b sent on to chain 2", running(), logs)
+            assert store.requeue_expired(job_id, holders=[SECOND_GHOST]) == {SECOND_GHOST: ITEMS - ITEMS // 3}
+        try:
+            code = processes["front"].wait(TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the front door did not exit once the job completed:\n{_logs(logs)}") from None
+        assert code == 0, _logs(logs)
+        assert [processes[name].wait(30) for name in ("stage-a", "stage-b")] == [0, 0], _logs(logs)
+    finally:
+        for process in processes.values():
+            process.kill()
+    moved = front_log.read_text().split("stage stage-b (host")[2].split("\n")[0]
+    assert "-> chain 2" in moved, front_log.read_text()
+    assert said("chain 1's broker ended with exit code 4 (its stages broke"), front_log.read_text()
+    assert "dropping layers" in (logs / "stage-b.log").read_text()
+
+    status = status_json(home, job_id, "--db", db)
+    assert status["status"] == "completed" and status["request_counts"]["completed"] == ITEMS
+    rows = assert_parquet_matches_store(db, job_id, status["results_path"])
+    assert sorted(row["custom_id"] for row in rows) == sorted(one_brokers_outputs), "every custom_id exactly once"
+    assert {row["custom_id"]: row["output"] for row in rows} == one_brokers_outputs, "token for token one broker's"
+    events = status["events"]
+    assert any(event["kind"] == "worker_left" for event in events), events
+    grown = [event["message"] for event in events if event["kind"] == "grown"]
+    assert len(grown) == 1 and grown[0].startswith("stage-b joined"), events

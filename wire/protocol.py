@@ -16,7 +16,9 @@ Data plane (PUSH/PULL, broker -> stage 0 -> ... -> last stage -> broker):
 
 Control plane (DEALER at each stage, ROUTER at the broker), headers only:
   stage -> broker: register {name, device, dtype, weights (its own --weights, or null), threads,
-                   memory_budget, data_address, pid, host}
+                   memory_budget, data_address, pid, host, left_chain? (true once, the first
+                   registration after a redirect with release: its chain gave up, so the front door
+                   sends it to another)}
                    ready {epoch, layers, param_bytes (weights held, blocks included), weights (the format
                    loaded, e.g. "int4 (q4_1 g32)"), load_s, peak_rss}
                    heartbeat {stats, busy_s, epoch} (from the stage's heartbeat socket, identity
@@ -44,7 +46,8 @@ Control plane (DEALER at each stage, ROUTER at the broker), headers only:
                    redirect {port, endpoint} (from the front door of `layerbus broker --chains K`, in
                    answer to register: register with this chain's broker instead; the stage keeps the
                    host it reached the front door at and takes `port`, or takes `endpoint` where its
-                   broker address has no tcp port)
+                   broker address has no tcp port; release: true, from a chain's broker that gives
+                   up: drop the span held, then go register at the front door)
                    profile {model_dir, micro_batch_size, kv_length, prefill_tokens}
                    probe {seq} + tensor "payload" (link probe: echoed at once)
                    link_admit {keys} (secured: the data port admits these stage keys too, until the next
@@ -88,12 +91,15 @@ STEP, RESULT = "step", "result"
 HEARTBEAT_IDENTITY_SUFFIX = b"\x00heartbeat"
 
 
-def redirect_header(endpoint: str) -> dict:
+def redirect_header(endpoint: str, release: bool = False) -> dict:
     """A redirect's fields for a chain's broker bound at `endpoint` (e.g. tcp://0.0.0.0:5557): its port,
     which the stage joins to the host it reached the front door at (a wildcard bind names no host a
-    stage could use), and the endpoint itself for binds without a port (ipc://)."""
+    stage could use), and the endpoint itself for binds without a port (ipc://). `release`: the stage
+    drops the span it holds first (a chain that gave up sends its survivors back to the front door, which
+    sends them on to a chain still working); without it a stage holding a span ignores the redirect."""
     port = _tcp_port(endpoint)
-    return {"port": port, "endpoint": endpoint} if port is not None else {"endpoint": endpoint}
+    fields = {"port": port, "endpoint": endpoint} if port is not None else {"endpoint": endpoint}
+    return dict(fields, release=True) if release else fields
 
 
 def redirected_endpoint(current: str, header: dict) -> str:
