@@ -42,7 +42,7 @@ from layerbus.broker.planning import (
 from layerbus.broker.profiling import ProfilingConfig, collect_profiles, measure_sharing, profile_request
 from layerbus.broker.requests import GenerationRequest, GenerationResult
 from layerbus.broker.run_state import BrokerCounts, ListSource, RecordingSink, RecordingSource, RequestSource, ResultSink, RunStats
-from layerbus.broker.scheduler import BatchingConfig, default_micro_batches
+from layerbus.broker.scheduler import BatchingConfig
 from layerbus.broker.stage_view import StageView
 from layerbus.broker.trace_file import BrokerTrace
 from layerbus.broker.wire_choice import AutoWireInputs, plan_link_codecs
@@ -421,7 +421,6 @@ class Broker:
         self.pipeline = Pipeline(self.context, self.control, lambda: self.placement, self.results, self.batching,
                                  set(self.model.eos_ids), self._new_detokenizer, self.config.pipeline,
                                  recover=self.recover, rebalance=self.rebalance, grow=self.grow,
-                                 batching_now=lambda: self.batching,
                                  expected=self._expected_busy_s,
                                  tracer=self.tracer, counts=self.counts, new_grammar=self._new_grammar)
 
@@ -553,12 +552,8 @@ class Broker:
                 report("joined", f"{names} registered mid-job but could not be profiled ({error}): left out")
                 return None
             min_gain = self.config.pipeline.drift.min_gain
-            before, self.batching = self.batching, self._regrouped(len(live))  # priced as the longer chain would run
-            try:
-                decision = replan_slowed({}, self.placement, [stage.name for stage in live], self.profiles,
-                                         self._plan_inputs(live), min_gain)
-            finally:
-                self.batching = before
+            decision = replan_slowed({}, self.placement, [stage.name for stage in live], self.profiles,
+                                     self._plan_inputs(live), min_gain)
             if decision.plan is None:
                 best = f"{decision.best.step_s * 1e3:.1f} ms per step" if decision.best is not None else "none fits"
                 report("joined", f"{names} registered mid-job; the best plan with it ({best}) is not at least "
@@ -570,24 +565,9 @@ class Broker:
             placement = planned(decision.plan)
         else:
             placement = self._place(live)
-        self.batching = self._regrouped(len(placement.stages))
         self._assign_mid_run(placement, blamed=joined[0])
         self.counts.replans_joined += 1
         return self.placement
-
-    def _regrouped(self, num_stages: int) -> BatchingConfig:
-        """The batching for a chain that grows to `num_stages` mid-job: the same slots (the stages' KV caches
-        hold that many), dealt into one micro-batch per stage and one more (default_micro_batches), unless
-        --micro-batches set the count or the chain already runs as many. A chain grown from one stage to
-        two would otherwise keep its one micro-batch, and each stage would wait for the other half the time.
-        The pipeline deals the run's slots again after the re-plan (Scheduler.regroup)."""
-        if self.requested_batching.num_micro_batches or self.placement is None:
-            return self.batching
-        current = self.batching.resolved(len(self.placement.stages))
-        count = max(1, min(default_micro_batches(num_stages), current.num_slots))
-        if count <= current.num_micro_batches:
-            return self.batching
-        return replace(current, num_micro_batches=count, micro_batch_size=-(-current.num_slots // count))
 
     def _write_trace(self) -> None:
         """On the way out (end, Ctrl-C, failure): ask the stages still there for their last records

@@ -105,8 +105,7 @@ class Pipeline:
                  recover: Recover | None = None, rebalance: Rebalance | None = None, grow: Grow | None = None,
                  expected: Expected | None = None, tracer: BrokerTrace | None = None,
                  counts: BrokerCounts | None = None,
-                 new_grammar: Callable[[Constraint], TokenGrammar] | None = None,
-                 batching_now: Callable[[], BatchingConfig] | None = None):
+                 new_grammar: Callable[[Constraint], TokenGrammar] | None = None):
         self.control, self.config, self.clock = control, config, clock
         self.new_grammar = new_grammar  # a constrained request's grammar state (broker/grammar.py, loaded lazily)
         self.counts = counts if counts is not None else BrokerCounts()  # the owner's, read by its metrics
@@ -117,8 +116,6 @@ class Pipeline:
         self.recover = recover  # None: a lost stage ends the run with ClusterError
         self.rebalance = rebalance  # None: a slowed stage keeps its layers
         self.grow = grow  # None: a stage that registers mid-run waits as a spare
-        # The owner's batching as it is now: a chain grown mid-run may deal its slots into more micro-batches.
-        self.batching_now = batching_now
         self.drift = DriftWatch(config.drift, expected)  # expected: each stage's price of the work sent
         self.work = Work()  # what has been sent down the chain, for the drift watch
         self.results = results_socket
@@ -426,23 +423,9 @@ class Pipeline:
             return
         joined = [name for name in self.placement().stages if name not in before.stages]
         event = self._resume_on(run, started, ",".join(joined), "joined")
-        regrouped = self._regroup(run)
         run.report("grown", f"{', '.join(joined) or 'a stage'} joined: re-planned in {event['replan_s']:.2f} s: "
-                            f"{event['chain']}; {_replay_text(event)}{regrouped}",
+                            f"{event['chain']}; {_replay_text(event)}",
                    duration_s=event["replan_s"], replay_layers=event["replay_layers"])
-
-    def _regroup(self, run: RunState) -> str:
-        """After a grow (nothing in flight): deal the run's slots into as many micro-batches as the owner's
-        batching now has (Broker._regrouped), and keep that batching for the runs after this one. What changed,
-        for the event's message ("" if nothing)."""
-        if self.batching_now is None:
-            return ""
-        self.batching = self.batching_now()
-        before, wanted = run.scheduler.num_micro_batches, self.batching.num_micro_batches
-        if wanted <= before:  # a count the user set, or one the chain already runs: never fewer
-            return ""
-        run.scheduler.regroup(wanted)
-        return f"; micro-batches {before} -> {run.scheduler.num_micro_batches}"
 
     def _recover(self, run: RunState, lost: StageLost) -> bool:
         """Re-plan without the lost stage, then re-prefill every active sequence. False: stopping."""

@@ -75,17 +75,6 @@ class BatchingConfig:
         return not (self.num_slots or self.micro_batch_size) or not self.max_step_tokens or not self.num_micro_batches
 
 
-def deal_slots(num_slots: int, num_micro_batches: int) -> list[list[int]]:
-    """Each micro-batch's adjacent slots, as even as they go (the first ones one more)."""
-    base, extra = divmod(num_slots, num_micro_batches)
-    dealt, start = [], 0
-    for j in range(num_micro_batches):
-        size = base + (1 if j < extra else 0)
-        dealt.append(list(range(start, start + size)))
-        start += size
-    return dealt
-
-
 def default_micro_batches(num_stages: int) -> int:
     """One micro-batch per stage plus one, so every stage has one while the broker plans the next;
     a single stage gets one: the broker's few milliseconds between its steps cost less than halving
@@ -179,7 +168,13 @@ class Scheduler:
         self.eos_ids = set(eos_ids)
         self.new_detokenizer = new_detokenizer
         # Micro-batch j owns the adjacent slots [bounds[j], bounds[j+1]).
-        self.slots_of = deal_slots(config.num_slots, self.num_micro_batches)
+        base, extra = divmod(config.num_slots, self.num_micro_batches)
+        sizes = [base + (1 if j < extra else 0) for j in range(self.num_micro_batches)]
+        self.slots_of = []
+        start = 0
+        for size in sizes:
+            self.slots_of.append(list(range(start, start + size)))
+            start += size
         self.waiting: deque[Request] = deque()
         self.active: dict[int, Sequence] = {}  # slot -> sequence
         self.pending_release: dict[int, list[int]] = {j: [] for j in range(self.num_micro_batches)}
@@ -632,27 +627,6 @@ class Scheduler:
             prompt_logprobs=list(seq.prompt_logprobs) if request.score_prompt else None,
             prompt_ids=list(request.prompt_ids) if request.score_prompt else None,
             stop_text_end=stop_at, text=text)
-
-    def regroup(self, num_micro_batches: int) -> None:
-        """Deal the same slots into `num_micro_batches` micro-batches: a chain that grew mid-run (Broker.grow)
-        from one stage to two would otherwise keep its single micro-batch, and each stage would wait for the
-        other half the time. Only between a re-plan and the next step: nothing may be in flight. The stages'
-        caches are by slot, so no sequence loses any: each active sequence joins its slot's micro-batch, and
-        the releases not sent yet go with their slots."""
-        count = max(1, min(num_micro_batches, self.config.num_slots))
-        if count == self.num_micro_batches:
-            return
-        self.config = replace(self.config, num_micro_batches=count, micro_batch_size=-(-self.config.num_slots // count))
-        self.num_micro_batches = count
-        self.slots_of = deal_slots(self.config.num_slots, count)
-        for seq in self.active.values():
-            seq.micro_batch = self._micro_batch_of(seq.slot)
-        unsent = [slot for releases in self.pending_release.values() for slot in releases]
-        self.pending_release = {j: [] for j in range(count)}
-        for slot in unsent:
-            self.pending_release[self._micro_batch_of(slot)].append(slot)
-        self.replayed_last = [False] * count
-        self.whole_turns = [0] * count
 
     def _micro_batch_of(self, slot: int) -> int:
         for j, slots in enumerate(self.slots_of):

@@ -553,48 +553,6 @@ def test_every_request_finishes_exactly_once_with_the_reference_output(seed, num
     assert scheduler.free_slots() == num_slots
 
 
-def test_regroup_deals_the_slots_into_more_micro_batches_and_every_request_still_finishes_once() -> None:
-    """A chain that grew mid-run (Broker.grow) deals its slots into more micro-batches between a re-plan and
-    the next step: each active sequence joins its slot's micro-batch, a release not sent yet goes with its
-    slot, and every request finishes once with the reference output."""
-    rng = random.Random(5)
-    scheduler, stages = make(num_slots=12, micro_batches=1, max_step_tokens=32, min_prefill_chunk=4, max_context=48), \
-        FakeStages()
-    workload = random_workload(rng, 40)
-    submit_all(scheduler, workload)
-    results: dict[str, GenerationResult] = {}
-    for now in range(6):  # one micro-batch: every step carries every active sequence
-        _, done = step(scheduler, stages, 0, float(now))
-        results.update((r.request_id, r) for r in done)
-    assert scheduler.num_micro_batches == 1 and len(scheduler.active) > 3
-    unsent = list(scheduler.pending_release[0])
-
-    scheduler.regroup(3)
-
-    assert scheduler.num_micro_batches == 3 and scheduler.slots_of == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
-    assert scheduler.config.micro_batch_size == 4
-    assert all(seq.micro_batch == seq.slot // 4 for seq in scheduler.active.values())
-    assert sorted(slot for releases in scheduler.pending_release.values() for slot in releases) == sorted(unsent)
-    assert all(slot // 4 == mb for mb, releases in scheduler.pending_release.items() for slot in releases)
-    scheduler.regroup(3)  # asked again: nothing changes
-    assert scheduler.num_micro_batches == 3
-    now = 10.0
-    while not scheduler.idle:
-        now += 1.0
-        for mb in range(scheduler.num_micro_batches):
-            plan, done = step(scheduler, stages, mb, now)
-            if plan is not None:
-                assert len(plan.rows) <= scheduler.config.micro_batch_size
-            for result in done:
-                assert result.request_id not in results, f"{result.request_id} finished twice"
-                results[result.request_id] = result
-        assert now < 5_000, "the loop is not making progress"
-    assert sorted(results) == sorted(r.request_id for r in workload)
-    for req in workload:
-        tokens, reason = reference(req, 48)
-        assert (results[req.request_id].token_ids, results[req.request_id].finish_reason) == (tokens, reason)
-
-
 @pytest.mark.parametrize("config, stages, slots, micro_batches", [
     (BatchingConfig(), 1, 32, 1),  # defaults: one micro-batch for one stage (see default_micro_batches)
     (BatchingConfig(), 3, 128, 4),

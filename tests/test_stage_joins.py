@@ -80,12 +80,5 @@ def test_a_stage_started_mid_job_joins_the_chain_and_the_outputs_do_not_change(
     grown = [event for event in status["events"] if event["kind"] == "grown"]
     assert len(grown) == 1 and grown[0]["message"].startswith("stage-1 joined"), status["events"]
     assert "stage-1 [" in grown[0]["message"], grown[0]["message"]
-    # The broker chose one micro-batch for one stage; grown to two it deals the same slots into three, so that
-    # neither stage waits for the other (Broker._regrouped, Scheduler.regroup). (Planned here, the new stage
-    # takes every layer from the slow one: still one stage, still one micro-batch.)
-    chain_length = grown[0]["message"].split(": ", 2)[2].split(";")[0].count(" [")
-    assert ("; micro-batches 1 -> 3" in grown[0]["message"]) == (chain_length == 2), grown[0]["message"]
-    if partition == "equal":
-        assert chain_length == 2, grown[0]["message"]
     assert "stage-1" in status["workers"][0]["chain"], "status shows the chain in use, with the stage that joined"
 
