@@ -316,21 +316,19 @@ class ControlPlane:
             if reason is not None:
                 raise StageLost(stage, reason)
 
-    def redirect(self, stage: StageInfo, endpoint: str) -> None:
+    def redirect(self, stage: StageInfo, endpoint: str, release: bool = False) -> None:
         """Send `stage` on to the broker at `endpoint` (`layerbus broker --chains auto`, once its stages are
         profiled and grouped) and forget it: it is that broker's now, and hears nothing more from this one,
-        not even the shutdown at close."""
-        self.send(stage, protocol.REDIRECT, **protocol.redirect_header(endpoint))
+        not even the shutdown at close. `release`: the stage drops the span it holds first."""
+        self.send(stage, protocol.REDIRECT, **protocol.redirect_header(endpoint, release=release))
         del self.stages[stage.identity]
 
     def release_all(self, endpoint: str) -> list[StageInfo]:
         """Send every live stage, spans dropped, to the broker at `endpoint` (a chain that gives up hands its
-        survivors back to its front door, cli/broker_chains.py) and forget them, as `redirect` does; the
-        stages sent."""
+        survivors back to its front door, cli/broker_chains.py); the stages sent."""
         sent = self.live_stages()
         for stage in sent:
-            self.send(stage, protocol.REDIRECT, **protocol.redirect_header(endpoint, release=True))
-            del self.stages[stage.identity]
+            self.redirect(stage, endpoint, release=True)
         return sent
 
     def shutdown_all(self) -> None:

@@ -118,7 +118,7 @@ class FrontDoor:
         # A stage whose chain gave up comes back before the chain's process is seen to end: never back to it.
         # (If every chain has ended it waits here; the front door is about to exit.)
         given_up = {self.assigned[name]} if message.header.get("left_chain") is True and name in self.assigned else set()
-        chain = chain_for_stage(name, self.assigned, [door.size for door in self.chains], self.ended | given_up)
+        chain = self._chain_for(name, self.ended | given_up)
         self.assigned[name] = chain
         self.waiting[identity] = (name, str(message.header.get("host", "?")), chain)
         if self.ready[chain] and chain not in given_up:
@@ -145,12 +145,15 @@ class FrontDoor:
         moved = []
         for identity, (name, host, waits_for) in list(self.waiting.items()):
             if waits_for == chain:
-                other = chain_for_stage(name, self.assigned, [door.size for door in self.chains], self.ended)
+                other = self._chain_for(name, self.ended)
                 self.assigned[name] = other
                 self.waiting[identity] = (name, host, other)
                 if self.ready[other]:
                     moved.append(self._send_on(identity))
         return moved
+
+    def _chain_for(self, name: str, ended: AbstractSet[int]) -> int:
+        return chain_for_stage(name, self.assigned, [door.size for door in self.chains], ended)
 
     def _send_on(self, identity: bytes) -> str:
         name, host, chain = self.waiting.pop(identity)
