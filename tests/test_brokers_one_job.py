@@ -127,11 +127,13 @@ def stop(brokers: list[subprocess.Popen]) -> None:
         broker.wait(30)
 
 
-def assert_each_item_once_with_the_single_brokers_outputs(home: Path, db: str, job_id: str, expected) -> dict:
+def assert_each_item_once_with_the_single_brokers_outputs(home: Path, db: str, job_id: str, expected,
+                                                          logs: Path | None = None) -> dict:
     if db.startswith("postgresql"):  # its text cannot hold NUL: a generated one is stored as U+FFFD
         expected = {key: output.replace("\x00", "\ufffd") for key, output in expected.items()}
     status = status_json(home, job_id, "--db", db)
-    assert status["status"] == "completed" and status["request_counts"]["completed"] == ITEMS
+    assert status["status"] == "completed" and status["request_counts"]["completed"] == ITEMS, \
+        f"{status}\n{logs_of(logs) if logs else ''}"
     rows = assert_parquet_matches_store(db, job_id, status["results_path"])
     assert Counter(row["custom_id"] for row in rows) == Counter(list(expected)), "every custom_id exactly once"
     assert outputs(status["results_path"]) == expected
@@ -153,7 +155,7 @@ def test_brokers_on_one_job_share_it_and_give_the_single_brokers_outputs(count, 
     finally:
         stop(brokers)
 
-    status = assert_each_item_once_with_the_single_brokers_outputs(home, db, job_id, single_broker_outputs)
+    status = assert_each_item_once_with_the_single_brokers_outputs(home, db, job_id, single_broker_outputs, logs)
     workers = {worker["worker"]: worker for worker in status["workers"]}
     assert set(workers) == set(names.values())
     done = {name: worker["items_done"] for name, worker in workers.items()}
@@ -190,23 +192,26 @@ def test_kill_9_of_one_broker_mid_job_the_other_finishes_after_its_lease(db, tmp
             victim.wait(30)
             held = {lease.holder: lease.items for lease in store.job_leases(job_id)}
             killed_at = store.job_status(job_id)
-            assert held.get(names[victim.pid], 0) > 0, f"the killed broker held no items: {held}"
-            assert killed_at.completed < ITEMS, "killed mid-job"
+            assert held.get(names[victim.pid], 0) > 0, f"the killed broker held no items: {held}\n{logs_of(logs)}"
+            assert killed_at.completed < ITEMS, f"killed mid-job\n{logs_of(logs)}"
         assert survivor.wait(TIMEOUT_S) == 0, logs_of(logs)
     finally:
         stop(brokers)
 
-    status = assert_each_item_once_with_the_single_brokers_outputs(home, db, job_id, single_broker_outputs)
+    status = assert_each_item_once_with_the_single_brokers_outputs(home, db, job_id, single_broker_outputs,
+                                                                   logs)
+    # Every failure below says what the store and the brokers said: a rare one must be diagnosable from CI's log.
+    seen = f"workers: {status['workers']}\nevents: {status['events']}\n{logs_of(logs)}"
     workers = {worker["worker"]: worker for worker in status["workers"]}
     dead, alive = workers[names[victim.pid]], workers[names[survivor.pid]]
-    assert (dead["state"], alive["state"]) == ("lost", "stopped")
+    assert (dead["state"], alive["state"]) == ("lost", "stopped"), seen
     print(f"killed broker recorded {dead['items_done']}, the survivor {alive['items_done']}; "
           f"{held[names[victim.pid]]} item(s) in flight at the kill")
-    assert dead["items_done"] + alive["items_done"] == ITEMS, "nothing recorded twice"
+    assert dead["items_done"] + alive["items_done"] == ITEMS, f"nothing recorded twice\n{seen}"
     taken = [event["message"] for event in status["events"] if event["kind"] == "lease_expired"]
-    assert taken and all(names[victim.pid] in message for message in taken), status["events"]
+    assert taken and all(names[victim.pid] in message for message in taken), seen
     with JobStore.open(db) as store:
-        assert store.job_finalization(job_id).holder == names[survivor.pid]
+        assert store.job_finalization(job_id).holder == names[survivor.pid], seen
 
 
 def descendants(pid: int) -> list[int]:
@@ -255,7 +260,7 @@ def test_kill_9_of_one_brokers_stage_leaves_the_job_to_the_other_broker(tmp_path
     finally:
         stop(brokers)
 
-    status = assert_each_item_once_with_the_single_brokers_outputs(home, db, job_id, single_broker_outputs)
+    status = assert_each_item_once_with_the_single_brokers_outputs(home, db, job_id, single_broker_outputs, logs)
     workers = {worker["worker"]: worker for worker in status["workers"]}
     gone, alive = workers[names[stranded.pid]], workers[names[survivor.pid]]
     print(f"the broker whose stage was killed recorded {gone['items_done']}, the other {alive['items_done']}")
