@@ -21,6 +21,8 @@ import sys
 import threading
 from pathlib import Path
 
+from layerbus.stages.openmp import with_passive_waits
+
 log = logging.getLogger("layerbus.cluster")
 
 READY_TIMEOUT_S = 300.0  # importing torch on a loaded machine; a launcher slower than this is broken
@@ -68,6 +70,8 @@ class StageLauncher:
     """A `python -m layerbus.stages.launcher` child; `spawn()` forks a stage from it."""
 
     def __init__(self, env: dict[str, str] | None = None):
+        # Its OpenMP threads are its stages' (libgomp reads its settings as torch loads, in the launcher).
+        env = with_passive_waits(os.environ if env is None else env)
         self.process = subprocess.Popen([sys.executable, "-m", "layerbus.stages.launcher"], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, env=env, start_new_session=True,
                                         preexec_fn=die_with_parent)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -39,3 +40,17 @@ def test_a_read_only_command_imports_no_other_command():
     loaded = json.loads(done.stdout)
     others = {f"layerbus.cli.{module}" for name, (module, _) in SUBCOMMANDS.items() if name != "status"}
     assert "layerbus.cli.status" in loaded and not others & set(loaded), loaded
+
+
+@pytest.mark.parametrize("given, kept", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE"), ("passive", "passive")])
+def test_the_cli_makes_openmp_threads_wait_passively_unless_the_user_chose(given, kept):
+    """Spinning OpenMP threads took the cores of the processes beside them (stages/openmp.py): every
+    command sets the passive policy, before it imports torch, for itself and the processes it starts."""
+    env = {key: value for key, value in os.environ.items() if key != "OMP_WAIT_POLICY"}
+    if given is not None:
+        env["OMP_WAIT_POLICY"] = given
+    probe = ("import os, sys\nfrom layerbus.cli.main import main\n"
+             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+             "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules, file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True)
+    assert done.stderr.split() == [kept, "False"], done.stderr

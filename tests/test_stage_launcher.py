@@ -102,3 +102,15 @@ def _state(pid: int) -> str:
             return stat.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return ""
+
+
+def test_the_launcher_and_so_its_stages_wait_passively_between_operations(monkeypatch):
+    """libgomp reads OMP_WAIT_POLICY when torch loads, in the launcher: its environment decides for every
+    stage forked from it (stages/openmp.py: spinning threads took the cores of the processes beside them)."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    launcher = StageLauncher()
+    try:
+        with open(f"/proc/{launcher.process.pid}/environ", "rb") as environ:
+            assert b"OMP_WAIT_POLICY=PASSIVE" in environ.read().split(b"\0")
+    finally:
+        launcher.close()
