@@ -27,7 +27,7 @@ from pathlib import Path
 from layerbus.broker.broker import Broker, BrokerConfig
 from layerbus.broker.stage_launcher import LauncherError, die_with_parent, forking_supported, shared_launcher
 from layerbus.broker.stage_supervisor import StageSupervisor
-from layerbus.stages.openmp import with_passive_waits
+from layerbus.models.openmp_waits import with_passive_waits
 from layerbus.wire.curve import ClusterKeys, make_keypair, read_keypair
 
 log = logging.getLogger("layerbus.cluster")
@@ -134,7 +134,7 @@ class LocalCluster:
                 "--threads", str(self.threads_per_stage()), "--device", self.options.device,
                 "--dtype", self.options.dtype, *self._key_args(), *self.options.extra_args,
                 *(self.options.stage_args[i] if i < len(self.options.stage_args) else ())]
-        env = with_passive_waits(dict(os.environ, **self.options.env))  # stages/openmp.py says why
+        env = with_passive_waits(dict(os.environ, **self.options.env))  # models/openmp_waits.py says why
         path = self._log_path(i)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)

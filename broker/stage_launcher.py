@@ -21,7 +21,7 @@ import sys
 import threading
 from pathlib import Path
 
-from layerbus.stages.openmp import with_passive_waits
+from layerbus.models.openmp_waits import with_passive_waits
 
 log = logging.getLogger("layerbus.cluster")
 

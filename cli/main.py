@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 
 from layerbus.cli.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, failure_message, user_error_message
-from layerbus.stages.openmp import prefer_passive_waits
+from layerbus.models.openmp_waits import prefer_passive_waits
 
 # Each subcommand: its module in this package and its line in `layerbus --help`. Only the module of the
 # command given is imported (each imports what its options need: a read-only command must not pay
@@ -70,7 +70,7 @@ def configure_logging(verbosity: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    prefer_passive_waits()  # before any command imports torch (stages/openmp.py says why)
+    prefer_passive_waits()  # before any command imports torch (models/openmp_waits.py says why)
     command = chosen_command(sys.argv[1:] if argv is None else argv)
     parser = build_parser(lambda name: name == command)
     args, extra = parser.parse_known_args(argv)

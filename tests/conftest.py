@@ -25,12 +25,12 @@ from pathlib import Path
 import pytest
 
 from layerbus.models.home import home_path
-from layerbus.stages.openmp import prefer_passive_waits
+from layerbus.models.openmp_waits import prefer_passive_waits
 from tests.run_shared import run_shared_dir
 
 # The test workers compute references with torch beside the stage processes they start, as the CLI's
 # processes do beside each other: their threads must not spin on the cores the others need
-# (stages/openmp.py). Set before the fixture modules below import torch.
+# (models/openmp_waits.py). Set before the fixture modules below import torch.
 prefer_passive_waits()
 
 pytest_plugins = [

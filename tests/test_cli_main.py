@@ -44,7 +44,7 @@ def test_a_read_only_command_imports_no_other_command():
 
 @pytest.mark.parametrize("given, kept", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE"), ("passive", "passive")])
 def test_the_cli_makes_openmp_threads_wait_passively_unless_the_user_chose(given, kept):
-    """Spinning OpenMP threads took the cores of the processes beside them (stages/openmp.py): every
+    """Spinning OpenMP threads took the cores of the processes beside them (models/openmp_waits.py): every
     command sets the passive policy, before it imports torch, for itself and the processes it starts."""
     env = {key: value for key, value in os.environ.items() if key != "OMP_WAIT_POLICY"}
     if given is not None:

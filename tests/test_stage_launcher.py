@@ -106,7 +106,7 @@ def _state(pid: int) -> str:
 
 def test_the_launcher_and_so_its_stages_wait_passively_between_operations(monkeypatch):
     """libgomp reads OMP_WAIT_POLICY when torch loads, in the launcher: its environment decides for every
-    stage forked from it (stages/openmp.py: spinning threads took the cores of the processes beside them)."""
+    stage forked from it (models/openmp_waits.py: spinning threads took the cores of the processes beside them)."""
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     launcher = StageLauncher()
     try:
