@@ -20,7 +20,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+from layerbus.models.openmp_waits import prefer_passive_waits
+
+# This process is the broker (and runs `generate`): its OpenMP threads wait as every `layerbus` command's
+# do (models/openmp_waits.py), set before torch loads; bench_dense.py imports this module first and gets it too.
+prefer_passive_waits()
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
