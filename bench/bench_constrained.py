@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from pathlib import Path
 
-import torch
+from layerbus.models.openmp_waits import prefer_passive_waits  # noqa: E402
+
+prefer_passive_waits()  # before torch loads: this process is the broker (bench/__init__.py)
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 

@@ -22,6 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from layerbus.models.openmp_waits import prefer_passive_waits  # noqa: E402
+
+prefer_passive_waits()  # before torch loads: this process is the broker (bench/__init__.py)
+
 import torch  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
