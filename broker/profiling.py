@@ -27,6 +27,7 @@ from layerbus.broker.control import ClusterError, ControlPlane, StageInfo
 from layerbus.broker.placement import ModelMemory, StageProfile
 from layerbus.broker.step_cost import LinearCost, ProfilePoint, StepWork, decode_step, fit_costs, prefill_step
 from layerbus.models.home import profile_cache_dir
+from layerbus.models.openmp_waits import wait_policy
 from layerbus.wire import protocol
 
 log = logging.getLogger("layerbus.broker")
@@ -168,9 +169,9 @@ def _stage_setup(stage: StageInfo, profile: StageProfile) -> list:
 
 def sharing_cache_key(host: str, setups: list[list], probe: dict) -> dict:
     """The co-run cache key: the host, every co-located stage's setup in a fixed order, the probe's
-    shapes and duration (the model included), and the torch version that ran it."""
+    shapes and duration (the model included), the OpenMP wait policy and the torch version that ran it."""
     return {"version": SHARING_CACHE_VERSION, "host": host, "stages": setups, "probe": probe,
-            "torch": torch.__version__}
+            "openmp_wait_policy": wait_policy(), "torch": torch.__version__}
 
 
 def _digest(key: dict) -> str:

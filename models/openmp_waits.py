@@ -32,3 +32,9 @@ def with_passive_waits(environ: Mapping[str, str]) -> dict[str, str]:
     copy = dict(environ)
     prefer_passive_waits(copy)
     return copy
+
+
+def wait_policy(environ: Mapping[str, str] = os.environ) -> str:
+    """The policy this process's threads run with, for cache keys: a step timed while threads spin is not
+    one timed while they sleep (a profile cached before the passive default must be measured again)."""
+    return environ.get(WAIT_POLICY, "default").upper()

@@ -29,6 +29,7 @@ import torch
 from layerbus.models.attention_shape import attention_shape
 from layerbus.models.home import profile_cache_dir
 from layerbus.models.model_files import open_model_dir
+from layerbus.models.openmp_waits import wait_policy
 from layerbus.models.tensor_reader import SAFETENSORS_DTYPES, TensorReader
 from layerbus.stages.host import current_rss_bytes, proc_kib_field, release_freed_memory
 from layerbus.stages.forward import head_logits, run_step
@@ -407,8 +408,8 @@ def _cache_key(model_path: Path, request: ProfileRequest, device: str, dtype: st
     config_text = (model_path / "config.json").read_bytes()
     return {"version": PROFILE_VERSION, "device": device, "device_name": device_description(device),
             "model": str(model_path.resolve()), "config_sha256": hashlib.sha256(config_text).hexdigest(),
-            "dtype": dtype, "threads": threads, "torch": torch.__version__, "weights": weights,
-            "shapes": asdict(request) | {"model_dir": None, "weights": None}}
+            "dtype": dtype, "threads": threads, "openmp_wait_policy": wait_policy(), "torch": torch.__version__,
+            "weights": weights, "shapes": asdict(request) | {"model_dir": None, "weights": None}}
 
 
 def _read_ratios(stored) -> dict[str, dict[str, float]] | None:

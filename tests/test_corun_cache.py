@@ -72,8 +72,8 @@ def test_the_second_plan_reads_the_factors_without_probing(tmp_path):
     assert again.sent == [] and factors(renamed) == {"x": pytest.approx(1.5), "y": pytest.approx(1.5)}
 
 
-@pytest.mark.parametrize("change", ["threads", "emulated speed", "probe shapes", "host"])
-def test_a_changed_setup_probes_again(tmp_path, change):
+@pytest.mark.parametrize("change", ["threads", "emulated speed", "probe shapes", "host", "openmp wait policy"])
+def test_a_changed_setup_probes_again(tmp_path, change, monkeypatch):
     measure_sharing(AnsweringControl(), [stage("a"), stage("b")], [profile("a"), profile("b")], REQUEST, 1.5, 10.0,
                     cache_dir=tmp_path)
     stages, profiles, request = [stage("a"), stage("b")], [profile("a"), profile("b")], REQUEST
@@ -83,6 +83,8 @@ def test_a_changed_setup_probes_again(tmp_path, change):
         profiles[1] = profile("b", compute_share=0.2)
     elif change == "probe shapes":
         request = {**REQUEST, "micro_batch_size": 16}
+    elif change == "openmp wait policy":  # stages whose threads spin cost each other more (models/openmp_waits.py)
+        monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     else:
         stages = [replace(s, host="other") for s in stages]
         profiles = [replace(p, host="other") for p in profiles]

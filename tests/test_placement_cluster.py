@@ -95,12 +95,16 @@ def test_memory_budget_caps_a_stage_end_to_end(tiny_models, tmp_path) -> None:
         assert sum(len(s.layers) for s in plan.stages) == 8
 
 
-def test_profile_cache_is_reused_and_emulated_speed_divides_the_measurement(tiny_models, tmp_path) -> None:
+def test_profile_cache_is_reused_and_emulated_speed_divides_the_measurement(tiny_models, tmp_path,
+                                                                            monkeypatch) -> None:
     request = ProfileRequest(str(tiny_models("llama")), micro_batch_size=4, kv_length=16, prefill_tokens=16)
     first = profile_stage(request, "cpu", "float32", 1, cache_dir=tmp_path)
     again = profile_stage(request, "cpu", "float32", 1, cache_dir=tmp_path)
     slower = profile_stage(request, "cpu", "float32", 1, emulate_speed=0.5, cache_dir=tmp_path)
     assert not first["cached"] and again["cached"] and slower["cached"]
+    with monkeypatch.context() as spinning:  # a step timed while threads spin is not one timed while they sleep
+        spinning.setenv("OMP_WAIT_POLICY", "ACTIVE")
+        assert not profile_stage(request, "cpu", "float32", 1, cache_dir=tmp_path)["cached"]
     for field in TIMING_FIELDS:
         assert again[field] == first[field]
         assert slower[field] == first[field] / 0.5  # applied to the one measurement, not measured again
