@@ -73,6 +73,11 @@ def compare(reference: list[list[int]], ours: list[list[int]]) -> dict:
     return {"sequences": len(reference), "identical": len(reference) - len(diverged), "diverged": diverged[:10]}
 
 
+def agreement(one_stage: list[list[int]], two_stages: list[list[int]]) -> dict:
+    """How many of the speed run's outputs 1 and 2 stages produce identically (same batches, same device)."""
+    return {"sequences": len(one_stage), "identical": sum(a == b for a, b in zip(one_stage, two_stages))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=None, help="model dir (default: the default model)")
@@ -92,7 +97,7 @@ def main() -> None:
     prompts = tokenized_stories(load_tokenizer(model_dir), args.prompts)
     device_name = torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda") else "cpu"
     report = {"model": str(model_dir), "device": args.device, "device_name": device_name,
-              "torch": torch.__version__, "equivalence": {}, "speed": {}}
+              "torch": torch.__version__, "equivalence": {}, "stages_agree": {}, "speed": {}}
     for dtype in args.dtypes:
         started = time.perf_counter()
         checked = prompts[:args.check]
@@ -106,25 +111,32 @@ def main() -> None:
                                      dtype=dtype))
         for row in rows:
             row["vs_generate"] = row["useful_tok_s"] / rows[0]["useful_tok_s"]
+        report["stages_agree"][dtype] = agreement(rows[1].pop("outputs"), rows[2].pop("outputs"))
         report["speed"][dtype] = rows
         print(f"{dtype}: done in {time.perf_counter() - started:.0f} s", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"\n{model_dir.name} on {device_name} "
-          f"({args.device}), torch {torch.__version__}")
+        # Written after each dtype: a device lease that ends mid-run still leaves the dtypes already measured.
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+        print_report(report, model_dir, len(prompts), args.max_new_tokens)
+    print(f"\nwritten to {args.out}")
+
+
+def print_report(report: dict, model_dir: Path, prompts: int, max_new_tokens: int) -> None:
+    print(f"\n{model_dir.name} on {report['device_name']} ({report['device']}), torch {report['torch']}")
     print("| dtype | 2 stages vs generate alone: identical sequences | first divergence |")
     print("|---|---|---|")
     for dtype, eq in report["equivalence"].items():
         first = eq["diverged"][0] if eq["diverged"] else None
         where = f"prompt {first['prompt']} at token {first['position']}" if first else "-"
         print(f"| {dtype} | {eq['identical']} / {eq['sequences']} | {where} |")
-    print(f"\n{len(prompts)} story prompts, {args.max_new_tokens} new tokens")
+    for dtype, agree in report["stages_agree"].items():
+        print(f"{dtype}, the speed run's {agree['sequences']} outputs: 1 and 2 stages identical on {agree['identical']}")
+    print(f"\n{prompts} story prompts, {max_new_tokens} new tokens")
     print("| dtype | system | useful tok/s | vs generate |")
     print("|---|---|---|---|")
     for dtype, rows in report["speed"].items():
         for row in rows:
             print(f"| {dtype} | {row['system']} | {row['useful_tok_s']:.1f} | {row['vs_generate']:.2f}x |")
-    print(f"\nwritten to {args.out}")
 
 
 if __name__ == "__main__":
