@@ -64,6 +64,25 @@ def target_log_probs(logits: torch.Tensor, targets: list[int]) -> tuple[list[flo
     return log_probs.gather(1, index).squeeze(1).tolist(), greedy.tolist()
 
 
+def _greedy_picks(rows: list[StepRow], params: list[SamplingParams], logits: torch.Tensor,
+                  log_probs: torch.Tensor) -> dict[int, tuple[int, float]]:
+    """Token and log-prob of each greedy row without a grammar mask, by index into `rows`: one argmax over
+    all of them where the logits are. On a GPU this is what keeps [rows, vocab] float32 logits (50 MB
+    for 256 rows of a 49k vocabulary) from crossing to the CPU every step, with a single-threaded
+    log-softmax and an argmax per row after them. torch.argmax takes the first of equal maxima on CPU
+    and CUDA alike, as choose_token's does."""
+    plain = [i for i, (row, row_params) in enumerate(zip(rows, params))
+             if row_params.greedy and MASK_KEY not in row.sampling]
+    if not plain:
+        return {}
+    if len(plain) < len(rows):
+        index = torch.tensor(plain, device=logits.device)
+        logits, log_probs = logits.index_select(0, index), log_probs.index_select(0, index)
+    best = logits.argmax(dim=-1)
+    best_log_probs = log_probs.gather(1, best.unsqueeze(1)).squeeze(1)
+    return dict(zip(plain, zip(best.tolist(), best_log_probs.tolist())))
+
+
 def last_stage_outputs(shard: StageShard, rows: list[StepRow], hidden: torch.Tensor) -> dict:
     """The result of a step on the last stage: each emitting row's next token with its log-prob, and each
     scored row's log-probs of its targets (the result message's tokens and scores)."""
@@ -90,21 +109,31 @@ def last_stage_outputs(shard: StageShard, rows: list[StepRow], hidden: torch.Ten
             start += count
     if emitting:
         # One head matmul for all emitting rows: the head is the largest weight a stage reads.
-        logits = head_logits(shard, hidden[last_positions]).cpu()
-        log_probs = torch.log_softmax(logits, dim=-1)  # one pass for the whole batch
-        for row, row_logits, row_log_probs in zip(emitting, logits, log_probs):
-            if MASK_KEY in row.sampling:
-                # Constrained: the broker's grammar says which tokens may come next. The log-prob returned stays
-                # the model's own (row_log_probs, unmasked), as OpenAI's logprobs are.
-                allowed = allowed_tokens(row.sampling[MASK_KEY], row_logits.numel())
-                row_logits = row_logits.masked_fill(~allowed, float("-inf"))
-            token, logprob = choose_token(row_logits, SamplingParams.from_json(row.sampling),
-                                          row.start + row.length, row_log_probs)
+        logits = head_logits(shard, hidden[last_positions])
+        log_probs = torch.log_softmax(logits, dim=-1)  # one pass for the whole batch, where the logits are
+        params = [SamplingParams.from_json(row.sampling) for row in emitting]
+        picked = _greedy_picks(emitting, params, logits, log_probs)
+        # The other rows (sampled with a seed on the CPU's generator, or masked by a grammar) get their own
+        # logits on the CPU; a greedy job sends none of them there.
+        others = [i for i in range(len(emitting)) if i not in picked]
+        if others:
+            cpu_rows = dict(zip(others, zip(logits[others].cpu(), log_probs[others].cpu())))
+        for i, (row, row_params) in enumerate(zip(emitting, params)):
+            if i in picked:
+                token, logprob = picked[i]
+            else:
+                row_logits, row_log_probs = cpu_rows[i]
+                if MASK_KEY in row.sampling:
+                    # Constrained: the broker's grammar says which tokens may come next. The log-prob returned
+                    # stays the model's own (row_log_probs, unmasked), as OpenAI's logprobs are.
+                    allowed = allowed_tokens(row.sampling[MASK_KEY], row_logits.numel())
+                    row_logits = row_logits.masked_fill(~allowed, float("-inf"))
+                token, logprob = choose_token(row_logits, row_params, row.start + row.length, row_log_probs)
             top = row.sampling.get(TOP_LOGPROBS_KEY)
             if isinstance(top, int) and 0 < top <= MAX_TOP_LOGPROBS:
                 # The model's own distribution (unmasked, untempered), as OpenAI's top_logprobs are.
-                values, ids = torch.topk(row_log_probs, min(top, row_log_probs.numel()))
-                tokens.append([row.slot, token, logprob, [[int(i), float(v)] for i, v in zip(ids, values)]])
+                values, ids = torch.topk(log_probs[i], min(top, log_probs.shape[-1]))
+                tokens.append([row.slot, token, logprob, [list(pair) for pair in zip(ids.tolist(), values.tolist())]])
             else:
                 tokens.append([row.slot, token, logprob])
     return {"tokens": tokens, "scores": scores}

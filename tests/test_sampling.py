@@ -150,3 +150,62 @@ def test_params_round_trip_through_json(params: SamplingParams) -> None:
         assert encoded == {} and decoded.greedy
     else:
         assert decoded == params
+
+
+def _allow_only(tokens: set[int], vocab: int) -> str:
+    from layerbus.wire.constraint import pack_mask
+
+    bits = bytearray((vocab + 7) // 8)
+    for token in tokens:
+        bits[token // 8] |= 1 << (token % 8)
+    return pack_mask(bytes(bits))
+
+
+def test_a_step_mixing_greedy_sampled_masked_and_top_logprob_rows_picks_each_row_as_alone() -> None:
+    """last_stage_outputs picks plain greedy rows together (one argmax where the logits are) and the others
+    one by one: every row must still get what choose_token gives for its own logits alone."""
+    from types import SimpleNamespace
+
+    from layerbus.stages.sampling import last_stage_outputs
+    from layerbus.wire.constraint import MASK_KEY
+    from layerbus.wire.protocol import StepRow
+    from layerbus.wire.sampling import TOP_LOGPROBS_KEY
+
+    vocab, hidden_size = 40, 8
+    generator = torch.Generator().manual_seed(7)
+    head = torch.nn.Linear(hidden_size, vocab, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(vocab, hidden_size, generator=generator) * 2)
+    shard = SimpleNamespace(lm_head=head, config=SimpleNamespace())
+    sampled = SamplingParams(temperature=1.5, seed=11).to_json()
+    rows = [
+        StepRow(0, 5, 1, emit=True),  # plain greedy
+        StepRow(1, 3, 2, emit=True, sampling=sampled),  # a 2-token chunk, sampled: its last position emits
+        StepRow(2, 9, 1, emit=True, sampling={MASK_KEY: _allow_only({3, 17}, vocab)}),  # greedy under a grammar
+        StepRow(3, 4, 1, emit=True, sampling={TOP_LOGPROBS_KEY: 3}),  # greedy with top logprobs
+        StepRow(4, 0, 3, emit=False),  # a prefill chunk that emits nothing
+        StepRow(5, 7, 1, emit=True),  # plain greedy again, after the others
+    ]
+    hidden = torch.randn(sum(row.length for row in rows), hidden_size, generator=generator)
+    tokens = {entry[0]: entry[1:] for entry in last_stage_outputs(shard, rows, hidden)["tokens"]}
+
+    assert sorted(tokens) == [0, 1, 2, 3, 5], "one token per emitting row, none for the silent chunk"
+    with torch.no_grad():
+        logits = head(hidden).float()
+    ends = {0: 0, 1: 2, 2: 3, 3: 4, 5: 8}  # each emitting row's last packed position
+    for slot, position in ends.items():
+        row = next(r for r in rows if r.slot == slot)
+        row_logits = logits[position]
+        log_probs = torch.log_softmax(row_logits, dim=-1)
+        if MASK_KEY in row.sampling:
+            allowed = torch.zeros(vocab, dtype=torch.bool)
+            allowed[[3, 17]] = True
+            row_logits = row_logits.masked_fill(~allowed, float("-inf"))
+        want, want_logprob = choose_token(row_logits, SamplingParams.from_json(row.sampling), row.start + row.length,
+                                          log_probs)
+        assert tokens[slot][0] == want, f"slot {slot}"
+        assert tokens[slot][1] == pytest.approx(want_logprob, abs=1e-5), f"slot {slot}"
+    assert tokens[2][0] in {3, 17}, "the grammar's mask holds"
+    top = tokens[3][2]
+    assert [token for token, _ in top] == torch.topk(torch.log_softmax(logits[4], -1), 3).indices.tolist()
+    assert top[0][0] == tokens[3][0], "greedy: the chosen token is the most likely one"
