@@ -98,25 +98,29 @@ def _decode_runs(rows: list[StepRow]) -> list[DecodeRun]:
     runs: list[DecodeRun] = []
     offset = 0
     current: list[StepRow] = []
+    longest = total = 0  # of the current run's lengths, kept as it grows: a step of 256 rows is one run
     for row in rows:
-        if current and _extends(current, row):
+        length = row.start + 1
+        if current and _extends(current[-1].slot, longest, total, len(current), row.slot, length):
             current.append(row)
+            longest, total = max(longest, length), total + length
             continue
         if current:
             runs.append(DecodeRun(offset, current[0].slot, tuple(r.start + 1 for r in current)))
             offset += len(current)
-        current = [row]
+        current, longest, total = [row], length, length
     if current:
         runs.append(DecodeRun(offset, current[0].slot, tuple(r.start + 1 for r in current)))
     return runs
 
 
-def _extends(run: list[StepRow], row: StepRow) -> bool:
-    if row.slot != run[-1].slot + 1:
+def _extends(last_slot: int, longest: int, total: int, count: int, slot: int, length: int) -> bool:
+    """Whether a row (`slot`, cached `length`) joins a run whose `count` rows end at `last_slot`, with these
+    `longest` and `total` lengths: only the next slot, and only while masking wastes little."""
+    if slot != last_slot + 1:
         return False
-    lengths = [r.start + 1 for r in run] + [row.start + 1]
-    longest = max(lengths)
-    return longest <= SHORT_CONTEXT or longest * len(lengths) <= MAX_RUN_WASTE * sum(lengths)
+    longest = max(longest, length)
+    return longest <= SHORT_CONTEXT or longest * (count + 1) <= MAX_RUN_WASTE * (total + length)
 
 
 def _run_mask(run: DecodeRun, window: int | None, device) -> torch.Tensor | None:
