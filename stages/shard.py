@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from layerbus.models.model_files import ModelDirError, ModelFiles
 from layerbus.models.tensor_reader import TensorReader
-from layerbus.stages.attention import ATTENTION_NAME
+from layerbus.stages.attention import ATTENTION_NAME, prefer_low_overhead_attention
 from layerbus.stages.packed_linear import PackedEmbedding, PackedLinear, pack_linears
 from layerbus.stages.weight_sources import block_source, to_device
 from layerbus.wire.spans import LayerRange
@@ -114,6 +114,7 @@ def load_shard(files: ModelFiles, spec: ShardSpec) -> StageShard:
     norm = base.norm if spec.is_last else None
     lm_head = skeleton.lm_head if spec.is_last else None
     device = torch.device(spec.device)
+    prefer_low_overhead_attention(device)
 
     reader = TensorReader(files.tensor_files, files.path)
     source = block_source(files, spec.quantize_to, spec.native, reader)

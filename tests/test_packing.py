@@ -108,3 +108,18 @@ def test_mixed_steps_compute_what_transformers_computes(tiny_models, arch, overr
                                        msg=f"{arch}: slot {slot} positions {start}..{start + length}")
             offset += length
     assert arena.lengths == [17, 9, 12, 6]
+
+
+def test_a_cuda_stage_leaves_cudnn_attention_out_and_a_cpu_stage_changes_nothing() -> None:
+    """cuDNN's SDPA cost a stage 2 ms of CPU per call on an H200 (stages.attention); CPU stages keep torch's defaults."""
+    from layerbus.stages.attention import prefer_low_overhead_attention
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        prefer_low_overhead_attention(torch.device("cpu"))
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        prefer_low_overhead_attention(torch.device("cuda:0"))
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
