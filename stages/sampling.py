@@ -59,7 +59,7 @@ def target_log_probs(logits: torch.Tensor, targets: list[int]) -> tuple[list[flo
     """Log-probabilities of given next tokens, one per position (logits [T, vocab], targets [T]), and
     whether each target is the argmax: lm-evaluation-harness's is_greedy, position by position."""
     log_probs = torch.log_softmax(logits, dim=-1)
-    index = torch.tensor(targets, dtype=torch.long).unsqueeze(1)
+    index = torch.tensor(targets, dtype=torch.long, device=logits.device).unsqueeze(1)
     greedy = logits.argmax(dim=-1) == index.squeeze(1)
     return log_probs.gather(1, index).squeeze(1).tolist(), greedy.tolist()
 
@@ -101,7 +101,9 @@ def last_stage_outputs(shard: StageShard, rows: list[StepRow], hidden: torch.Ten
     if scored_rows:
         # One head matmul for every scored position of the step (an eval step scores dozens of short
         # rows; one call each would read the head's weights, the largest a stage holds, once per row).
-        logits = head_logits(shard, hidden[scored_positions]).cpu()
+        # Scored where the logits are: only a log-prob and a flag per position leave a GPU, not [positions,
+        # vocab] float32 logits. Row by row, so that a log-softmax never doubles the logits' memory.
+        logits = head_logits(shard, hidden[scored_positions])
         start = 0
         for row in scored_rows:
             count = len(row.targets)
