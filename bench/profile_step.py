@@ -32,6 +32,7 @@ from layerbus.models.attention_shape import attention_shape  # noqa: E402
 from layerbus.models.model_files import open_model_dir  # noqa: E402
 from layerbus.stages.forward import run_step  # noqa: E402
 from layerbus.stages.kv_cache import KVArena  # noqa: E402
+from layerbus.stages.profile import synchronizer  # noqa: E402
 from layerbus.stages.sampling import last_stage_outputs  # noqa: E402
 from layerbus.stages.shard import ShardSpec, load_shard  # noqa: E402
 from layerbus.wire.protocol import StepRow  # noqa: E402
@@ -78,13 +79,14 @@ class DecodeSteps:
 
 
 def timed(label: str, step, device: torch.device, count: int = 10) -> float:
+    sync = synchronizer(device)
     for _ in range(3):
         step()
-    _sync(device)
+    sync()
     started = time.perf_counter()
     for _ in range(count):
         step()
-    _sync(device)
+    sync()
     ms = 1000 * (time.perf_counter() - started) / count
     print(f"{label}: {ms:.1f} ms/step", flush=True)
     return ms
@@ -107,11 +109,6 @@ def hf_step(model_dir: Path, device: torch.device, dtype: str, rows: int):
                     past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float().log_softmax(-1).max(-1).indices.tolist()
     return step
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main() -> None:
@@ -138,7 +135,7 @@ def main() -> None:
         with profile(activities=activities) as profiler:
             for _ in range(2):
                 steps.step()
-            _sync(device)
+            synchronizer(device)()
     events = profiler.key_averages()
     print("aten calls per layerbus step:", sum(e.count for e in events if e.key.startswith("aten::")) // 2)
     print(events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))

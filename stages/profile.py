@@ -162,7 +162,7 @@ def corun_probe(files, request: ProfileRequest, device: str, weights: WeightChoi
                     request.kv_length + 1)
     hidden = torch.randn(rows, full.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(full.dtype)
     step_rows = [StepRow(slot, request.kv_length, 1) for slot in range(rows)]
-    sync = _synchronizer(full.device)
+    sync = synchronizer(full.device)
     samples = []
     started = time.monotonic()
     while time.monotonic() - started < request.probe_s or len(samples) < 3:
@@ -214,7 +214,7 @@ def measure_timings(files, request: ProfileRequest, device: str,
     generator = torch.Generator().manual_seed(0)
     hidden_rows = torch.randn(rows, config.hidden_size, generator=generator).to(full.dtype)
     hidden_chunk = torch.randn(request.prefill_tokens, config.hidden_size, generator=generator).to(full.dtype)
-    sync = _synchronizer(full.device)
+    sync = synchronizer(full.device)
 
     def decode(count: int, kv_length: int) -> Callable[[], object]:
         step_rows = [StepRow(slot, kv_length, 1) for slot in range(count)]
@@ -334,7 +334,7 @@ def _paired_medians(runs: dict[int, Callable[[], object]], sync: Callable[[], No
     return {key: statistics.median(values) for key, values in samples.items()}
 
 
-def _synchronizer(device: torch.device) -> Callable[[], None]:
+def synchronizer(device: torch.device) -> Callable[[], None]:
     if device.type == "cuda":
         return lambda: torch.cuda.synchronize(device)
     if device.type == "mps":
