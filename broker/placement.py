@@ -249,10 +249,11 @@ def window_s(alone: list[float], chain: Sequence[StageProfile], window: Window,
     """(how long the window lasts, each stage's busy seconds in it) from each stage's busy seconds
     measured alone. CPU stages on one host share its cores and memory bandwidth. Where the broker
     measured it (`corun_factor`: the step with the host's other stages serving at once, over alone),
-    a stage is stretched by that factor in proportion to how busy the others are. Otherwise from
-    threads and cores: a stage computing while the others compute gets (cores / threads wanted) of
-    what it wants, and the host cannot do more thread-seconds than it has cores; a stage emulating a
-    slower device computes only `compute_share` of its busy time (it sleeps the rest, taking no core).
+    the part of that factor that threads and cores do not explain stretches a stage in proportion to
+    how busy the others are. Threads and cores: a stage computing while the others compute gets
+    (cores / threads wanted) of what it wants, and the host cannot do more thread-seconds than it has
+    cores; a stage emulating a slower device computes only `compute_share` of its busy time (it
+    sleeps the rest, taking no core).
     `neighbours`, other chains' stages busy at the same time, take their share of a host's cores and
     count among the others a stage co-runs with."""
     steps = max(window.work.steps, 1e-12)
@@ -278,17 +279,32 @@ def window_s(alone: list[float], chain: Sequence[StageProfile], window: Window,
             near = [(n.profile, min(1.0, n.busy)) for n in neighbours if _on(n.profile, s.host)]
             if not s.shares_cores or not (others or near):
                 stretched.append(b)
-            elif s.corun_factor > 0:
-                overlaps = [min(1.0, busy[j] / time) for j in others] + [share for _, share in near]
-                overlap = sum(overlaps) / len(overlaps)
-                stretched.append(b * (1 + max(0.0, s.corun_factor - 1) * overlap))
+                continue
+            # The others' shares of the time they are busy, as this stage sees them
+            sharing = [(chain[j], min(1.0, busy[j] / time)) for j in others] + near
+            cores = _cores_stretch(s, sharing)
+            if s.corun_factor > 0:
+                # Measured with every stage of the host busy at once. Cores explain part of that (four
+                # one-thread stages on two cores: 2x), and that part shrinks as the others idle; only
+                # the rest (memory bandwidth, caches) scales with how busy they are. All of it scaled
+                # with their business predicted a 27-layer stage beside three nearly idle ones 14%
+                # slower than it ran (bench_topology, issue 21).
+                at_full = _cores_stretch(s, [(o, 1.0) for o, _ in sharing])
+                rest = max(1.0, s.corun_factor / at_full)
+                overlap = sum(share for _, share in sharing) / len(sharing)
+                stretched.append(b * cores * (1 + (rest - 1) * overlap))
             else:
-                wanted = max(1, s.threads) + sum(max(1, chain[j].threads) * min(1.0, busy[j] * chain[j].compute_share
-                                                                                 / time) for j in others)
-                wanted += sum(max(1, o.threads) * share * o.compute_share for o, share in near)
-                stretched.append(b * max(1.0, wanted / s.host_cores))
+                stretched.append(b * cores)
         busy = stretched
     return max(time, max(busy, default=0.0)), busy
+
+
+def _cores_stretch(stage: StageProfile, sharing: Sequence[tuple[StageProfile, float]]) -> float:
+    """How much slower `stage` computes for want of cores, while each other stage of its host is busy
+    the given share of the time: it gets (cores / threads wanted) of what it wants. An emulated slower
+    device computes only `compute_share` of its busy time (it sleeps the rest, taking no core)."""
+    wanted = max(1, stage.threads) + sum(max(1, other.threads) * share * other.compute_share for other, share in sharing)
+    return max(1.0, wanted / stage.host_cores)
 
 
 def _hosts(chain: Sequence[StageProfile]) -> dict[str, int]:
