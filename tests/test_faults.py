@@ -222,9 +222,14 @@ def test_a_stage_slowed_mid_job_has_layers_moved_off_it_and_outputs_do_not_chang
                          on_result=note_initial_spans, counts=counts, profiling=ProfilingConfig(probe_s=0))
     assert "rebalanced" in [kind for kind, _, _ in events], f"no re-plan after the slowdown; events: {events}"
     assert counts[0].replans_slowed == [kind for kind, _, _ in events].count("rebalanced") >= 1
-    moved = stats.recoveries[0]["placement"]
-    after = dict(zip(moved.stages, moved.spans))
-    assert "stage-1" not in after or len(after["stage-1"]) < len(initial["stage-1"]), (initial, after)
+    # The re-plan for stage-1, against the placement it replaced. Another stage slowed by the load of a
+    # loaded machine (CI once saw stage-2 3.7x slower for a while) is re-planned too, as it should be:
+    # that one is not what is tested.
+    placements = [initial] + [dict(zip(r["placement"].stages, r["placement"].spans)) for r in stats.recoveries]
+    slowed = [k for k, r in enumerate(stats.recoveries) if "stage-1" in r["stage"].split(",")]
+    assert slowed, f"no re-plan for stage-1; re-plans for {[r['stage'] for r in stats.recoveries]}; events: {events}"
+    before, after = placements[slowed[0]], placements[slowed[0] + 1]
+    assert "stage-1" not in after or len(after["stage-1"]) < len(before["stage-1"]), (before, after)
     reference, _ = run(model_dir, long_run)
     assert outputs(results) == outputs(reference)
 
