@@ -12,6 +12,14 @@ tokenizing a million prompts would take minutes): `represents` says how many ite
 for, and every sum the plan takes (steps, prompt and new tokens, hence job seconds and tokens/s) is
 scaled up to them, as job_shape already scales the part of a long job it simulates.
 
+Shared prompt prefixes: a job's items often start alike (the chat template's system part, the task's
+instruction, an eval's few-shot examples), and the stages' prefix cache (broker/prefix_cache.py) copies
+such a prefix instead of computing it. A workload made from the prompts themselves (`Workload.of_prompts`)
+keeps, per item, which of its leading blocks another item shares (`prefix_blocks`), and the simulation
+runs the scheduler with the prefix cache on prompts that share exactly those blocks. Planned from lengths
+alone, a summarize job whose prompts were 40% shared prefix was priced for prefilling all of it: its
+tokens/s predicted 17-27% under what ran over a slow link (bench_topology, issue 21).
+
 Output lengths: an item runs to its max_new_tokens unless told otherwise (`output_fraction`, or
 the lengths themselves after a run). The planner cannot know where outputs end at EOS; the job
 runner estimates a fraction only from what is measured (items of the same model and task that
@@ -21,9 +29,11 @@ already finished).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 from typing import Sequence
 
+from layerbus.broker.prefix_cache import PrefixCacheConfig, PrefixIndex, block_hashes, prefix_positions
 from layerbus.broker.requests import GenerationRequest
 from layerbus.broker.scheduler import BatchingConfig, Scheduler
 from layerbus.broker.step_cost import StepWork, prefill_context
@@ -32,6 +42,9 @@ from layerbus.storage.sample_places import sample_places
 WINDOWS = 16  # windows a job is priced in: enough to tell prefill from decode from the drain
 MAX_SIMULATED_ROWS = 200_000  # decode rows simulated at most; a larger job is simulated on a sample of its items
 _TOKEN, _EOS = 0, 1
+# Simulated prompts: a shared block's tokens and each sequence's own tail are drawn from ranges that no
+# other simulated token uses, so prompts share blocks exactly where the workload says.
+_SHARED_BLOCK_TOKEN, _OWN_TAIL_TOKEN = 1 << 40, 1 << 50
 
 
 @dataclass(frozen=True)
@@ -48,6 +61,11 @@ class Workload:
     # Positions the longest item of the whole job reaches, where these are one chain's share of it
     # (`share`): the KV caches are made that long at load, as the chain may take any item of the job.
     job_longest: int = 0
+    # Per item, its leading blocks of `prefix_block_tokens` prompt tokens that another item of the
+    # workload starts with too, each named by an id (equal ids: equal prompts up to that block's end).
+    # None: not known (made from lengths alone); the plan then prices every prompt token as computed.
+    prefix_blocks: tuple[tuple[int, ...], ...] | None = None
+    prefix_block_tokens: int = PrefixCacheConfig().block_tokens
 
     def __post_init__(self) -> None:
         if len(self.prompt_lengths) != len(self.max_new_tokens):
@@ -59,6 +77,13 @@ class Workload:
         if self.represents is not None and not 0 < len(self.prompt_lengths) <= self.represents:
             raise ValueError(f"a sample of {len(self.prompt_lengths)} items cannot stand for {self.represents}: "
                              "a sample has at least one item and at most as many as the job")
+        if self.prefix_blocks is not None:
+            if len(self.prefix_blocks) != len(self.prompt_lengths):
+                raise ValueError(f"{len(self.prefix_blocks)} prefix signatures for {len(self.prompt_lengths)} items")
+            for blocks, length in zip(self.prefix_blocks, self.prompt_lengths):
+                if len(blocks) * self.prefix_block_tokens > length:
+                    raise ValueError(f"{len(blocks)} shared blocks of {self.prefix_block_tokens} tokens do not fit "
+                                     f"a prompt of {length} tokens")
 
     @classmethod
     def of(cls, prompt_lengths: Sequence[int], max_new_tokens: int | Sequence[int],
@@ -66,6 +91,30 @@ class Workload:
         budgets = ([int(max_new_tokens)] * len(prompt_lengths) if isinstance(max_new_tokens, int)
                    else [int(m) for m in max_new_tokens])
         return cls(tuple(int(n) for n in prompt_lengths), tuple(budgets), output_fraction, None, represents)
+
+    @classmethod
+    def of_prompts(cls, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
+                   output_fraction: float = 1.0, represents: int | None = None,
+                   block_tokens: int = PrefixCacheConfig().block_tokens,
+                   samples: Sequence[int] | None = None) -> "Workload":
+        """From the items' prompt tokens: their lengths, and which leading blocks each shares with another
+        item (what the prefix cache can copy instead of computing). `samples`: sequences each item runs (its
+        n samples, one per item if None), each listed as an item of the workload. An item's samples share
+        what the item shares with other items, not their whole prompt with each other: in a sample of a
+        large job, job_shape runs each item several times over for items like it, which would otherwise
+        all share one prompt; with n = 2 the second sample would only save what no third one restores."""
+        counts = list(samples) if samples is not None else [1] * len(prompts)
+        if len(counts) != len(prompts):
+            raise ValueError(f"{len(counts)} sample counts for {len(prompts)} prompts")
+        budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        blocks = shared_prefix_blocks(prompts, block_tokens)
+
+        def each_sample(values: Sequence) -> list:
+            return [value for value, count in zip(values, counts) for _ in range(count)]
+
+        return replace(cls.of(each_sample([len(prompt) for prompt in prompts]), each_sample(budgets), output_fraction,
+                              represents),
+                       prefix_blocks=tuple(each_sample(blocks)), prefix_block_tokens=block_tokens)
 
     @property
     def longest_sequence(self) -> int:
@@ -94,8 +143,7 @@ class Workload:
         sample is spread evenly over the queue, which the run follows, so the mix is the job's)."""
         if self.represents is not None and len(lengths) == self.represents != len(self.prompt_lengths):
             lengths = [lengths[p] for p in sample_places(len(self.prompt_lengths), self.represents)]
-        return Workload(self.prompt_lengths, self.max_new_tokens, 1.0, tuple(int(n) for n in lengths), self.represents,
-                        self.job_longest)
+        return replace(self, output_fraction=1.0, output_lengths=tuple(int(n) for n in lengths))
 
     def share(self, index: int, count: int) -> "Workload":
         """The part of the job that one of `count` brokers (chains) working it side by side runs, the one
@@ -108,16 +156,15 @@ class Workload:
         if count == 1 or not self.items:
             return self
         if self.represents is not None:
-            return Workload(self.prompt_lengths, self.max_new_tokens, self.output_fraction, self.output_lengths,
-                            max(len(self.prompt_lengths), round(self.represents / count)), self.job_longest)
+            return replace(self, represents=max(len(self.prompt_lengths), round(self.represents / count)))
         places = list(range(index, len(self.prompt_lengths), count)) or [index % len(self.prompt_lengths)]
 
-        def pick(values: tuple[int, ...]) -> tuple[int, ...]:
-            return tuple(values[i] for i in places)
+        def pick(values: tuple | None) -> tuple | None:
+            return tuple(values[i] for i in places) if values is not None else None
 
-        return Workload(pick(self.prompt_lengths), pick(self.max_new_tokens), self.output_fraction,
-                        pick(self.output_lengths) if self.output_lengths is not None else None,
-                        job_longest=self.longest_sequence)
+        return replace(self, prompt_lengths=pick(self.prompt_lengths), max_new_tokens=pick(self.max_new_tokens),
+                       output_lengths=pick(self.output_lengths), job_longest=self.longest_sequence,
+                       prefix_blocks=pick(self.prefix_blocks))
 
     def describe(self) -> str:
         if not self.items:
@@ -130,6 +177,24 @@ class Workload:
         return (f"{self.items} items{sampled}, prompts {prompts[0]}-{prompts[-1]} tokens "
                 f"(mean {sum(prompts) / len(prompts):.0f}), up to {max(self.max_new_tokens)} new tokens, "
                 f"expected {round(sum(outputs) * self.weight)} in all ({told})")
+
+
+def shared_prefix_blocks(prompts: Sequence[Sequence[int]], block_tokens: int) -> tuple[tuple[int, ...], ...]:
+    """Per prompt, ids of its leading full blocks that at least one other prompt starts with too (a
+    block's id stands for every token up to its end, as the prefix cache's chained hashes do); the
+    blocks after the first one no other prompt shares are its own and are left out."""
+    hashes = [block_hashes(list(prompt), block_tokens) for prompt in prompts]
+    starting_with = Counter(digest for chain in hashes for digest in chain)
+    ids: dict[bytes, int] = {}
+    signatures = []
+    for chain in hashes:
+        shared = []
+        for digest in chain:
+            if starting_with[digest] < 2:
+                break
+            shared.append(ids.setdefault(digest, len(ids)))
+        signatures.append(tuple(shared))
+    return tuple(signatures)
 
 
 def mean_decode_context(workload: Workload | None) -> float | None:
@@ -218,10 +283,12 @@ def job_shape(workload: Workload, batching: BatchingConfig, windows: int = WINDO
 def _simulate(workload: Workload, lengths: list[int], items: list[int],
               batching: BatchingConfig) -> list[tuple[int, StepWork, int]]:
     """(micro-batch, what the step carries, new tokens it emits) for every step, in the order sent."""
-    scheduler = Scheduler(batching, batching.num_micro_batches, {_EOS})
+    prefixes = _prefix_index(workload, batching)
+    scheduler = Scheduler(batching, batching.num_micro_batches, {_EOS}, prefix_cache=prefixes)
     want: dict[str, int] = {}
     for n, i in enumerate(items):  # an item may go in more than once (a sample's): ids by place
-        request = GenerationRequest(str(n), [_TOKEN] * max(1, workload.prompt_lengths[i]),
+        request = GenerationRequest(str(n), _prompt(workload, i, n) if prefixes is not None
+                                    else [_TOKEN] * max(1, workload.prompt_lengths[i]),
                                     max_new_tokens=max(1, workload.max_new_tokens[i]))
         if scheduler.submit(request, 0.0) is None:  # a prompt too long for the context is refused, not run
             want[str(n)] = lengths[i]
@@ -257,3 +324,20 @@ def _simulate(workload: Workload, lengths: list[int], items: list[int],
             steps.append((mb, work, emitted))
             scheduler.apply_result(plan, tokens, 0.0)
     return steps
+
+
+def _prefix_index(workload: Workload, batching: BatchingConfig) -> PrefixIndex | None:
+    """The prefix cache as the broker runs it for this batching (Pipeline._prefix_index), where the
+    workload says which prefixes its items share in blocks of the cache's size; None otherwise."""
+    if workload.prefix_blocks is None or workload.prefix_block_tokens != batching.prefix_cache.block_tokens:
+        return None
+    positions = prefix_positions(batching.prefix_cache, batching.num_slots, batching.max_context)
+    return PrefixIndex(replace(batching.prefix_cache, budget_tokens=positions)) if positions else None
+
+
+def _prompt(workload: Workload, item: int, place: int) -> list[int]:
+    """A simulated prompt of item `item` at place `place`: its shared blocks, then a tail of its own
+    (two places of one sampled item share no more than two items of the job would)."""
+    block = workload.prefix_block_tokens
+    shared = [_SHARED_BLOCK_TOKEN + b for b in workload.prefix_blocks[item] for _ in range(block)]
+    return shared + [_OWN_TAIL_TOKEN + place] * (max(1, workload.prompt_lengths[item]) - len(shared))

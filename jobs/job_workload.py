@@ -1,5 +1,6 @@
 """A queued job's workload for the planner: each generation item's prompt length (tokenized as the
-runner will tokenize it) and output budget, read from the store before the job runs.
+runner will tokenize it), the leading blocks it shares with other items (what the prefix cache copies),
+and its output budget, read from the store before the job runs.
 
 A job of more than SAMPLE_ITEMS items is read as an evenly spread sample of them (JobStore.sample_items),
 and its Workload says how many sequences the sample stands for: reading and tokenizing every item of a
@@ -41,7 +42,7 @@ def job_workload(store: JobStore, job_id: str, tokenizer: Any, sample_items: int
     settings = store.job_settings(job_id)
     source = StoreSource(store, job_id, tokenizer, settings, "planner")
     items, total = _items_to_read(store, job_id, settings.task, sample_items)
-    prompts, budgets = [], []
+    prompts, budgets, samples = [], [], []
     read = 0
     for item in items:
         read += 1
@@ -52,13 +53,15 @@ def job_workload(store: JobStore, job_id: str, tokenizer: Any, sample_items: int
                                                  params=item.params, attempts=0))
         if not isinstance(request, GenerationRequest):
             return None
-        samples = samples_of(item.params, source.settings.extra)  # each of an item's n samples is a sequence
-        prompts.extend([len(request.prompt_ids)] * samples)
-        budgets.extend([request.max_new_tokens] * samples)
+        prompts.append(request.prompt_ids)
+        budgets.append(request.max_new_tokens)
+        samples.append(samples_of(item.params, source.settings.extra))  # each of an item's n samples is a sequence
     # Sequences the sample stands for: its own, as many times over as the job has items per item read
     # (refused items and n > 1 samples are then as frequent in the job as in the sample).
-    represents = round(len(prompts) * total / read) if prompts and total is not None and total > read else None
-    return Workload.of(prompts, budgets, output_fraction(store, job_id, settings.model, settings.task), represents)
+    sequences = sum(samples)
+    represents = round(sequences * total / read) if sequences and total is not None and total > read else None
+    return Workload.of_prompts(prompts, budgets, output_fraction(store, job_id, settings.model, settings.task),
+                               represents, samples=samples)
 
 
 def _items_to_read(store: JobStore, job_id: str, task: str, sample_items: int) -> tuple[Iterable[NewItem], int | None]:

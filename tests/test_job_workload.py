@@ -25,6 +25,15 @@ def test_prompt_lengths_and_budgets_come_from_the_items(store, tokenizer) -> Non
     assert workload.output_fraction == 1.0  # where outputs end at EOS is not known before they run
 
 
+def test_the_blocks_items_share_at_their_start_are_named_for_the_prefix_cache(store, tokenizer) -> None:
+    shared = list(range(10, 42))  # two blocks of 16 tokens every item starts with
+    items = [NewItem(f"i{k}", "x", "", {PROMPT_IDS_KEY: shared + [50 + k] * (5 + k)}, seq=k + 1) for k in range(3)]
+    items.append(NewItem("own", "x", "", {PROMPT_IDS_KEY: [7] * 40}, seq=4))
+    job = store.create_job(JobSettings(task="generate", model="tiny", max_new_tokens=4), items)
+    workload = job_workload(store, job, tokenizer)
+    assert workload.prefix_blocks == ((0, 1), (0, 1), (0, 1), ())
+
+
 def test_a_scoring_job_has_no_workload(store, tokenizer) -> None:
     scoring = {"score": [[[1, 2, 3], [[4], [5, 6]]]]}  # a context and two continuations
     generation = NewItem("g", "y", "one two", item_params({}, add_special_tokens=False), seq=2)

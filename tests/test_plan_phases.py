@@ -9,7 +9,7 @@ from layerbus.broker.placement import ModelMemory, Shapes, StageProfile, estimat
 from layerbus.broker.plan_report import format_prediction, prediction_report
 from layerbus.broker.scheduler import BatchingConfig
 from layerbus.broker.step_cost import LinearCost, ProfilePoint, StepWork, decode_step, fit_costs, prefill_step
-from layerbus.broker.workload import Workload, job_shape
+from layerbus.broker.workload import Workload, job_shape, shared_prefix_blocks
 from layerbus.wire.spans import LayerRange
 
 TRUE_LAYER = LinearCost(per_pass_s=2.0, per_row_s=0.5, per_row_kv_s=0.01, per_token_s=0.2, per_token_ctx_s=0.001)
@@ -48,6 +48,48 @@ def test_job_shape_counts_every_prompt_token_and_new_token() -> None:
     assert len(shape.windows) == 4
     # Phases: the first window prefills, the last only decodes (the drain).
     assert shape.windows[0].work.prefill_tokens > 0 and shape.windows[-1].work.prefill_tokens == 0
+
+
+@pytest.mark.parametrize("prompts, want", [
+    # Three prompts on one 32-token system part: its two blocks are shared, each one's own rest is not.
+    ([[1] * 32 + [2] * 20, [1] * 32 + [3] * 40, [1] * 32 + [4] * 5], [(0, 1), (0, 1), (0, 1)]),
+    # Two share a third block beyond the common two; the last shares only the first block, then differs.
+    ([[1] * 48 + [5], [1] * 48 + [6] * 9, [1] * 32 + [7] * 16, [1] * 16 + [8] * 40], [(0, 1, 2), (0, 1, 2), (0, 1), (0,)]),
+    # A block equal to another prompt's at a different place is not a shared prefix (the hashes chain).
+    ([[9] * 16 + [1] * 16, [1] * 32], [(), ()]),
+    # Alone, or shorter than a block: nothing shared.
+    ([[1] * 40], [()]),
+    ([[1] * 15, [1] * 15], [(), ()]),
+], ids=["system part", "a tree", "same block elsewhere", "alone", "under a block"])
+def test_shared_prefix_blocks_name_the_leading_blocks_another_prompt_starts_with(prompts, want) -> None:
+    assert shared_prefix_blocks(prompts, 16) == tuple(want)
+
+
+def test_a_workload_of_prompts_prices_only_the_prefill_the_prefix_cache_leaves() -> None:
+    """8 prompts of 56 tokens on one 48-token prefix (3 blocks). The first computes it all; the second too,
+    and saves the 3 blocks (a prefix is kept the second time it is seen); the other six wait for that save
+    and restore it, computing their last 8 tokens: 56 + 56 + 6 x 8 = 160 prompt tokens, not 8 x 56 = 448."""
+    prompts = [[1] * 48 + [100 + i] * 8 for i in range(8)]
+    batching = BatchingConfig(num_slots=8, num_micro_batches=1, max_step_tokens=512, max_context=128).resolved(1)
+    cached = job_shape(Workload.of_prompts(prompts, 4), batching)
+    lengths_only = job_shape(Workload.of([56] * 8, 4), batching)
+    assert cached.total.prefill_tokens == 160
+    assert lengths_only.total.prefill_tokens == 448
+    assert cached.new_tokens == lengths_only.new_tokens == 32
+    # The cache off: every prompt token computed, shared prefix or not.
+    from dataclasses import replace
+
+    from layerbus.broker.prefix_cache import PrefixCacheConfig
+
+    off = replace(batching, prefix_cache=PrefixCacheConfig(budget_tokens=0))
+    assert job_shape(Workload.of_prompts(prompts, 4), off).total.prefill_tokens == 448
+
+
+def test_a_chains_share_and_told_lengths_keep_the_prefix_signatures() -> None:
+    workload = Workload.of_prompts([[1] * 20 + [i] for i in range(6)], 4)
+    assert workload.prefix_blocks == ((0,),) * 6
+    assert workload.share(1, 2).prefix_blocks == ((0,),) * 3
+    assert workload.with_output_lengths([1] * 6).prefix_blocks == workload.prefix_blocks
 
 
 @pytest.mark.parametrize("prompts, budgets, longest", [
