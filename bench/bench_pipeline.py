@@ -109,7 +109,7 @@ def run_layerbus(model_dir: Path, prompts, max_new_tokens: int, stages: int, thr
     """layerbus on local stage processes; `batching` as given (its defaults: what `layerbus run` uses)."""
     requests = [GenerationRequest(pid, ids, max_new_tokens=max_new_tokens) for pid, ids in prompts]
     # The job's shape, as `layerbus run` gives it from the store (jobs.job_workload): sizes and plan use it.
-    workload = Workload.of([len(ids) for _, ids in prompts], max_new_tokens)
+    workload = Workload.of_prompts([ids for _, ids in prompts], max_new_tokens)
     config = BrokerConfig(str(model_dir), stages, batching=batching, workload=workload, weights=weights)
     with LocalCluster(config, LocalStageOptions(threads_per_stage=threads_per_stage, device=device,
                                                 dtype=dtype)) as cluster:

@@ -99,7 +99,7 @@ def broker_config(model_dir: Path, stages: int, batching: BatchingConfig, partit
     if "workload" in fields:
         from layerbus.broker.workload import Workload
 
-        extra["workload"] = Workload.of([len(ids) for _, ids in prompts], max_new_tokens)
+        extra["workload"] = Workload.of_prompts([ids for _, ids in prompts], max_new_tokens)
     else:  # before: the planner was told the prompt/new-token ratio
         from layerbus.broker.placement import PlanOptions
 

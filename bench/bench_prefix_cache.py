@@ -81,7 +81,7 @@ def run(model_dir: Path, prompts, max_new_tokens: int, stages: int, threads: int
     batching = BatchingConfig(micro_batch_size=0, max_step_tokens=0, max_context=4096,
                               prefix_cache=PrefixCacheConfig(budget_tokens=prefix_tokens))
     config = BrokerConfig(str(model_dir), stages, batching=batching,
-                          workload=Workload.of([len(ids) for _, ids in prompts], max_new_tokens))
+                          workload=Workload.of_prompts([ids for _, ids in prompts], max_new_tokens))
     with LocalCluster(config, LocalStageOptions(threads_per_stage=threads)) as cluster:
         started = time.perf_counter()
         results, stats = cluster.broker.generate(requests)

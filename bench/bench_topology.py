@@ -85,7 +85,7 @@ def run_chain(model_dir: Path, prompts, max_new_tokens: int, rate_mbit: float, r
                               results_bind="tcp://0.0.0.0:*", advertise_host=net.host_address(0), keys=keys,
                               plan_options=PlanOptions(allow_reorder=reorder, allow_drop=False),
                               batching=BatchingConfig(micro_batch_size=micro_batch_size, max_context=1024),
-                              workload=Workload.of([len(ids) for _, ids in prompts], max_new_tokens),
+                              workload=Workload.of_prompts([ids for _, ids in prompts], max_new_tokens),
                               network=None if measured else network, link_probe=link_probe)
         broker = Broker(config)
         port = broker.control.address.rsplit(":", 1)[1]
@@ -120,7 +120,9 @@ def run_chain(model_dir: Path, prompts, max_new_tokens: int, rate_mbit: float, r
             "new_tokens": new_tokens, "wall_s": stats.wall_s, "tokens_per_s": new_tokens / stats.wall_s,
             "predicted_tokens_per_s": plan.tokens_per_s,
             "predicted_for_produced_lengths": (prediction or {}).get("tok_s_for_produced_lengths"),
-            "profiles": profiles, "measured_links": links, "token_ids": [r.token_ids for r in results]}
+            "profiles": profiles, "measured_links": links, "token_ids": [r.token_ids for r in results],
+            # per stage, busy ms per step predicted against measured (broker.plan_report.prediction_report)
+            "stages_predicted_measured": (prediction or {}).get("stages")}
 
 
 def main() -> None:
@@ -167,6 +169,12 @@ def main() -> None:
         run["prediction_error"] = error
         print(f"| {label} | {' '.join(run['order'])} | {' '.join(run['spans'])} | {run['slow_crossings']} | "
               f"{run['tokens_per_s']:.1f} | {run['predicted_tokens_per_s']:.1f} | {error:+.0%} |")
+    print("\n| chain | stage | layers | busy ms/step predicted | measured |\n|---|---|---|---|---|")
+    for label, run in runs.items():
+        for name, stage in (run["stages_predicted_measured"] or {}).items():
+            measured_ms = stage["measured_ms_per_step"]
+            print(f"| {label} | {name} | {stage['layers']} | {stage['predicted_ms_per_step']:.1f} | "
+                  f"{'-' if measured_ms is None else f'{measured_ms:.1f}'} |")
     print(f"\nplanner / worst: {ratio:.2f}x (target >= 1.5x); outputs identical: {same}; "
           f"prediction error of the planner's chain {runs['planner']['prediction_error']:+.0%} (target within 15%)")
     report = {"links": args.links, "probe_burst_s": args.probe_burst_s if measured else None,
