@@ -209,11 +209,15 @@ def test_a_measured_corun_factor_replaces_the_thread_count(factors, want_ratio) 
     # scaled by the others' mean business (1 + 1 x 1/9) had it ~11% slower (bench_topology, issue 21).
     ((0, 1, 2, 11, 12), 1.0),
 ])
-def test_a_corun_factor_that_cores_explain_fades_when_the_others_idle(cuts, want_ratio) -> None:
-    """Four one-thread stages on two cores measured 2x together: cores explain all of it."""
+@pytest.mark.parametrize("threads, factor", [(1, 2.0), (2, 1.5)], ids=["one thread", "threads that do not scale"])
+def test_a_corun_factor_that_cores_explain_fades_when_the_others_idle(cuts, want_ratio, threads, factor) -> None:
+    """Four one-thread stages on two cores measured 2x together: cores explain all of it. Four two-thread
+    stages on four cores measured 1.5x (their second threads gave them less than twice the speed): all
+    busy, the job takes the measured 1.5x as long, not the 2x that threads over cores would say."""
     from dataclasses import replace
 
     spans = [LayerRange(a, b) for a, b in zip(cuts, cuts[1:])]
-    shared = [replace(stage(name, "h", 2), corun_factor=2.0) for name in "abcd"]
+    shared = [replace(stage(name, "h", 2 * threads), corun_factor=factor, threads=threads) for name in "abcd"]
+    want_ratio = 1 + (want_ratio - 1) * (factor - 1)
     alone = estimate_split([stage(name) for name in "abcd"], spans, MEMORY, SHAPES)
     assert estimate_split(shared, spans, MEMORY, SHAPES).job_s / alone.job_s == pytest.approx(want_ratio, rel=0.01)
