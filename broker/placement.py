@@ -287,7 +287,7 @@ def window_s(alone: list[float], chain: Sequence[StageProfile], window: Window,
                 # Measured with every stage of the host busy at once. Cores explain part of that (four
                 # one-thread stages on two cores: 2x), and that part shrinks as the others idle; only
                 # the rest (memory bandwidth, caches) scales with how busy they are. All of it scaled
-                # with their business predicted a 27-layer stage beside three nearly idle ones 14%
+                # that way predicted a 27-layer stage beside three nearly idle ones 14%
                 # slower than it ran (bench_topology, issue 21). A factor under what cores explain
                 # (threads that did not scale: two 2-thread stages on 2 cores measured ~1.5x, not 2x)
                 # is what the cores' part rises to at full load.
