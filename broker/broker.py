@@ -601,6 +601,8 @@ class Broker:
             self.tracer.write()
         if self.plan is not None and not stats.recoveries:  # after a re-plan the stats span two plans
             self.last_prediction = self._prediction_report(before, stats, source, sink)
+            if events is not None:  # the job's own record of how its plan fared (`layerbus status JOB`)
+                events("predicted", "\n".join(format_prediction(self.last_prediction)))
         return stats
 
     def _context_hint(self) -> int:

@@ -224,6 +224,13 @@ def test_layerbus_run_writes_the_measured_matrix_into_the_jobs_events(tiny_model
     assert "(measured)" in message and "round trip" in message and _lists(message, "broker", "stage-0")
     # The chain's stages (the planner may leave one out of so small a model), each with its host.
     assert status["stages"] and all(s["host"] == socket.gethostname() for s in status["stages"]), status["stages"]
+    # At the run's end, its plan's prediction against what it measured: a header, a line per stage of the
+    # chain, and the run's line.
+    (predicted,) = [e["message"] for e in status["events"] if e["kind"] == "predicted"]
+    lines = predicted.splitlines()
+    assert len(lines) == len(status["stages"]) + 2 and lines[0].startswith("stage "), predicted
+    assert all(line.startswith("stage-") for line in lines[1:-1]), predicted
+    assert lines[-1].startswith("run: ") and "tok/s predicted" in lines[-1] and "measured" in lines[-1], predicted
 
 
 @pytest.mark.cluster
