@@ -131,6 +131,8 @@ def run(chains: int, args: argparse.Namespace, model_dir: Path, corpus: Path, ho
             "completion_tokens": status.completion_tokens,
             "job_s": status.completion_tokens / status.tokens_per_s, "wall_s_with_startup": wall,
             "placed": placed,
+            # Each chain broker's per-stage busy ms/step, predicted against measured, at its run's end
+            "predicted_reports": [message for kind, message in events if kind == "predicted"],
             "workers": [{"chain": w.chain, "items_done": w.items_done, "tok_s": w.tokens_per_s} for w in workers],
             "broker_cpu": _broker_cpu(stage_log_dir(job_id)),
             "outputs": {row["custom_id"]: row["output"] for row in rows}}
@@ -214,6 +216,9 @@ def main() -> None:
     print(f"\noutputs identical: {same}")
     for line in rows[2]["broker_cpu"]:
         print(line)
+    for row in rows.values():
+        for predicted in row["predicted_reports"]:
+            print(f"\n{row['chains']} chain(s), predicted against measured:\n{predicted}")
     print(f"written to {args.out}")
     if not same:
         sys.exit("the two shapes gave different outputs")
