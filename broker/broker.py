@@ -600,9 +600,7 @@ class Broker:
         if self.tracer is not None:
             self.tracer.write()
         if self.plan is not None and not stats.recoveries:  # after a re-plan the stats span two plans
-            self.last_prediction = self._prediction_report(before, stats, source, sink)
-            if events is not None:  # the job's own record of how its plan fared (`layerbus status JOB`)
-                events("predicted", "\n".join(format_prediction(self.last_prediction)))
+            self.last_prediction = self._prediction_report(before, stats, source, sink, events)
         return stats
 
     def _context_hint(self) -> int:
@@ -614,9 +612,10 @@ class Broker:
         return min(workload.longest_sequence, self.max_context) if workload is not None else 0
 
     def _prediction_report(self, before: dict, stats: RunStats, source: "RecordingSource",
-                           sink: "RecordingSink") -> dict:
-        """Log predicted against measured, per stage, one table line each; the report as a dict too
-        (on the summary line's record as `prediction`, for benchmarks)."""
+                           sink: "RecordingSink", events=None) -> dict:
+        """Log predicted against measured, per stage, one table line each, and tell `events` the same table
+        (the job's "predicted" event, which `layerbus status JOB` shows); the report as a dict too (on the
+        summary line's record as `prediction`, for benchmarks)."""
         produced = None
         lengths = sink.output_lengths(source.request_ids)
         if lengths is not None and self.config.workload is not None and len(lengths) == self.config.workload.items:
@@ -632,6 +631,8 @@ class Broker:
         for line in lines[:-1]:
             log.info("%s", line)
         log.info("%s", lines[-1], extra={"prediction": report})
+        if events is not None:
+            events("predicted", "\n".join(lines))
         return report
 
     def keep_alive(self, seconds: float, report=lambda *a, **k: None, should_stop=lambda: False) -> None:
