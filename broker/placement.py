@@ -304,11 +304,13 @@ def window_s(alone: list[float], chain: Sequence[StageProfile], window: Window,
 
 
 def _cores_stretch(stage: StageProfile, sharing: Sequence[tuple[StageProfile, float]]) -> float:
-    """How much slower `stage` computes for want of cores, while each other stage of its host is busy
+    """How much longer `stage`'s steps last for want of cores, while each other stage of its host is busy
     the given share of the time: it gets (cores / threads wanted) of what it wants. An emulated slower
-    device computes only `compute_share` of its busy time (it sleeps the rest, taking no core)."""
+    device computes only `compute_share` of its busy time (it sleeps the rest, taking no core), and its
+    steps last their CPU time / that share (stages/emulation.py): computing slower stretches them only
+    past 1 / compute_share."""
     wanted = max(1, stage.threads) + sum(max(1, other.threads) * share * other.compute_share for other, share in sharing)
-    return max(1.0, wanted / stage.host_cores)
+    return max(1.0, wanted / stage.host_cores * stage.compute_share)
 
 
 def _hosts(chain: Sequence[StageProfile]) -> dict[str, int]:

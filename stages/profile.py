@@ -31,6 +31,7 @@ from layerbus.models.home import profile_cache_dir
 from layerbus.models.model_files import open_model_dir
 from layerbus.models.openmp_waits import wait_policy
 from layerbus.models.tensor_reader import SAFETENSORS_DTYPES, TensorReader
+from layerbus.stages.emulation import cpu_clock, emulated_sleep_s
 from layerbus.stages.host import current_rss_bytes, proc_kib_field, release_freed_memory
 from layerbus.stages.forward import head_logits, run_step
 from layerbus.stages.kv_cache import KVArena
@@ -151,9 +152,9 @@ def corun_probe(files, request: ProfileRequest, device: str, weights: WeightChoi
                 emulate_speed: float = 1.0) -> dict:
     """Serve the requested decode step on a few layers for `request.probe_s` seconds, as this stage
     serves steps (an emulated slower device sleeps after each, as the worker does), and report the
-    median time of the step itself. Never cached: the broker runs it on each stage alone and then on
-    the stages of one machine at once, and the ratio is what sharing that machine costs each
-    (cores, memory bandwidth, whatever else runs there now)."""
+    median time a step lasts (with that sleep: what the stage's busy time counts). Never cached: the
+    broker runs it on each stage alone and then on the stages of one machine at once, and the ratio is
+    what sharing that machine costs each (cores, memory bandwidth, whatever else runs there now)."""
     held = min(PROFILE_LAYERS, files.num_layers)
     full = load_shard(files, _spec(held, False, device, weights))
     shape = attention_shape(full.config)
@@ -167,13 +168,16 @@ def corun_probe(files, request: ProfileRequest, device: str, weights: WeightChoi
     started = time.monotonic()
     while time.monotonic() - started < request.probe_s or len(samples) < 3:
         arena.lengths = [request.kv_length] * rows
-        begin = time.monotonic()
+        begin, cpu_begin = time.monotonic(), cpu_clock(full.device.type)
         run_step(full, arena, step_rows, hidden)
         sync()
         took = time.monotonic() - begin
-        samples.append(took)
-        if emulate_speed < 1.0:
-            time.sleep((1.0 / emulate_speed - 1.0) * took)
+        # An emulated slower device sleeps after each step as the worker does (stages/emulation.py); the
+        # step lasts until the sleep ends, so the ratio of these is what sharing the host costs its steps
+        cpu = None if cpu_begin is None else cpu_clock(full.device.type) - cpu_begin
+        pause = emulated_sleep_s(took, cpu, emulate_speed)
+        samples.append(took + pause)
+        time.sleep(pause)
     del full, arena
     gc.collect()
     return {"probe_step_s": statistics.median(samples[1:] if len(samples) > 3 else samples),

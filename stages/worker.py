@@ -26,6 +26,7 @@ import zmq
 
 from layerbus.models.attention_shape import attention_shape
 from layerbus.models.model_files import open_model_dir
+from layerbus.stages.emulation import cpu_clock, emulated_sleep_s
 from layerbus.stages.forward import run_step
 from layerbus.stages.heartbeat import HeartbeatThread, busy_for
 from layerbus.stages.host import (budget_overrun, check_device, current_rss_bytes, device_memory_bytes, peak_rss_bytes,
@@ -535,14 +536,15 @@ class StageWorker:
         if is_link_probe(frames):  # another stage timing its link to this one: not a step
             self.echo_peer.handle(frames)
             return
-        started = self.busy_since = time.monotonic()
+        started, cpu_started = time.monotonic(), cpu_clock(self.config.device)
+        self.busy_since = started
         self.stats.bytes_in += sum(memoryview(frame).nbytes for frame in frames[1:])
         try:
-            self._serve(frames, started)
+            self._serve(frames, started, cpu_started)
         finally:
             self.busy_since = None
 
-    def _serve(self, frames, started: float) -> None:
+    def _serve(self, frames, started: float, cpu_started: float | None) -> None:
         try:
             message = self._validate(frames)
         except Exception as error:  # noqa: BLE001 - whatever a hostile message trips, it is rejected, not fatal
@@ -568,7 +570,8 @@ class StageWorker:
             marks.run_done(self.stats.codec_s)  # _run's growth of codec_s is its encoding
         speed = self._emulated_speed()
         if speed < 1.0:  # emulation: a device this much slower would still be computing
-            time.sleep((1.0 / speed - 1.0) * (time.monotonic() - started))
+            cpu_s = None if cpu_started is None else cpu_clock(self.config.device) - cpu_started
+            time.sleep(emulated_sleep_s(time.monotonic() - started, cpu_s, speed))
             if marks is not None:
                 marks.sleep_done()
         try:

@@ -139,6 +139,10 @@ def stage(name: str, host: str = "", cores: int = 0, device: str = "cpu", share:
     ([stage("a", "h", 2, "cuda:0"), stage("b", "h", 2, "cuda:1"), stage("c", "h", 2, "cuda:2")], 1.0),
     # Emulated slower devices sleep most of their time: 3 x 1/3 of a core fits 2 cores.
     ([stage("a", "h", 2, share=1 / 3), stage("b", "h", 2, share=1 / 3), stage("c", "h", 2, share=1 / 3)], 1.0),
+    # ... at half a core each, 3 on 1 core: 1.5 cores of work for each step of the chain. An emulated
+    # step lasts its CPU time / its share (stages/emulation.py), so waiting for the core lengthens it
+    # only beyond that: the cores, not the stretch of each stage, set the pace.
+    ([stage("a", "h", 1, share=0.5), stage("b", "h", 1, share=0.5), stage("c", "h", 1, share=0.5)], 1.5),
 ])
 def test_stages_sharing_a_hosts_cores_are_slower_together(stages, want_ratio) -> None:
     spans = [LayerRange(0, 4), LayerRange(4, 8), LayerRange(8, 12)]

@@ -1,0 +1,34 @@
+"""`--emulate-speed F`: a stage that serves as a device F times this one's speed would.
+
+Such a device takes (what this step costs this host alone) / F, however busy the host's other cores
+are: a slow GPU's step does not stretch because a neighbour's process computes. On a CPU stage the
+step's CPU time on the serving thread is what it costs alone (a thread waiting for a core is not
+charged for the wait), so the stage sleeps until cpu / F has passed since the step began. Timing the
+sleep by the step's wall time instead (until the twenty-first session) let the host's contention stretch
+the sleep too: four emulated stages in one chain start their steps together, so their compute phases
+overlap, and each step's wall-clock compute, then its sleep, grew 1.45x over what the stages measured
+alone (one chain of four at 0.4 of a core on two cores: 54 tok/s, where 76 with this rule); the devices
+they stand for would not slow at all. A step whose wall time already exceeds cpu / F (the host is
+short of cores beyond what F leaves) does not sleep. Elsewhere (a GPU stage's host thread waits for
+the device, so its CPU time says nothing) the step's wall time stands for its cost alone.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+def cpu_clock(device: str) -> float | None:
+    """The serving thread's CPU seconds on a CPU stage (torch's intra-op threads work beside it in
+    parallel, so its own CPU time tracks the step's wall time alone); None elsewhere."""
+    return time.thread_time() if device == "cpu" else None
+
+
+def emulated_sleep_s(wall_s: float, cpu_s: float | None, speed: float) -> float:
+    """How long to sleep after a step that took `wall_s` on the clock and `cpu_s` of the serving thread's
+    CPU (None: not a CPU stage), so that it lasts as long as on a device at `speed` (0 < speed <= 1) of
+    this one's."""
+    if speed >= 1.0:
+        return 0.0
+    alone = wall_s if cpu_s is None else cpu_s
+    return max(0.0, alone / speed - wall_s)
