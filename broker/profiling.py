@@ -33,7 +33,8 @@ from layerbus.wire import protocol
 log = logging.getLogger("layerbus.broker")
 
 MAX_PROBE_BYTES = 512 << 10  # control messages are capped at 1 MiB
-SHARING_CACHE_VERSION = 1  # bump when what the co-run probe measures changes: older cache files are ignored
+SHARING_CACHE_VERSION = 2  # bump when what the co-run probe measures changes: older cache files are ignored
+# (2: an emulated stage's step lasts its CPU time / F, stages/emulation.py)
 PROFILE_SHAPES = ("decode", "few_rows", "long_kv", "prefill", "late_prefill")  # as stages/profile.py SHAPES
 
 
