@@ -8,7 +8,8 @@ Chains are run as `layerbus run --chains K` deals them (consecutive stages); wit
 planner's groups are consecutive too (recorded as groups_are_consecutive).
 
 SmolLM2-135M, four local stages with one thread each at --emulate-speed F (each stage sleeps so that it uses
-at most F of a core: four fit this machine's two cores), dense work (bench/corpus.py's story prompts, whose
+at most F of a core: four fit this machine's two cores) and --memory-budget 1.3GB each (the model fits on two of
+them, not on one, as issue 14 sets it up), dense work (bench/corpus.py's story prompts, whose
 answers run to the token limit), greedy. The runs go through the code `layerbus run` uses: run_job_locally
 for one chain, cli/chains.py for several (one broker process per chain). Each chain's broker plans its
 chain as `layerbus run` does, every stage kept (so one chain of four uses all four), with the same
@@ -71,6 +72,7 @@ def planner_choice(args: argparse.Namespace, model_dir: Path, ratio: float) -> d
     the number of chains, the groups, and the predicted tokens/s of the choice and of one chain."""
     command = [str(Path(sys.executable).parent / "layerbus"), "plan", "--stages", str(args.stages), "--model",
                str(model_dir), "--threads-per-stage", "1", "--emulate-speed", *[str(args.emulate_speed)] * args.stages,
+               "--memory-budget", *[args.memory_budget] * args.stages,
                "--micro-batch-size", str(args.micro_batch_size), "--max-context", str(args.max_context),
                "--prompt-ratio", f"{ratio:.3f}", "--keep-all", "--json"]
     done = subprocess.run(command, capture_output=True, text=True)
@@ -112,7 +114,8 @@ def run(chains: int, args: argparse.Namespace, model_dir: Path, corpus: Path, ho
                                                       max_context=args.max_context),
                               workload=job_workload(store, job_id, load_tokenizer(model_dir)))
         options = LocalStageOptions(threads_per_stage=1, log_dir=stage_log_dir(job_id),
-                                    extra_args=("--emulate-speed", str(args.emulate_speed)))
+                                    extra_args=("--emulate-speed", str(args.emulate_speed),
+                                                "--memory-budget", args.memory_budget))
         if chains == 1:
             status = run_job_locally(store, job_id, config, options, default_results_dir(), progress=False)
         else:
@@ -156,6 +159,9 @@ def main() -> None:
     parser.add_argument("--emulate-speed", type=float, default=0.4)
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--max-context", type=int, default=512)
+    parser.add_argument("--memory-budget", default="1.3GB",
+                        help="each stage's whole memory, its runtime included (issue 14: the model fits on two "
+                             "stages, not on one; at 1.3GB `layerbus plan` finds 1 and 2 chains feasible, not 3 or 4)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bench_chains.json")
     args = parser.parse_args()
     from layerbus.models.default_model import default_model_dir
@@ -187,7 +193,8 @@ def main() -> None:
     one, two = rows[1], rows[choice["chains"]]
     same = all(row["outputs"] == one["outputs"] for row in rows.values())
     report = {"model": str(model_dir), "items": args.items, "max_new_tokens": args.max_new_tokens,
-              "stages": args.stages, "emulate_speed": args.emulate_speed, "micro_batch_size": args.micro_batch_size,
+              "stages": args.stages, "emulate_speed": args.emulate_speed, "memory_budget": args.memory_budget,
+              "micro_batch_size": args.micro_batch_size,
               "partition": "planned, every stage kept", "cpu_count": os.cpu_count(), "prompt_tokens_per_new_token": ratio,
               "planner": choice, "groups_are_consecutive": consecutive, "outputs_identical": same,
               "speedup": two["tok_s"] / one["tok_s"], "predicted_speedup": two["predicted_tok_s"] / one["predicted_tok_s"],
@@ -196,7 +203,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"\n{args.items} story prompts, up to {args.max_new_tokens} new tokens each, greedy; {args.stages} stages at "
-          f"--emulate-speed {args.emulate_speed}, one thread each; micro-batches of {args.micro_batch_size}; "
+          f"--emulate-speed {args.emulate_speed} and --memory-budget {args.memory_budget}, one thread each; micro-batches of {args.micro_batch_size}; "
           f"{os.cpu_count()} cores")
     print("| shape | chains (stage spans) | generated tokens | job s | tok/s | predicted tok/s (plan; brokers) | "
           "measured vs predicted | start-up + job s | items per chain |")
