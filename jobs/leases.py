@@ -100,6 +100,17 @@ def gone_holders(leases: Iterable[Lease], me: str, this_host: str, alive: Callab
     return gone
 
 
+def report_expired(store: JobStore, job_id: str, taken: dict[str, int]) -> None:
+    """Say, as a `lease_expired` event per holder, that `taken` (holder -> items) went back to the queue
+    because the holder's lease ran out. Whoever requeued them says it: the keeper's tick, or a worker
+    handing its own items back, whose requeue takes expired ones along (jobs/runner.py `_hand_back`)."""
+    for holder, count in taken.items():
+        message = (f"{count} item(s) held by {holder or 'an unnamed worker'} went back to the queue: its lease "
+                   "ran out (that broker stopped renewing: killed, stopped or cut off)")
+        log.warning("job %s: %s", job_id, message)
+        store.add_job_event(job_id, "lease_expired", message)
+
+
 class LeaseKeeper:
     """Renews `worker`'s leases on a job and requeues other holders' expired items, every
     `config.renew_every_s`, from a thread of its own: a long load or re-plan in the broker's loop must
@@ -122,11 +133,7 @@ class LeaseKeeper:
         """Renew this worker's leases, then requeue what others hold past their leases; how many per holder."""
         self.store.renew_leases(self.job_id, self.worker, self.config.lease_s)
         taken = self.store.requeue_expired(self.job_id, keep=self.worker)
-        for holder, count in taken.items():
-            message = (f"{count} item(s) held by {holder or 'an unnamed worker'} went back to the queue: its lease "
-                       "ran out (that broker stopped renewing: killed, stopped or cut off)")
-            log.warning("job %s: %s", self.job_id, message)
-            self.store.add_job_event(self.job_id, "lease_expired", message)
+        report_expired(self.store, self.job_id, taken)
         return taken
 
     def _loop(self) -> None:

@@ -24,7 +24,7 @@ from layerbus.jobs.constraints import constraint_of
 from layerbus.jobs.finalization import all_failed_message, finish_job  # noqa: F401 (all_failed_message: re-exported)
 from layerbus.jobs.item_params import ADD_SPECIAL_TOKENS_KEY, PROMPT_IDS_KEY
 from layerbus.jobs.logprobs import logprobs_json
-from layerbus.jobs.leases import LeaseConfig, LeaseKeeper, gone_holders, pid_alive, this_worker
+from layerbus.jobs.leases import LeaseConfig, LeaseKeeper, gone_holders, pid_alive, report_expired, this_worker
 from layerbus.jobs.score_items import is_scoring, score_output, score_request
 from layerbus.jobs.samples import parse_request_id, sample_request_id, sample_seed, samples_json, samples_of
 from layerbus.jobs.snapshot_keeper import SnapshotConfig, SnapshotKeeper
@@ -619,8 +619,15 @@ def _hand_back(store: JobStore, sink: StoreSink, source: StoreSource) -> None:
     finally:
         leftovers = len(source.outstanding)
         source.outstanding.clear()
-        # Counts only what went back to the queue (a cancelling job's items are cancelled instead).
-        requeued = store.requeue_expired(source.job_id, holders=[source.worker_name]).get(source.worker_name, 0)
+        # Counts only what went back to the queue (a cancelling job's items are cancelled instead). Other
+        # holders' items whose lease has run out go back with them, and are said as the keeper says them: a
+        # hand-back just after a killed broker's lease expired took its items, and no event said so.
+        taken = store.requeue_expired(source.job_id, holders=[source.worker_name])
+        requeued = taken.pop(source.worker_name, 0)
+        try:
+            report_expired(store, source.job_id, taken)
+        except Exception:  # noqa: BLE001 (a record: never what replaces the error being handled)
+            log.exception("job %s: could not record the expired leases of %s", source.job_id, ", ".join(taken))
         if leftovers or requeued:
             unseen = max(0, requeued - leftovers)
             log.info("job %s: %d unfinished item(s) handed back (or cancelled with the job)%s", source.job_id,

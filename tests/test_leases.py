@@ -108,6 +108,24 @@ def test_a_tick_renews_this_workers_leases_and_takes_back_expired_ones(store):
     assert event.kind == "lease_expired" and event.message.startswith("2 item(s) held by dead-elsewhere:9:ff went")
 
 
+def test_a_hand_back_that_takes_another_holder_s_expired_items_says_so(store, tokenizer, tmp_path):
+    """A broker handing back its own items requeues, in the same statement, those whose lease has run out: a
+    broker that ended just after a killed one's lease expired took the killed one's items, and the job's
+    events said nothing of it (seen once in CI, on PostgreSQL, in tests/test_brokers_one_job.py)."""
+    from layerbus.jobs.runner import _hand_back
+
+    job_id = queue_job(store, 4)
+    store.claim_items(job_id, "dead-elsewhere:9:ff", 2, lease_s=0.001)
+    source = StoreSource(store, job_id, tokenizer, store.job_settings(job_id), "me")
+    source.fetch(2)
+    time.sleep(0.01)  # the other lease has surely run out
+    _hand_back(store, StoreSink(store, ResultWriter(tmp_path, job_id), source.outstanding), source)
+    status = store.job_status(job_id)
+    assert (status.queued, status.in_progress) == (4, 0)
+    (event,) = store.job_events(job_id)
+    assert event.kind == "lease_expired" and event.message.startswith("2 item(s) held by dead-elsewhere:9:ff went")
+
+
 def test_the_keeper_thread_renews_while_the_broker_is_busy(store):
     job_id = queue_job(store, 1)
     store.claim_items(job_id, "me", 1, lease_s=3)
