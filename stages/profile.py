@@ -168,13 +168,13 @@ def corun_probe(files, request: ProfileRequest, device: str, weights: WeightChoi
     started = time.monotonic()
     while time.monotonic() - started < request.probe_s or len(samples) < 3:
         arena.lengths = [request.kv_length] * rows
-        begin, cpu_begin = time.monotonic(), cpu_clock(full.device.type)
+        begin, cpu_begin = time.monotonic(), cpu_clock(full.device.type, torch.get_num_threads())
         run_step(full, arena, step_rows, hidden)
         sync()
         took = time.monotonic() - begin
         # An emulated slower device sleeps after each step as the worker does (stages/emulation.py); the
         # step lasts until the sleep ends, so the ratio of these is what sharing the host costs its steps
-        cpu = None if cpu_begin is None else cpu_clock(full.device.type) - cpu_begin
+        cpu = None if cpu_begin is None else cpu_clock(full.device.type, torch.get_num_threads()) - cpu_begin
         pause = emulated_sleep_s(took, cpu, emulate_speed)
         samples.append(took + pause)
         time.sleep(pause)

@@ -536,7 +536,7 @@ class StageWorker:
         if is_link_probe(frames):  # another stage timing its link to this one: not a step
             self.echo_peer.handle(frames)
             return
-        started, cpu_started = time.monotonic(), cpu_clock(self.config.device)
+        started, cpu_started = time.monotonic(), cpu_clock(self.config.device, torch.get_num_threads())
         self.busy_since = started
         self.stats.bytes_in += sum(memoryview(frame).nbytes for frame in frames[1:])
         try:
@@ -570,7 +570,8 @@ class StageWorker:
             marks.run_done(self.stats.codec_s)  # _run's growth of codec_s is its encoding
         speed = self._emulated_speed()
         if speed < 1.0:  # emulation: a device this much slower would still be computing
-            cpu_s = None if cpu_started is None else cpu_clock(self.config.device) - cpu_started
+            cpu_now = cpu_clock(self.config.device, torch.get_num_threads())
+            cpu_s = None if cpu_started is None or cpu_now is None else cpu_now - cpu_started
             time.sleep(emulated_sleep_s(time.monotonic() - started, cpu_s, speed))
             if marks is not None:
                 marks.sleep_done()

@@ -23,13 +23,14 @@ def test_an_emulated_step_lasts_its_cpu_time_over_the_speed(wall, cpu, speed, sl
     assert emulated_sleep_s(wall, cpu, speed) == pytest.approx(sleep)
 
 
-def test_the_cpu_clock_counts_the_serving_thread_s_work_not_its_waits():
-    assert cpu_clock("cuda:0") is None and cpu_clock("mps") is None
-    began = cpu_clock("cpu")
+def test_the_cpu_clock_counts_a_one_thread_stage_s_work_not_its_waits():
+    # GPU stages, and stages of several threads (whose serving thread does only its share), keep the wall time
+    assert cpu_clock("cuda:0", 1) is None and cpu_clock("mps", 1) is None and cpu_clock("cpu", 2) is None
+    began = cpu_clock("cpu", 1)
     time.sleep(0.05)  # waiting (for a core, or a message) costs no CPU
-    slept = cpu_clock("cpu") - began
+    slept = cpu_clock("cpu", 1) - began
     assert slept < 0.02, f"{slept:.3f} s of CPU over a 50 ms sleep"
-    began, spin_until = cpu_clock("cpu"), time.monotonic() + 0.05
+    began, spin_until = cpu_clock("cpu", 1), time.monotonic() + 0.05
     while time.monotonic() < spin_until:
         pass
-    assert cpu_clock("cpu") - began > 0.0
+    assert cpu_clock("cpu", 1) - began > 0.0
