@@ -536,8 +536,9 @@ class StageWorker:
         if is_link_probe(frames):  # another stage timing its link to this one: not a step
             self.echo_peer.handle(frames)
             return
-        started, cpu_started = time.monotonic(), cpu_clock(self.config.device, torch.get_num_threads())
-        self.busy_since = started
+        started = self.busy_since = time.monotonic()
+        emulating = self.config.emulate_speed < 1.0 or self.config.emulate_slowdown is not None
+        cpu_started = cpu_clock(self.config.device, torch.get_num_threads()) if emulating else None
         self.stats.bytes_in += sum(memoryview(frame).nbytes for frame in frames[1:])
         try:
             self._serve(frames, started, cpu_started)
