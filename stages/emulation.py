@@ -34,3 +34,19 @@ def emulated_sleep_s(wall_s: float, cpu_s: float | None, speed: float) -> float:
         return 0.0
     alone = wall_s if cpu_s is None else cpu_s
     return max(0.0, alone / speed - wall_s)
+
+
+class StepTimer:
+    """A step's start on the clock and, on a one-thread CPU stage, on the serving thread's CPU clock: what
+    the worker and the co-run probe both need to sleep the rest of an emulated step."""
+
+    def __init__(self, device: str, threads: int):
+        self.device, self.threads = device, threads
+        self.started = time.monotonic()
+        self.cpu_started = cpu_clock(device, threads)
+
+    def sleep_s(self, speed: float) -> float:
+        """How long to sleep now so that the step lasts as long as on a device at `speed` of this one's."""
+        now = cpu_clock(self.device, self.threads)
+        cpu_s = None if self.cpu_started is None or now is None else now - self.cpu_started
+        return emulated_sleep_s(time.monotonic() - self.started, cpu_s, speed)

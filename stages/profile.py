@@ -31,7 +31,7 @@ from layerbus.models.home import profile_cache_dir
 from layerbus.models.model_files import open_model_dir
 from layerbus.models.openmp_waits import wait_policy
 from layerbus.models.tensor_reader import SAFETENSORS_DTYPES, TensorReader
-from layerbus.stages.emulation import cpu_clock, emulated_sleep_s
+from layerbus.stages.emulation import StepTimer
 from layerbus.stages.host import current_rss_bytes, proc_kib_field, release_freed_memory
 from layerbus.stages.forward import head_logits, run_step
 from layerbus.stages.kv_cache import KVArena
@@ -168,15 +168,13 @@ def corun_probe(files, request: ProfileRequest, device: str, weights: WeightChoi
     started = time.monotonic()
     while time.monotonic() - started < request.probe_s or len(samples) < 3:
         arena.lengths = [request.kv_length] * rows
-        begin, cpu_begin = time.monotonic(), cpu_clock(full.device.type, torch.get_num_threads())
+        timer = StepTimer(full.device.type, torch.get_num_threads())
         run_step(full, arena, step_rows, hidden)
         sync()
-        took = time.monotonic() - begin
         # An emulated slower device sleeps after each step as the worker does (stages/emulation.py); the
         # step lasts until the sleep ends, so the ratio of these is what sharing the host costs its steps
-        cpu = None if cpu_begin is None else cpu_clock(full.device.type, torch.get_num_threads()) - cpu_begin
-        pause = emulated_sleep_s(took, cpu, emulate_speed)
-        samples.append(took + pause)
+        pause = timer.sleep_s(emulate_speed)
+        samples.append(time.monotonic() - timer.started + pause)
         time.sleep(pause)
     del full, arena
     gc.collect()

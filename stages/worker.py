@@ -26,7 +26,7 @@ import zmq
 
 from layerbus.models.attention_shape import attention_shape
 from layerbus.models.model_files import open_model_dir
-from layerbus.stages.emulation import cpu_clock, emulated_sleep_s
+from layerbus.stages.emulation import StepTimer
 from layerbus.stages.forward import run_step
 from layerbus.stages.heartbeat import HeartbeatThread, busy_for
 from layerbus.stages.host import (budget_overrun, check_device, current_rss_bytes, device_memory_bytes, peak_rss_bytes,
@@ -536,16 +536,16 @@ class StageWorker:
         if is_link_probe(frames):  # another stage timing its link to this one: not a step
             self.echo_peer.handle(frames)
             return
-        started = self.busy_since = time.monotonic()
         emulating = self.config.emulate_speed < 1.0 or self.config.emulate_slowdown is not None
-        cpu_started = cpu_clock(self.config.device, torch.get_num_threads()) if emulating else None
+        timer = StepTimer(self.config.device, torch.get_num_threads()) if emulating else None
+        started = self.busy_since = timer.started if timer is not None else time.monotonic()
         self.stats.bytes_in += sum(memoryview(frame).nbytes for frame in frames[1:])
         try:
-            self._serve(frames, started, cpu_started)
+            self._serve(frames, started, timer)
         finally:
             self.busy_since = None
 
-    def _serve(self, frames, started: float, cpu_started: float | None) -> None:
+    def _serve(self, frames, started: float, timer: StepTimer | None) -> None:
         try:
             message = self._validate(frames)
         except Exception as error:  # noqa: BLE001 - whatever a hostile message trips, it is rejected, not fatal
@@ -570,10 +570,8 @@ class StageWorker:
         if marks is not None:
             marks.run_done(self.stats.codec_s)  # _run's growth of codec_s is its encoding
         speed = self._emulated_speed()
-        if speed < 1.0:  # emulation: a device this much slower would still be computing
-            cpu_now = cpu_clock(self.config.device, torch.get_num_threads())
-            cpu_s = None if cpu_started is None or cpu_now is None else cpu_now - cpu_started
-            time.sleep(emulated_sleep_s(time.monotonic() - started, cpu_s, speed))
+        if timer is not None and speed < 1.0:  # emulation: a device this much slower would still be computing
+            time.sleep(timer.sleep_s(speed))
             if marks is not None:
                 marks.sleep_done()
         try:
