@@ -20,15 +20,19 @@ runs the scheduler with the prefix cache on prompts that share exactly those blo
 alone, a summarize job whose prompts were 40% shared prefix was priced for prefilling all of it: its
 tokens/s predicted 17-27% under what ran over a slow link (bench_topology, issue 21).
 
-Output lengths: an item runs to its max_new_tokens unless told otherwise (`output_fraction`, or
-the lengths themselves after a run). The planner cannot know where outputs end at EOS; the job
-runner estimates a fraction only from what is measured (items of the same model and task that
-already finished).
+Output lengths: an item runs to its max_new_tokens unless told otherwise (`output_fraction`, the
+shares of their budgets where earlier outputs ended (`output_shares`), or the lengths themselves after
+a run). The planner cannot know where outputs end at EOS; the job runner estimates them only from what
+is measured (items of the same model and task that already finished). It passes the shares, not their
+mean: a job ends with its longest outputs, and one mean share for all ended every output at once. The
+README's summaries ended anywhere from 12% to 100% of their budgets (mean 63%); priced at the mean the
+job was 536 steps where 808 ran, its last third a dozen outputs running on to their budgets.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Sequence
@@ -66,6 +70,10 @@ class Workload:
     # None: not known (made from lengths alone); the plan then prices every prompt token as computed.
     prefix_blocks: tuple[tuple[int, ...], ...] | None = None
     prefix_block_tokens: int = PrefixCacheConfig().block_tokens
+    # Where earlier outputs of the same model and task ended, each as a share of its budget, sorted
+    # (`with_output_shares`); the items are given them spread over the queue (`spread_shares`). None: every
+    # item ends at `output_fraction` of its budget.
+    output_shares: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if len(self.prompt_lengths) != len(self.max_new_tokens):
@@ -74,6 +82,10 @@ class Workload:
             raise ValueError(f"{len(self.output_lengths)} output lengths for {len(self.prompt_lengths)} items")
         if not 0 < self.output_fraction <= 1:
             raise ValueError(f"output_fraction must be in (0, 1], got {self.output_fraction}")
+        if self.output_shares is not None and not (
+                self.output_shares and all(0 < share <= 1 for share in self.output_shares)
+                and list(self.output_shares) == sorted(self.output_shares)):
+            raise ValueError(f"output_shares must be shares in (0, 1], at least one, sorted; got {self.output_shares}")
         if self.represents is not None and not 0 < len(self.prompt_lengths) <= self.represents:
             raise ValueError(f"a sample of {len(self.prompt_lengths)} items cannot stand for {self.represents}: "
                              "a sample has at least one item and at most as many as the job")
@@ -135,7 +147,18 @@ class Workload:
     def expected_lengths(self) -> list[int]:
         if self.output_lengths is not None:
             return [max(1, min(n, m)) for n, m in zip(self.output_lengths, self.max_new_tokens)]
+        if self.output_shares is not None:
+            shares = spread_shares(self.output_shares, len(self.max_new_tokens))
+            return [max(1, round(m * share)) for m, share in zip(self.max_new_tokens, shares)]
         return [max(1, round(m * self.output_fraction)) for m in self.max_new_tokens]
+
+    def with_output_shares(self, shares: Sequence[float]) -> "Workload":
+        """The workload told where earlier outputs ended, as shares of their budgets (any order); its
+        `output_fraction` becomes their mean."""
+        ordered = tuple(sorted(float(share) for share in shares))
+        if not ordered:
+            raise ValueError("output_shares needs at least one share: without any, leave the workload as it is")
+        return replace(self, output_shares=ordered, output_fraction=sum(ordered) / len(ordered), output_lengths=None)
 
     def with_output_lengths(self, lengths: Sequence[int]) -> "Workload":
         """The workload told where outputs ended: one length per listed item, or, for a sample, one per
@@ -143,7 +166,7 @@ class Workload:
         sample is spread evenly over the queue, which the run follows, so the mix is the job's)."""
         if self.represents is not None and len(lengths) == self.represents != len(self.prompt_lengths):
             lengths = [lengths[p] for p in sample_places(len(self.prompt_lengths), self.represents)]
-        return replace(self, output_fraction=1.0, output_lengths=tuple(int(n) for n in lengths))
+        return replace(self, output_fraction=1.0, output_shares=None, output_lengths=tuple(int(n) for n in lengths))
 
     def share(self, index: int, count: int) -> "Workload":
         """The part of the job that one of `count` brokers (chains) working it side by side runs, the one
@@ -172,11 +195,23 @@ class Workload:
         prompts = sorted(self.prompt_lengths)
         outputs = self.expected_lengths()
         sampled = f" (a sample of {len(prompts)} of them)" if self.represents is not None else ""
+        shares = self.output_shares
         told = ("lengths as produced" if self.output_lengths is not None else
+                f"{self.output_fraction:.0%} of the limit on average, {shares[0]:.0%} to {shares[-1]:.0%} "
+                f"as {len(shares)} earlier outputs ended" if shares is not None else
                 "every item to its limit" if self.output_fraction == 1 else f"{self.output_fraction:.0%} of the limit")
         return (f"{self.items} items{sampled}, prompts {prompts[0]}-{prompts[-1]} tokens "
                 f"(mean {sum(prompts) / len(prompts):.0f}), up to {max(self.max_new_tokens)} new tokens, "
                 f"expected {round(sum(outputs) * self.weight)} in all ({told})")
+
+
+def spread_shares(shares: Sequence[float], count: int) -> list[float]:
+    """`count` items' shares of their budgets, taken evenly from the sorted `shares` (each part of the
+    distribution as often as the others, so the mean and the long tail are kept) in an order that is fixed
+    but unrelated to the queue's: which items will run long is not known before they run."""
+    order = list(range(count))
+    random.Random(0).shuffle(order)  # a fixed seed: the same workload is always priced the same
+    return [shares[min(len(shares) - 1, int((place + 0.5) * len(shares) / count))] for place in order]
 
 
 def shared_prefix_blocks(prompts: Sequence[Sequence[int]], block_tokens: int) -> tuple[tuple[int, ...], ...]:

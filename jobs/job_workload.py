@@ -35,7 +35,7 @@ SAMPLE_ITEMS = 4096
 
 def job_workload(store: JobStore, job_id: str, tokenizer: Any, sample_items: int = SAMPLE_ITEMS) -> Workload | None:
     """The generation items of `job_id` in queue order (items refused at submit have no prompt and
-    are left out), with the share of their budgets outputs are expected to use (`output_fraction`);
+    are left out), with the shares of their budgets outputs are expected to use (`output_shares`);
     of a job of more than `sample_items` items, an evenly spread sample of that many, standing for
     all of them. None for a job with scoring items (evals): their chunks are cut at the step budget,
     which must not move with the job, and they generate nothing to plan for."""
@@ -60,8 +60,9 @@ def job_workload(store: JobStore, job_id: str, tokenizer: Any, sample_items: int
     # (refused items and n > 1 samples are then as frequent in the job as in the sample).
     sequences = sum(samples)
     represents = round(sequences * total / read) if sequences and total is not None and total > read else None
-    return Workload.of_prompts(prompts, budgets, output_fraction(store, job_id, settings.model, settings.task),
-                               represents, samples=samples)
+    workload = Workload.of_prompts(prompts, budgets, 1.0, represents, samples=samples)
+    shares = output_shares(store, job_id, settings.model, settings.task)
+    return workload.with_output_shares(shares) if shares else workload
 
 
 def _items_to_read(store: JobStore, job_id: str, task: str, sample_items: int) -> tuple[Iterable[NewItem], int | None]:
@@ -76,26 +77,24 @@ def _items_to_read(store: JobStore, job_id: str, task: str, sample_items: int) -
     return sample.items, sample.total
 
 
-def output_fraction(store: JobStore, job_id: str, model: str, task: str) -> float:
-    """Where outputs end is known only once they have run: the share of their budgets that finished
-    items of recent jobs with the same model and task used (this job's own, when it is resumed,
-    included). 1.0 (every item runs to its budget) without at least MIN_HISTORY_ITEMS of them."""
-    used = budget = items = 0
+def output_shares(store: JobStore, job_id: str, model: str, task: str) -> list[float]:
+    """Where outputs end is known only once they have run: per finished item of recent jobs with the
+    same model and task (this job's own, when it is resumed, included), the share of its budget it
+    used. An empty list (every item is then expected to run to its budget) without at least
+    MIN_HISTORY_ITEMS."""
+    shares: list[float] = []
     for job in store.list_jobs(HISTORY_JOBS):
-        if job.model != model or job.task != task or items >= HISTORY_ITEMS:
+        if job.model != model or job.task != task or len(shares) >= HISTORY_ITEMS:
             continue
         if not job.completed:  # nothing to learn, and paging through a million queued items finds none: 1.8 s
             continue
         max_new = store.job_settings(job.job_id).max_new_tokens
         for row in store.item_results(job.job_id):
-            if items >= HISTORY_ITEMS:
+            if len(shares) >= HISTORY_ITEMS:
                 break  # stop reading: a million-item job in the history would take half a minute to read
             if row["status"] != "completed" or row["finish_reason"] not in ("stop", "length"):
                 continue
             tokens = int(row["completion_tokens"] or 0)
-            used += tokens
-            budget += max(max_new, tokens)  # an item's own max_tokens may exceed the job's
-            items += 1
-    if items < MIN_HISTORY_ITEMS or budget <= 0:
-        return 1.0
-    return min(1.0, max(used / budget, 1e-3))
+            budget = max(max_new, tokens, 1)  # an item's own max_tokens may exceed the job's
+            shares.append(min(1.0, max(tokens / budget, 1e-3)))
+    return shares if len(shares) >= MIN_HISTORY_ITEMS else []

@@ -54,6 +54,10 @@ def test_outputs_are_expected_to_end_where_the_same_model_and_task_ended_before(
                                      completion_tokens=4 if i % 2 else 2, latency_s=0.1)
                           for i, item in enumerate(claimed)])
     second = store.create_job(settings, items)
-    assert job_workload(store, second, tokenizer).output_fraction == pytest.approx(30 / 100)
+    workload = job_workload(store, second, tokenizer)
+    assert workload.output_fraction == pytest.approx(30 / 100)
+    # Not one mean for all: half the outputs ended at 2 tokens of 10, half at 4, and so will this job's.
+    assert workload.output_shares == (0.2,) * 5 + (0.4,) * 5
+    assert sorted(workload.expected_lengths()) == [2] * 5 + [4] * 5
     other_task = store.create_job(JobSettings(task="translate", model="tiny", max_new_tokens=10), items)
     assert job_workload(store, other_task, tokenizer).output_fraction == 1.0

@@ -9,7 +9,7 @@ from layerbus.broker.placement import ModelMemory, Shapes, StageProfile, estimat
 from layerbus.broker.plan_report import format_prediction, prediction_report
 from layerbus.broker.scheduler import BatchingConfig
 from layerbus.broker.step_cost import LinearCost, ProfilePoint, StepWork, decode_step, fit_costs, prefill_step
-from layerbus.broker.workload import Workload, job_shape, shared_prefix_blocks
+from layerbus.broker.workload import Workload, job_shape, shared_prefix_blocks, spread_shares
 from layerbus.wire.spans import LayerRange
 
 TRUE_LAYER = LinearCost(per_pass_s=2.0, per_row_s=0.5, per_row_kv_s=0.01, per_token_s=0.2, per_token_ctx_s=0.001)
@@ -48,6 +48,37 @@ def test_job_shape_counts_every_prompt_token_and_new_token() -> None:
     assert len(shape.windows) == 4
     # Phases: the first window prefills, the last only decodes (the drain).
     assert shape.windows[0].work.prefill_tokens > 0 and shape.windows[-1].work.prefill_tokens == 0
+
+
+@pytest.mark.parametrize("shares, count, want", [
+    ([0.5], 3, [0.5, 0.5, 0.5]),
+    ([0.25, 1.0], 4, [0.25, 0.25, 1.0, 1.0]),  # each part of the distribution as often as the others
+    ([0.1, 0.2, 0.3, 0.4], 2, [0.2, 0.4]),  # fewer items than shares: evenly spaced ones
+    ([0.1, 0.2, 0.3], 6, [0.1, 0.1, 0.2, 0.2, 0.3, 0.3]),
+])
+def test_spread_shares_keeps_the_distribution(shares, count, want) -> None:
+    spread = spread_shares(shares, count)
+    assert sorted(spread) == want
+    assert spread == spread_shares(shares, count)  # the same workload is always priced the same
+
+
+def test_outputs_spread_like_earlier_ones_keep_the_long_tail_the_mean_loses() -> None:
+    # Half the earlier outputs ended at an eighth of their budget, half ran to it (mean 56%). At the mean,
+    # every sequence ends after 36 tokens; spread, the job goes on until the long ones reach 64.
+    shares = [0.125] * 4 + [1.0] * 4
+    batching = BatchingConfig(num_slots=16, num_micro_batches=2, max_step_tokens=256, max_context=512).resolved(1)
+    at_mean = Workload.of([20] * 16, 64, output_fraction=sum(shares) / len(shares))
+    spread = Workload.of([20] * 16, 64).with_output_shares(shares)
+    assert spread.output_fraction == pytest.approx(at_mean.output_fraction)
+    assert sorted(spread.expected_lengths()) == [8] * 8 + [64] * 8
+    assert sum(spread.expected_lengths()) == pytest.approx(sum(at_mean.expected_lengths()), rel=0.02)
+    # About as many new tokens, far more steps: the drain of the long ones.
+    assert job_shape(spread, batching).total.steps >= 1.6 * job_shape(at_mean, batching).total.steps
+    assert "56% of the limit on average, 12% to 100% as 8 earlier outputs ended" in spread.describe()
+    told = spread.with_output_lengths([5] * 16)  # lengths as produced replace the shares
+    assert told.output_shares is None and told.expected_lengths() == [5] * 16
+    with pytest.raises(ValueError, match="at least one share"):
+        Workload.of([20], 64).with_output_shares([])
 
 
 @pytest.mark.parametrize("prompts, want", [
