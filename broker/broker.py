@@ -275,7 +275,8 @@ class Broker:
                     for p in profiles_of(names, self.profiles + tuple(measured))]
         if measured and config.probe_s > 0 and corun_probe:
             request = profile_request(str(self.model.path), rows, steps, self.max_context, config, self.config.weights)
-            profiles = measure_sharing(self.control, stages, profiles, request, config.probe_s, config.timeout_s)
+            profiles = measure_sharing(self.control, stages, profiles, request, config.probe_s, config.timeout_s,
+                                       rounds=config.sharing_rounds)
         self.profiles = tuple(profiles)
         self.time_links(stages)
         return bool(measured)

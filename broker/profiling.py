@@ -33,8 +33,8 @@ from layerbus.wire import protocol
 log = logging.getLogger("layerbus.broker")
 
 MAX_PROBE_BYTES = 512 << 10  # control messages are capped at 1 MiB
-SHARING_CACHE_VERSION = 2  # bump when what the co-run probe measures changes: older cache files are ignored
-# (2: an emulated stage's step lasts its CPU time / F, stages/emulation.py)
+SHARING_CACHE_VERSION = 3  # bump when what the co-run probe measures changes: older cache files are ignored
+# (2: an emulated stage's step lasts its CPU time / F, stages/emulation.py; 3: the median of rounds)
 PROFILE_SHAPES = ("decode", "few_rows", "long_kv", "prefill", "late_prefill")  # as stages/profile.py SHAPES
 
 
@@ -46,6 +46,9 @@ class ProfilingConfig:
     probe_rounds: int = 7  # echoes per probe size; the median counts
     timeout_s: float = 300.0  # one stage's profile must arrive within this
     probe_s: float = 1.5  # stages sharing a machine: serve steps this long alone and together (0 = do not measure)
+    # ... in this many rounds of probe_s / sharing_rounds each (every stage alone, then all at once); the
+    # median round's ratio counts, so a burst of the host's other load in one round does not
+    sharing_rounds: int = 3
 
 
 def collect_profiles(control: ControlPlane, stages: list[StageInfo], model_dir: str, model: ModelMemory,
@@ -107,40 +110,51 @@ def budget_breakdown(result: dict) -> str:
 
 
 def measure_sharing(control: ControlPlane, stages: list[StageInfo], profiles: list[StageProfile], request: dict,
-                    probe_s: float, timeout_s: float, cache_dir: Path | None = None) -> list[StageProfile]:
+                    probe_s: float, timeout_s: float, cache_dir: Path | None = None,
+                    rounds: int = ProfilingConfig.sharing_rounds) -> list[StageProfile]:
     """Each profile with its `corun_factor`: for the CPU stages of each machine that runs more than
-    one, the decode step served for `probe_s` by each alone, then by all at once; the ratio is what
-    sharing the machine costs it (cores, memory bandwidth, whatever else runs there). Like the
-    profiles, the factors are cached (`sharing_cache_key`): a restart on the same machine with the same
-    stages does not probe again (it cost 5 to 8 s before every run of two or three local stages)."""
+    one, the decode step served by each alone, then by all at once; the ratio is what sharing the
+    machine costs it (cores, memory bandwidth, whatever else runs there). In `rounds` rounds of
+    `probe_s / rounds` per probe, and the median round's ratio counts: on this shared 2-core VM one
+    probe of 1.5 s read 1.45x for an emulated stage that 1.00-1.03x in the runs before and after, and the
+    plan that followed put 28 of 30 layers on the other stage. Like the profiles, the factors are
+    cached (`sharing_cache_key`): a restart on the same machine with the same stages does not probe
+    again (it cost 5 to 8 s before every run of two or three local stages)."""
     by_name = {p.name: p for p in profiles}
     hosts: dict[str, list[StageInfo]] = {}
     for stage in stages:
         if stage.name in by_name and by_name[stage.name].shares_cores:
             hosts.setdefault(stage.host, []).append(stage)
     factors: dict[str, float] = {}
-    probe = dict(request, probe_s=probe_s)
+    rounds = max(1, rounds)
+    probe = dict(request, probe_s=probe_s / rounds)
     for host, group in hosts.items():
         if len(group) < 2:
             continue
         group = sorted(group, key=lambda stage: _stage_setup(stage, by_name[stage.name]))
-        key = sharing_cache_key(host, [_stage_setup(stage, by_name[stage.name]) for stage in group], probe)
+        key = sharing_cache_key(host, [_stage_setup(stage, by_name[stage.name]) for stage in group],
+                                dict(probe, rounds=rounds))
         path = (cache_dir or profile_cache_dir()) / f"corun-{_digest(key)}.json"
         cached = _read_factors(path, key, len(group))
         setups = {stage.name: json.dumps(_stage_setup(stage, by_name[stage.name])) for stage in group}
         if cached is not None:
             factors.update(even_factors({stage.name: factor for stage, factor in zip(group, cached)}, setups))
         else:
-            alone = {}
-            for stage in group:
-                control.send(stage, protocol.PROFILE, **probe)
-                alone[stage.name] = _probe_result(control, stage, timeout_s)
-            for stage in group:
-                control.send(stage, protocol.PROFILE, **probe)
-            together = _probe_results(control, group, timeout_s)
-            for stage in group:
-                if alone[stage.name] and together.get(stage.name):
-                    factors[stage.name] = max(1.0, together[stage.name] / alone[stage.name])
+            ratios: dict[str, list[float]] = {stage.name: [] for stage in group}
+            for _ in range(rounds):
+                alone = {}
+                for stage in group:
+                    control.send(stage, protocol.PROFILE, **probe)
+                    alone[stage.name] = _probe_result(control, stage, timeout_s)
+                for stage in group:
+                    control.send(stage, protocol.PROFILE, **probe)
+                together = _probe_results(control, group, timeout_s)
+                for stage in group:
+                    if alone[stage.name] and together.get(stage.name):
+                        ratios[stage.name].append(together[stage.name] / alone[stage.name])
+            for name, measured in ratios.items():
+                if len(measured) == rounds:  # a stage that could not probe in some round: reckoned from threads
+                    factors[name] = max(1.0, statistics.median(measured))
             factors.update(even_factors({stage.name: factors[stage.name] for stage in group if stage.name in factors},
                                         setups))
             if all(stage.name in factors for stage in group):  # a stage that could not probe: ask again next time

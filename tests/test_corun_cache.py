@@ -60,7 +60,7 @@ def test_the_second_plan_reads_the_factors_without_probing(tmp_path):
     stages, profiles = [stage("a"), stage("b")], [profile("a"), profile("b")]
     first = AnsweringControl()
     measured = measure_sharing(first, stages, profiles, REQUEST, 1.5, 10.0, cache_dir=tmp_path)
-    assert first.sent == ["a", "b", "a", "b"], "each alone, then both at once"
+    assert first.sent == ["a", "b", "a", "b"] * 3, "each alone, then both at once, in three rounds"
     assert factors(measured) == {"a": pytest.approx(1.5), "b": pytest.approx(1.5)}
     [cached] = tmp_path.glob("corun-*.json")
     assert json.loads(cached.read_text())["factors"] == [pytest.approx(1.5)] * 2
@@ -90,7 +90,7 @@ def test_a_changed_setup_probes_again(tmp_path, change, monkeypatch):
         profiles = [replace(p, host="other") for p in profiles]
     control = AnsweringControl()
     measure_sharing(control, stages, profiles, request, 1.5, 10.0, cache_dir=tmp_path)
-    assert sorted(control.sent) == ["a", "a", "b", "b"], f"a changed {change} must be probed, not read from the cache"
+    assert sorted(control.sent) == ["a"] * 6 + ["b"] * 6, f"a changed {change} must be probed, not read from the cache"
 
 
 @pytest.mark.parametrize("content", ["not json", '{"key": {}, "factors": [1.5, 1.5]}', "[]"])
@@ -102,7 +102,7 @@ def test_an_unreadable_or_foreign_cache_file_is_probed_again(tmp_path, content):
     control = AnsweringControl()
     measure_sharing(control, [stage("a"), stage("b")], [profile("a"), profile("b")], REQUEST, 1.5, 10.0,
                     cache_dir=tmp_path)
-    assert control.sent == ["a", "b", "a", "b"], "probed again"
+    assert control.sent == ["a", "b", "a", "b"] * 3, "probed again"
 
 
 class UnevenControl(AnsweringControl):
@@ -135,6 +135,42 @@ def test_stages_set_up_alike_share_one_factor_the_mean_of_theirs(tmp_path):
     assert again.sent == [] and factors(cached) == factors(measured)
 
 
+class BurstControl(AnsweringControl):
+    """Answers the together probe of one round (`burst_round`) 3x slower: the host's other load came
+    in a burst then. Records the probe's duration asked for."""
+
+    def __init__(self, burst_round: int):
+        super().__init__()
+        self.burst_round, self.togethers, self.probe_s = burst_round, 0, []
+
+    def send(self, stage: StageInfo, kind: str, **fields) -> None:
+        super().send(stage, kind, **fields)
+        self.probe_s.append(fields["probe_s"])
+
+    def poll(self, timeout_ms: int) -> list[ControlEvent]:
+        if len(self.pending) == 1:
+            return super().poll(timeout_ms)
+        burst = 3.0 if self.togethers == self.burst_round else 1.0
+        self.togethers += 1
+        events = [ControlEvent(protocol.PROFILE_RESULT, name, {"probe_step_s": TOGETHER_S * burst})
+                  for name in self.pending]
+        self.pending = []
+        return events
+
+
+@pytest.mark.parametrize("burst_round", [0, 1, 2])
+def test_a_burst_of_load_in_one_round_does_not_move_the_factor(tmp_path, burst_round):
+    control = BurstControl(burst_round)
+    measured = measure_sharing(control, [stage("a"), stage("b")], [profile("a"), profile("b")], REQUEST, 1.5, 10.0,
+                               cache_dir=tmp_path)
+    assert factors(measured) == {"a": pytest.approx(1.5), "b": pytest.approx(1.5)}  # 4.5x in one round
+    assert control.probe_s == [pytest.approx(0.5)] * 12, "the probe's time split over the rounds, not tripled"
+    # One round alone (rounds=1) takes what it measured: the burst, where it falls in that round.
+    single = measure_sharing(BurstControl(0), [stage("a"), stage("b")], [profile("a"), profile("b")], REQUEST, 1.5,
+                             10.0, cache_dir=tmp_path / "single", rounds=1)
+    assert factors(single) == {"a": pytest.approx(4.5), "b": pytest.approx(4.5)}
+
+
 def test_a_cache_written_before_the_evening_is_read_evened(tmp_path):
     stages, profiles = [stage("a"), stage("b")], [profile("a"), profile("b")]
     measure_sharing(AnsweringControl(), stages, profiles, REQUEST, 1.5, 10.0, cache_dir=tmp_path)
@@ -159,7 +195,7 @@ def test_a_stage_that_joins_is_probed_beside_every_stage_already_on_its_machine(
         assert args[-2].probe_s == 0, "timed alone; the co-run probe comes after, over the whole machine"
         return [profile(s.name) for s in stages]
 
-    def measure(control, stages, profiles, request, probe_s, timeout_s):
+    def measure(control, stages, profiles, request, probe_s, timeout_s, rounds):
         probed.append(sorted(s.name for s in stages))
         return [replace(p, corun_factor=1.5) for p in profiles]
 
