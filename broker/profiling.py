@@ -46,8 +46,8 @@ class ProfilingConfig:
     probe_rounds: int = 7  # echoes per probe size; the median counts
     timeout_s: float = 300.0  # one stage's profile must arrive within this
     probe_s: float = 1.5  # stages sharing a machine: serve steps this long alone and together (0 = do not measure)
-    # ... in this many rounds of probe_s / sharing_rounds each (every stage alone, then all at once); the
-    # median round's ratio counts, so a burst of the host's other load in one round does not
+    # ... split into this many rounds (every stage alone, then all at once, each for probe_s / sharing_rounds);
+    # the median round's ratio counts, so a burst of the host's other load in one round does not move it
     sharing_rounds: int = 3
 
 
@@ -116,7 +116,7 @@ def measure_sharing(control: ControlPlane, stages: list[StageInfo], profiles: li
     one, the decode step served by each alone, then by all at once; the ratio is what sharing the
     machine costs it (cores, memory bandwidth, whatever else runs there). In `rounds` rounds of
     `probe_s / rounds` per probe, and the median round's ratio counts: on this shared 2-core VM one
-    probe of 1.5 s read 1.45x for an emulated stage that 1.00-1.03x in the runs before and after, and the
+    probe of 1.5 s read 1.45x for an emulated stage that read 1.00-1.03x in the plans before and after, and the
     plan that followed put 28 of 30 layers on the other stage. Like the profiles, the factors are
     cached (`sharing_cache_key`): a restart on the same machine with the same stages does not probe
     again (it cost 5 to 8 s before every run of two or three local stages)."""
