@@ -144,6 +144,16 @@ class _CostModel:
         """Mean busy seconds per step over the job, unstretched: what the search balances."""
         return self.busy_s(s, start, end, self.total, receiver) / self.steps
 
+    def job_floor_s(self, chain: Sequence[StageProfile], spans: Sequence[LayerRange]) -> float:
+        """A floor under `job_s`'s seconds, at a fraction of its cost: each window's `window_floor_s`."""
+        total = 0.0
+        latency = self.latency_s(chain)
+        for window in self.windows:
+            alone = [self.busy_s(s, sp.start, sp.end, window.work, _name_after(chain, k))
+                     for k, (s, sp) in enumerate(zip(chain, spans))]
+            total += window_floor_s(alone, chain, window, latency, self.neighbours)
+        return total
+
     def job_s(self, chain: Sequence[StageProfile], spans: Sequence[LayerRange]) -> tuple[float, list[float]]:
         """(seconds the job takes, each stage's busy seconds over it) for this chain and split."""
         total, busy = 0.0, [0.0] * len(chain)
@@ -262,13 +272,7 @@ def window_s(alone: list[float], chain: Sequence[StageProfile], window: Window,
     # What does not change from one round of the fixed point to the next is worked out once: the planner
     # prices thousands of chains and splits, 16 windows each (23 s of the README command's start-up here,
     # 90% of it in this function, when every round recomputed the hosts, who shares them and the host bound).
-    host_bound = 0.0
-    for host, cores in _hosts(chain).items():
-        if any(s.corun_factor > 0 for s in chain if _on(s, host)):
-            continue  # measured together: the factors hold the cores' share too
-        demand = sum(b * s.compute_share * max(1, s.threads) for b, s in zip(alone, chain) if _on(s, host))
-        taken = sum(n.cores for n in neighbours if _on(n.profile, host))
-        host_bound = max(host_bound, demand / max(cores - taken, MIN_CORE_SHARE * cores))
+    host_bound = _host_bound(alone, chain, neighbours)
     # Per stage sharing a host: the others of this chain there (index, threads, compute share), what the
     # other chains' stages there want (`_cores_stretch`'s terms for them: they do not change), and the
     # stretch with every one of them busy. The rounds below do `_cores_stretch`'s arithmetic inline, in
@@ -327,6 +331,30 @@ def window_s(alone: list[float], chain: Sequence[StageProfile], window: Window,
             break
         busy = stretched
     return max(time, max(busy, default=0.0)), busy
+
+
+def _host_bound(alone: list[float], chain: Sequence[StageProfile], neighbours: Neighbours) -> float:
+    """The least a window lasts for the cores its hosts have: the thread-seconds the stages of a host
+    want, over its cores (less what other chains' stages there keep busy). Not for a host whose stages
+    were measured together: their co-run factors hold the cores' share too."""
+    host_bound = 0.0
+    for host, cores in _hosts(chain).items():
+        if any(s.corun_factor > 0 for s in chain if _on(s, host)):
+            continue  # measured together: the factors hold the cores' share too
+        demand = sum(b * s.compute_share * max(1, s.threads) for b, s in zip(alone, chain) if _on(s, host))
+        taken = sum(n.cores for n in neighbours if _on(n.profile, host))
+        host_bound = max(host_bound, demand / max(cores - taken, MIN_CORE_SHARE * cores))
+    return host_bound
+
+
+def window_floor_s(alone: list[float], chain: Sequence[StageProfile], window: Window, latency: float,
+                   neighbours: Neighbours = ()) -> float:
+    """What `window_s` gives at least: its first round, before any stage is stretched (a stretch only
+    lengthens busy times, so every bound it takes the largest of only grows)."""
+    steps = max(window.work.steps, 1e-12)
+    chain_bound = window.longest_chain * (sum(alone) / steps + latency)
+    time = max(max(alone, default=0.0), chain_bound, _host_bound(alone, chain, neighbours))
+    return time if time > 0 else 0.0
 
 
 def _cores_stretch(stage: StageProfile, sharing: Sequence[tuple[StageProfile, float]]) -> float:
@@ -463,7 +491,7 @@ def _by_job_time(costs: _CostModel, options: PlanOptions, chain: list[StageProfi
     sizes = range(1, len(stages) + 1) if options.allow_drop else [len(stages)]
     count = sum(math.perm(len(stages), k) * math.comb(n - 1, k - 1) for k in sizes if k <= n)
     if count <= ENUMERATION_LIMIT:
-        candidates = []
+        fitting = []
         for k in sizes:
             if k > n:
                 continue
@@ -473,9 +501,22 @@ def _by_job_time(costs: _CostModel, options: PlanOptions, chain: list[StageProfi
                     bounds = (0, *cuts, n)
                     split = [LayerRange(a, b) for a, b in zip(bounds, bounds[1:])]
                     if all(costs.fits(s, sp.start, sp.end) for s, sp in zip(order, split)):
-                        candidates.append((costs.job_s(order, split)[0], list(order), split))
-        if not candidates:
+                        fitting.append((list(order), split))
+        if not fitting:
             return chain, spans
+        # Priced from the lowest floor up, until the floors pass what could still be chosen: the fastest
+        # so far, within the tolerance that prefers more stages. A candidate left unpriced is slower than
+        # that, so the choice is the one pricing all of them gives (the README command's 2,613 candidates,
+        # twice: most of its plan's 23 s, when every one was priced).
+        floors = [costs.job_floor_s(order, split) for order, split in fitting]
+        priced: dict[int, float] = {}
+        fastest = math.inf
+        for i in sorted(range(len(fitting)), key=floors.__getitem__):
+            if floors[i] > fastest * (1 + options.drop_tolerance) + 1e-15:
+                break  # every later floor is higher still
+            priced[i] = costs.job_s(*fitting[i])[0]
+            fastest = min(fastest, priced[i])
+        candidates = [(priced[i], order, split) for i, (order, split) in enumerate(fitting) if i in priced]
         best = _prefer_more_stages(candidates, lambda c: c[0], lambda c: len(c[1]), options.drop_tolerance)
         return best[1], best[2]
     best_time = costs.job_s(chain, spans)[0]

@@ -78,3 +78,48 @@ def test_the_fast_window_gives_the_plain_versions_figures_to_the_last_bit(seed) 
     for _ in range(1000):
         case = random_case(rnd)
         assert window_s(*case) == reference_window_s(*case), case
+
+
+def random_plan_case(rnd: random.Random):
+    """A few stages with their own costs, hosts, threads and memory, on a 12-layer model, and a job."""
+    from layerbus.broker.placement import ModelMemory
+    from layerbus.broker.scheduler import BatchingConfig
+    from layerbus.broker.step_cost import LinearCost
+    from layerbus.broker.workload import Workload, job_shape
+
+    stages = [StageProfile(f"s{i}", 1.0, 1.0, rnd.random() * 0.1, rnd.random() * 3, rnd.choice([10**9, 700, 450]),
+                           layer_cost=LinearCost(per_row_s=rnd.uniform(0.2, 2), per_token_s=rnd.uniform(0.02, 0.5)),
+                           overhead_cost=LinearCost(per_step_s=rnd.random()), device=rnd.choice(["cpu", "cuda:0"]),
+                           host=rnd.choice(["h", "g"]), host_cores=rnd.choice([1, 2, 4]), threads=rnd.choice([1, 2]),
+                           compute_share=rnd.choice([1.0, 0.4]), corun_factor=rnd.choice([0.0, 1.3, 1.8]))
+              for i in range(rnd.randint(1, 4))]
+    memory = ModelMemory(layer_weight_bytes=(100,) * 12, embed_bytes=10, head_bytes=10, head_shares_embed=False,
+                         kv_bytes_per_token=1, activation_bytes_per_token=0, hidden_size=2, intermediate_size=4,
+                         num_attention_heads=1, vocab_size=8, dtype_bytes=4)
+    batching = BatchingConfig(num_slots=8, num_micro_batches=2, max_step_tokens=32, max_context=128).resolved(len(stages))
+    job = job_shape(Workload.of([rnd.randint(5, 60) for _ in range(8)], rnd.randint(4, 30)), batching, windows=8)
+    return stages, memory, batching, job
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_pricing_from_the_lowest_floor_up_chooses_what_pricing_every_candidate_chooses(seed, monkeypatch) -> None:
+    from layerbus.broker import placement
+    from layerbus.broker.placement import PlacementError, PlanOptions, plan_placement
+
+    rnd = random.Random(seed)
+    for _ in range(40):
+        stages, memory, batching, job = random_plan_case(rnd)
+        options = PlanOptions(allow_drop=rnd.random() < 0.5, drop_tolerance=rnd.choice([0.0, 0.2]))
+
+        def plan():
+            try:
+                chosen = plan_placement(stages, memory, batching, options, job)
+            except PlacementError as error:
+                return str(error)
+            return chosen.order, chosen.spans, chosen.chosen.job_s, chosen.left_out
+
+        pruned = plan()
+        with monkeypatch.context() as patch:  # every floor 0: every candidate priced
+            patch.setattr(placement._CostModel, "job_floor_s", lambda self, chain, spans: 0.0)
+            everything = plan()
+        assert pruned == everything
