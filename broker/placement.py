@@ -146,21 +146,21 @@ class _CostModel:
 
     def job_floor_s(self, chain: Sequence[StageProfile], spans: Sequence[LayerRange]) -> float:
         """A floor under `job_s`'s seconds, at a fraction of its cost: each window's `window_floor_s`."""
-        total = 0.0
         latency = self.latency_s(chain)
-        for window in self.windows:
-            alone = [self.busy_s(s, sp.start, sp.end, window.work, _name_after(chain, k))
-                     for k, (s, sp) in enumerate(zip(chain, spans))]
-            total += window_floor_s(alone, chain, window, latency, self.neighbours)
-        return total
+        return sum(window_floor_s(self.alone_s(chain, spans, window), chain, window, latency, self.neighbours)
+                   for window in self.windows)
+
+    def alone_s(self, chain: Sequence[StageProfile], spans: Sequence[LayerRange], window: Window) -> list[float]:
+        """Each stage's busy seconds in `window` as if it had its host to itself."""
+        return [self.busy_s(s, sp.start, sp.end, window.work, _name_after(chain, k))
+                for k, (s, sp) in enumerate(zip(chain, spans))]
 
     def job_s(self, chain: Sequence[StageProfile], spans: Sequence[LayerRange]) -> tuple[float, list[float]]:
         """(seconds the job takes, each stage's busy seconds over it) for this chain and split."""
         total, busy = 0.0, [0.0] * len(chain)
         latency = self.latency_s(chain)
         for window in self.windows:
-            alone = [self.busy_s(s, sp.start, sp.end, window.work, _name_after(chain, k))
-                     for k, (s, sp) in enumerate(zip(chain, spans))]
+            alone = self.alone_s(chain, spans, window)
             time, stretched = window_s(alone, chain, window, self.shapes.num_micro_batches, latency, self.neighbours)
             total += time
             busy = [b + x for b, x in zip(busy, stretched)]
@@ -293,8 +293,7 @@ def window_s(alone: list[float], chain: Sequence[StageProfile], window: Window,
     busy = list(alone)
     time = 0.0
     for _ in range(8):  # a fixed point: the stretch depends on how busy the others are, and back
-        chain_bound = window.longest_chain * (sum(busy) / steps + latency)
-        time = max(max(busy, default=0.0), chain_bound, host_bound)
+        time = _round_s(busy, window, steps, latency, host_bound)
         if time <= 0:
             return 0.0, busy
         stretched = []
@@ -351,10 +350,15 @@ def window_floor_s(alone: list[float], chain: Sequence[StageProfile], window: Wi
                    neighbours: Neighbours = ()) -> float:
     """What `window_s` gives at least: its first round, before any stage is stretched (a stretch only
     lengthens busy times, so every bound it takes the largest of only grows)."""
-    steps = max(window.work.steps, 1e-12)
-    chain_bound = window.longest_chain * (sum(alone) / steps + latency)
-    time = max(max(alone, default=0.0), chain_bound, _host_bound(alone, chain, neighbours))
+    time = _round_s(alone, window, max(window.work.steps, 1e-12), latency, _host_bound(alone, chain, neighbours))
     return time if time > 0 else 0.0
+
+
+def _round_s(busy: list[float], window: Window, steps: float, latency: float, host_bound: float) -> float:
+    """How long a window lasts at these busy times: its busiest stage, its busiest micro-batch's steps
+    through the whole chain, or its hosts' cores, whichever is longest."""
+    chain_bound = window.longest_chain * (sum(busy) / steps + latency)
+    return max(max(busy, default=0.0), chain_bound, host_bound)
 
 
 def _cores_stretch(stage: StageProfile, sharing: Sequence[tuple[StageProfile, float]]) -> float:
