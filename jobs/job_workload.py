@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from layerbus.broker.requests import GenerationRequest
-from layerbus.broker.workload import Workload
+from layerbus.broker.workload import ASSUMED_OUTPUT_SHARES, Workload
 from layerbus.jobs.runner import StoreSource
 from layerbus.jobs.samples import samples_of
 from layerbus.jobs.tasks import TASKS
@@ -62,7 +62,9 @@ def job_workload(store: JobStore, job_id: str, tokenizer: Any, sample_items: int
     represents = round(sequences * total / read) if sequences and total is not None and total > read else None
     workload = Workload.of_prompts(prompts, budgets, 1.0, represents, samples=samples)
     shares = output_shares(store, job_id, settings.model, settings.task)
-    return workload.with_output_shares(shares) if shares else workload
+    if not shares:  # nothing like it has ended yet: the outputs end somewhere up to their budgets
+        return workload.with_output_shares(ASSUMED_OUTPUT_SHARES, assumed=True) if workload.items else workload
+    return workload.with_output_shares(shares)
 
 
 def _items_to_read(store: JobStore, job_id: str, task: str, sample_items: int) -> tuple[Iterable[NewItem], int | None]:
@@ -80,8 +82,8 @@ def _items_to_read(store: JobStore, job_id: str, task: str, sample_items: int) -
 def output_shares(store: JobStore, job_id: str, model: str, task: str) -> list[float]:
     """Where outputs end is known only once they have run: per finished item of recent jobs with the
     same model and task (this job's own, when it is resumed, included), the share of its budget it
-    used. An empty list (every item is then expected to run to its budget) without at least
-    MIN_HISTORY_ITEMS."""
+    used. An empty list (the job's outputs are then assumed to end evenly up to their budgets,
+    ASSUMED_OUTPUT_SHARES) without at least MIN_HISTORY_ITEMS."""
     shares: list[float] = []
     for job in store.list_jobs(HISTORY_JOBS):
         if job.model != model or job.task != task or len(shares) >= HISTORY_ITEMS:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from layerbus.broker.workload import ASSUMED_OUTPUT_SHARES
 from layerbus.jobs.item_params import PROMPT_IDS_KEY, item_params
 from layerbus.jobs.job_workload import job_workload
 from layerbus.storage import InvalidItem, JobSettings, NewItem
@@ -22,7 +23,9 @@ def test_prompt_lengths_and_budgets_come_from_the_items(store, tokenizer) -> Non
     assert workload.prompt_lengths == (len(tokenizer.encode(prompts[0], add_special_tokens=False)),
                                        len(tokenizer.encode(prompts[1], add_special_tokens=False)), 5)
     assert workload.max_new_tokens == (16, 7, 16)  # an item's max_tokens overrides the job's
-    assert workload.output_fraction == 1.0  # where outputs end at EOS is not known before they run
+    # Where outputs end at EOS is not known before any has run: assumed anywhere up to the budget, evenly
+    assert workload.output_shares == ASSUMED_OUTPUT_SHARES and workload.output_shares_assumed
+    assert "assumed spread evenly" in workload.describe()
 
 
 def test_the_blocks_items_share_at_their_start_are_named_for_the_prefix_cache(store, tokenizer) -> None:
@@ -48,7 +51,7 @@ def test_outputs_are_expected_to_end_where_the_same_model_and_task_ended_before(
     settings = JobSettings(task="summarize", model="tiny", max_new_tokens=10)
     items = [NewItem(f"d{i}", "x", "one two", item_params({}, add_special_tokens=False), seq=i + 1) for i in range(10)]
     first = store.create_job(settings, items)
-    assert job_workload(store, first, tokenizer).output_fraction == 1.0  # nothing has run yet
+    assert job_workload(store, first, tokenizer).output_shares_assumed  # nothing has run yet
     claimed = store.claim_items(first, "w", 10)
     store.complete_items([ItemResult(item.item_id, output="out", finish_reason="stop", prompt_tokens=2,
                                      completion_tokens=4 if i % 2 else 2, latency_s=0.1)
@@ -57,7 +60,8 @@ def test_outputs_are_expected_to_end_where_the_same_model_and_task_ended_before(
     workload = job_workload(store, second, tokenizer)
     assert workload.output_fraction == pytest.approx(30 / 100)
     # Not one mean for all: half the outputs ended at 2 tokens of 10, half at 4, and so will this job's.
-    assert workload.output_shares == (0.2,) * 5 + (0.4,) * 5
+    assert workload.output_shares == (0.2,) * 5 + (0.4,) * 5 and not workload.output_shares_assumed
+    assert "as 10 earlier outputs ended" in workload.describe()
     assert sorted(workload.expected_lengths()) == [2] * 5 + [4] * 5
     other_task = store.create_job(JobSettings(task="translate", model="tiny", max_new_tokens=10), items)
-    assert job_workload(store, other_task, tokenizer).output_fraction == 1.0
+    assert job_workload(store, other_task, tokenizer).output_shares == ASSUMED_OUTPUT_SHARES

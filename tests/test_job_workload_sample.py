@@ -126,7 +126,13 @@ def test_job_workload_tokenizes_at_most_the_sample_and_stands_for_the_whole_job(
     assert whole.represents is None and whole.items == len(whole.prompt_lengths) == sequences
     assert sampled.items == pytest.approx(sequences, rel=0.01)
     batching = BatchingConfig(micro_batch_size=16, num_micro_batches=4).resolved(4)
-    assert_close(sums(sampled, batching), sums(whole, batching))
+    # Outputs ending at one share of their budgets: the sample's items are the job's in small
+    half = [0.5]
+    assert_close(sums(sampled.with_output_shares(half), batching), sums(whole.with_output_shares(half), batching))
+    # Outputs assumed to end anywhere up to their budgets (nothing has run): the sample's items get the shares
+    # their places get in the job, but which lengths meet which prompts in 300 items is then a draw
+    assert sampled.output_shares_assumed and whole.output_shares_assumed
+    assert_close(sums(sampled, batching), sums(whole, batching), SHUFFLED_TOLERANCE)
 
 
 def test_a_job_no_larger_than_the_sample_is_read_whole(store, tokenizer) -> None:
@@ -149,4 +155,4 @@ def test_a_job_with_nothing_completed_is_not_paged_through_for_where_outputs_end
     job = queued_job(store, 100)
     read = []
     monkeypatch.setattr(store, "item_results", lambda job_id: read.append(job_id) or iter(()))
-    assert job_workload(store, job, tokenizer).output_fraction == 1.0 and read == []
+    assert job_workload(store, job, tokenizer).output_shares_assumed and read == []

@@ -10,6 +10,7 @@ from layerbus.broker.plan_report import format_prediction, prediction_report
 from layerbus.broker.scheduler import BatchingConfig
 from layerbus.broker.step_cost import LinearCost, ProfilePoint, StepWork, decode_step, fit_costs, prefill_step
 from layerbus.broker.workload import Workload, job_shape, shared_prefix_blocks, spread_shares
+from layerbus.storage.sample_places import sample_places
 from layerbus.wire.spans import LayerRange
 
 TRUE_LAYER = LinearCost(per_pass_s=2.0, per_row_s=0.5, per_row_kv_s=0.01, per_token_s=0.2, per_token_ctx_s=0.001)
@@ -53,13 +54,36 @@ def test_job_shape_counts_every_prompt_token_and_new_token() -> None:
 @pytest.mark.parametrize("shares, count, want", [
     ([0.5], 3, [0.5, 0.5, 0.5]),
     ([0.25, 1.0], 4, [0.25, 0.25, 1.0, 1.0]),  # each part of the distribution as often as the others
-    ([0.1, 0.2, 0.3, 0.4], 2, [0.2, 0.4]),  # fewer items than shares: evenly spaced ones
+    ([0.1, 0.2, 0.3, 0.4], 2, [0.1, 0.3]),  # fewer items than shares: evenly spaced ones
     ([0.1, 0.2, 0.3], 6, [0.1, 0.1, 0.2, 0.2, 0.3, 0.3]),
 ])
 def test_spread_shares_keeps_the_distribution(shares, count, want) -> None:
-    spread = spread_shares(shares, count)
+    spread = spread_shares(shares, range(count))
     assert sorted(spread) == want
-    assert spread == spread_shares(shares, count)  # the same workload is always priced the same
+    assert spread == spread_shares(shares, range(count))  # the same workload is always priced the same
+
+
+@pytest.mark.parametrize("places, spread_at_most", [
+    (range(1000), 3), (range(500, 1500), 3), (range(0, 3000, 7), 3),  # runs of items, or every k-th: even
+    # An evenly spread sample's places are not a run: even to within a few, where a random draw of 300
+    # into 10 shares is 15-20 apart from the most drawn to the least
+    (sample_places(300, 3000), 8), (sample_places(300, 3010), 8),
+], ids=["the first 1000", "a later run", "every 7th", "a spread sample", "another spread sample"])
+def test_every_share_comes_about_as_often_over_any_items(places, spread_at_most) -> None:
+    shares = [k / 10 for k in range(1, 11)]
+    spread = spread_shares(shares, places)
+    counts = [spread.count(share) for share in shares]
+    assert max(counts) - min(counts) <= spread_at_most, counts
+
+
+def test_a_sample_is_given_the_shares_its_items_get_in_the_whole_job() -> None:
+    prompts, budgets = [10 + k % 37 for k in range(3000)], [16 + 16 * (k % 3) for k in range(3000)]
+    shares = [0.05, 0.3, 0.6, 1.0]
+    whole = Workload.of(prompts, budgets).with_output_shares(shares)
+    places = sample_places(300, 3000)
+    sample = Workload.of([prompts[p] for p in places], [budgets[p] for p in places],
+                         represents=3000).with_output_shares(shares)
+    assert sample.expected_lengths() == [whole.expected_lengths()[p] for p in places]
 
 
 def test_outputs_spread_like_earlier_ones_keep_the_long_tail_the_mean_loses() -> None:
