@@ -99,7 +99,12 @@ def broker_config(model_dir: Path, stages: int, batching: BatchingConfig, partit
     if "workload" in fields:
         from layerbus.broker.workload import Workload
 
-        extra["workload"] = Workload.of_prompts([ids for _, ids in prompts], max_new_tokens)
+        workload = Workload.of_prompts([ids for _, ids in prompts], max_new_tokens)
+        from layerbus.broker import workload as workloads
+
+        if hasattr(workloads, "ASSUMED_OUTPUT_SHARES"):  # as `layerbus run` plans a job nothing like has run before
+            workload = workload.with_output_shares(workloads.ASSUMED_OUTPUT_SHARES, assumed=True)
+        extra["workload"] = workload
     else:  # before: the planner was told the prompt/new-token ratio
         from layerbus.broker.placement import PlanOptions
 
