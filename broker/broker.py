@@ -39,7 +39,7 @@ from layerbus.broker.planning import (
     unprofiled,
     without_stage,
 )
-from layerbus.broker.profiling import ProfilingConfig, collect_profiles, measure_sharing, profile_request
+from layerbus.broker.profiling import ProfilingConfig, collect_profiles, measure_sharing, profile_request, tick_layers_of
 from layerbus.broker.requests import GenerationRequest, GenerationResult
 from layerbus.broker.run_state import BrokerCounts, ListSource, RecordingSink, RecordingSource, RequestSource, ResultSink, RunStats
 from layerbus.broker.scheduler import BatchingConfig
@@ -276,7 +276,7 @@ class Broker:
         if measured and config.probe_s > 0 and corun_probe:
             request = profile_request(str(self.model.path), rows, steps, self.max_context, config, self.config.weights)
             profiles = measure_sharing(self.control, stages, profiles, request, config.probe_s, config.timeout_s,
-                                       rounds=config.sharing_rounds)
+                                       rounds=config.sharing_rounds, tick_layers=tick_layers_of(memory, len(stages)))
         self.profiles = tuple(profiles)
         self.time_links(stages)
         return bool(measured)

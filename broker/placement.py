@@ -273,6 +273,7 @@ def window_s(alone: list[float], chain: Sequence[StageProfile], window: Window,
     # prices thousands of chains and splits, 16 windows each (23 s of the README command's start-up here,
     # 90% of it in this function, when every round recomputed the hosts, who shares them and the host bound).
     host_bound = _host_bound(alone, chain, neighbours)
+    in_step = _in_step_groups(chain, window, num_micro_batches, neighbours)
     # Per stage sharing a host: the others of this chain there (index, threads, compute share), what the
     # other chains' stages there want (`_cores_stretch`'s terms for them: they do not change), and the
     # stretch with every one of them busy. The rounds below do `_cores_stretch`'s arithmetic inline, in
@@ -293,7 +294,7 @@ def window_s(alone: list[float], chain: Sequence[StageProfile], window: Window,
     busy = list(alone)
     time = 0.0
     for _ in range(8):  # a fixed point: the stretch depends on how busy the others are, and back
-        time = _round_s(busy, window, steps, latency, host_bound)
+        time = _round_s(busy, window, steps, latency, host_bound, in_step)
         if time <= 0:
             return 0.0, busy
         stretched = []
@@ -346,19 +347,45 @@ def _host_bound(alone: list[float], chain: Sequence[StageProfile], neighbours: N
     return host_bound
 
 
+def _in_step_groups(chain: Sequence[StageProfile], window: Window, num_micro_batches: int,
+                    neighbours: Neighbours) -> list[tuple[list[int], float]]:
+    """Per host whose stages the ring starts in step, (those stages' places in the chain, the seconds the
+    window's steps last longer for it: steps x the host's measured `lockstep_excess_s`). A ring of at most
+    one micro-batch per stage plus the one at the broker keeps every stage waiting on its neighbour, so the
+    host's stages start their steps together and the ring waits for the last to finish: the trace of the
+    README's command (3 one-thread stages on 2 cores) showed decode steps of 1.63-1.74x alone where the
+    co-run factors priced 1.47x. With more micro-batches, or other chains' stages on the host, each stage
+    has work queued and serves at its own pace (what the co-run factors measure)."""
+    if num_micro_batches > len(chain) + 1 or window.work.steps <= 0:
+        return []
+    groups = []
+    for host in _hosts(chain):
+        on = [k for k, s in enumerate(chain) if _on(s, host)]
+        excess = max(chain[k].lockstep_excess_s for k in on)
+        if len(on) >= 2 and excess > 0 and not any(_on(n.profile, host) for n in neighbours):
+            groups.append((on, window.work.steps * excess))
+    return groups
+
+
 def window_floor_s(alone: list[float], chain: Sequence[StageProfile], window: Window, latency: float,
                    neighbours: Neighbours = ()) -> float:
     """What `window_s` gives at least: its first round, before any stage is stretched (a stretch only
-    lengthens busy times, so every bound it takes the largest of only grows)."""
+    lengthens busy times, so every bound it takes the largest of only grows; the ring's in-step bound,
+    left out, only adds to it)."""
     time = _round_s(alone, window, max(window.work.steps, 1e-12), latency, _host_bound(alone, chain, neighbours))
     return time if time > 0 else 0.0
 
 
-def _round_s(busy: list[float], window: Window, steps: float, latency: float, host_bound: float) -> float:
+def _round_s(busy: list[float], window: Window, steps: float, latency: float, host_bound: float,
+             in_step: Sequence[tuple[list[int], float]] = ()) -> float:
     """How long a window lasts at these busy times: its busiest stage, its busiest micro-batch's steps
-    through the whole chain, or its hosts' cores, whichever is longest."""
+    through the whole chain, its hosts' cores, or a host's stages started in step (`_in_step_groups`: the
+    busiest of them and the ring's wait for the last each step), whichever is longest."""
     chain_bound = window.longest_chain * (sum(busy) / steps + latency)
-    return max(max(busy, default=0.0), chain_bound, host_bound)
+    time = max(max(busy, default=0.0), chain_bound, host_bound)
+    for on, extra in in_step:
+        time = max(time, max(busy[k] for k in on) + extra)
+    return time
 
 
 def _cores_stretch(stage: StageProfile, sharing: Sequence[tuple[StageProfile, float]]) -> float:

@@ -45,6 +45,10 @@ class StageProfile:
     # Measured: its step's time with the other stages of its host serving at once / alone (0 = not
     # measured: the stretch is then reckoned from threads and cores)
     corun_factor: float = 0.0
+    # Measured on its host: seconds a step of the host's stages lasts longer when they start each step
+    # together (as a ring of one micro-batch per stage does) than the slowest at its own pace (0 = not
+    # measured, or none). Broker.profile's probe in step, broker.profiling.lockstep_excess_s.
+    lockstep_excess_s: float = 0.0
     # What came out of a --memory-budget before memory_budget (stages/profile.py memory_figures): the
     # stage's runtime and its loader's temporary; shown by `plan --explain`, not planned with.
     runtime_bytes: int = 0

@@ -99,7 +99,7 @@ def without_stage(profiles: Sequence[StageProfile], name: str) -> tuple[StagePro
     left = tuple(profile for profile in profiles if profile.name != name)
     if lost is None or not lost.shares_cores:
         return left
-    return tuple(replace(profile, corun_factor=0.0)
+    return tuple(replace(profile, corun_factor=0.0, lockstep_excess_s=0.0)
                  if profile.shares_cores and profile.host == lost.host and profile.corun_factor > 0 else profile
                  for profile in left)
 

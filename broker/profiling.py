@@ -33,8 +33,10 @@ from layerbus.wire import protocol
 log = logging.getLogger("layerbus.broker")
 
 MAX_PROBE_BYTES = 512 << 10  # control messages are capped at 1 MiB
-SHARING_CACHE_VERSION = 3  # bump when what the co-run probe measures changes: older cache files are ignored
-# (2: an emulated stage's step lasts its CPU time / F, stages/emulation.py; 3: the median of rounds)
+SHARING_CACHE_VERSION = 4  # bump when what the co-run probe measures changes: older cache files are ignored
+# (2: an emulated stage's step lasts its CPU time / F, stages/emulation.py; 3: the median of rounds;
+# 4: the probe in step, `lockstep_excess_s`)
+TICK_LEAD_S = 0.4  # from sending the probe in step to its first tick: each stage loads its layers first
 PROFILE_SHAPES = ("decode", "few_rows", "long_kv", "prefill", "late_prefill")  # as stages/profile.py SHAPES
 
 
@@ -78,8 +80,14 @@ def collect_profiles(control: ControlPlane, stages: list[StageInfo], model_dir: 
                  budget_breakdown(result), bandwidth / 1e6, 1e6 * latency)
         profiles.append(profile)
     if config.probe_s > 0:
-        profiles = measure_sharing(control, stages, profiles, request, config.probe_s, config.timeout_s)
+        profiles = measure_sharing(control, stages, profiles, request, config.probe_s, config.timeout_s,
+                                   rounds=config.sharing_rounds, tick_layers=tick_layers_of(model, len(stages)))
     return profiles
+
+
+def tick_layers_of(model: ModelMemory, stages: int) -> int:
+    """Layers a stage holds in an even split: what the probe in step runs, so its steps are as long as real ones."""
+    return max(1, round(model.num_layers / max(1, stages)))
 
 
 def profile_request(model_dir: str, micro_batch_size: int, max_step_tokens: int, max_context: int,
@@ -111,7 +119,7 @@ def budget_breakdown(result: dict) -> str:
 
 def measure_sharing(control: ControlPlane, stages: list[StageInfo], profiles: list[StageProfile], request: dict,
                     probe_s: float, timeout_s: float, cache_dir: Path | None = None,
-                    rounds: int = ProfilingConfig.sharing_rounds) -> list[StageProfile]:
+                    rounds: int = ProfilingConfig.sharing_rounds, tick_layers: int = 0) -> list[StageProfile]:
     """Each profile with its `corun_factor`: for the CPU stages of each machine that runs more than
     one, the decode step served by each alone, then by all at once; the ratio is what sharing the
     machine costs it (cores, memory bandwidth, whatever else runs there). In `rounds` rounds of
@@ -119,13 +127,21 @@ def measure_sharing(control: ControlPlane, stages: list[StageInfo], profiles: li
     probe of 1.5 s read 1.45x for an emulated stage that read 1.00-1.03x in the plans before and after, and the
     plan that followed put 28 of 30 layers on the other stage. Like the profiles, the factors are
     cached (`sharing_cache_key`): a restart on the same machine with the same stages does not probe
-    again (it cost 5 to 8 s before every run of two or three local stages)."""
+    again (it cost 5 to 8 s before every run of two or three local stages).
+
+    With `tick_layers` (a stage's share of the model's layers), each round also runs the probe in step
+    (`_ticks_round`): every stage of the host starts each step at the same tick, as a ring of one
+    micro-batch per stage starts them, each step as long as a real one. The ring waits for the last
+    stage to finish, and a host with fewer cores than stages finishes them unevenly: the host's
+    `lockstep_excess_s` is how much longer a tick lasted than the slowest stage at its own pace (the
+    co-run factor's) would take, per step (bench/bench_cosched.py: 1.65x alone where the factor said 1.5x)."""
     by_name = {p.name: p for p in profiles}
     hosts: dict[str, list[StageInfo]] = {}
     for stage in stages:
         if stage.name in by_name and by_name[stage.name].shares_cores:
             hosts.setdefault(stage.host, []).append(stage)
     factors: dict[str, float] = {}
+    excess: dict[str, float] = {}
     rounds = max(1, rounds)
     probe = dict(request, probe_s=probe_s / rounds)
     for host, group in hosts.items():
@@ -133,14 +149,16 @@ def measure_sharing(control: ControlPlane, stages: list[StageInfo], profiles: li
             continue
         group = sorted(group, key=lambda stage: _stage_setup(stage, by_name[stage.name]))
         key = sharing_cache_key(host, [_stage_setup(stage, by_name[stage.name]) for stage in group],
-                                dict(probe, rounds=rounds))
+                                dict(probe, rounds=rounds, tick_layers=tick_layers))
         path = (cache_dir or profile_cache_dir()) / f"corun-{_digest(key)}.json"
         cached = _read_factors(path, key, len(group))
         setups = {stage.name: json.dumps(_stage_setup(stage, by_name[stage.name])) for stage in group}
         if cached is not None:
-            factors.update(even_factors({stage.name: factor for stage, factor in zip(group, cached)}, setups))
+            factors.update(even_factors({stage.name: factor for stage, factor in zip(group, cached[0])}, setups))
+            host_excess = cached[1]
         else:
             ratios: dict[str, list[float]] = {stage.name: [] for stage in group}
+            tick_rounds = []
             for _ in range(rounds):
                 alone = {}
                 for stage in group:
@@ -152,18 +170,58 @@ def measure_sharing(control: ControlPlane, stages: list[StageInfo], profiles: li
                 for stage in group:
                     if alone[stage.name] and together.get(stage.name):
                         ratios[stage.name].append(together[stage.name] / alone[stage.name])
+                if tick_layers and all(alone.values()):
+                    tick_rounds.append((alone, _ticks_round(control, group, [by_name[g.name] for g in group], probe,
+                                                            tick_layers, timeout_s)))
             for name, measured in ratios.items():
                 if len(measured) == rounds:  # a stage that could not probe in some round: reckoned from threads
                     factors[name] = max(1.0, statistics.median(measured))
             factors.update(even_factors({stage.name: factors[stage.name] for stage in group if stage.name in factors},
                                         setups))
+            host_excess = lockstep_excess_s(tick_rounds, factors) if tick_rounds else 0.0
             if all(stage.name in factors for stage in group):  # a stage that could not probe: ask again next time
-                _write_factors(path, key, [factors[stage.name] for stage in group])
+                _write_factors(path, key, [factors[stage.name] for stage in group], host_excess)
+        excess.update({stage.name: host_excess for stage in group if stage.name in factors})
         names = {stage.name for stage in group}
-        log.info("stages sharing %s (%s): step time together / alone %s", host,
+        log.info("stages sharing %s (%s): step time together / alone %s; in step, %.1f ms a step more", host,
                  "cached" if cached is not None else "measured",
-                 ", ".join(f"{name} {factors[name]:.2f}x" for name in sorted(factors) if name in names) or "not measured")
-    return [replace(p, corun_factor=factors[p.name]) if p.name in factors else p for p in profiles]
+                 ", ".join(f"{name} {factors[name]:.2f}x" for name in sorted(factors) if name in names) or "not measured",
+                 1000 * host_excess)
+    return [replace(p, corun_factor=factors[p.name], lockstep_excess_s=excess.get(p.name, 0.0))
+            if p.name in factors else p for p in profiles]
+
+
+def _ticks_round(control: ControlPlane, group: list[StageInfo], profiles: list[StageProfile], probe: dict,
+                 tick_layers: int, timeout_s: float) -> dict[str, dict]:
+    """The probe in step on every stage of one host: {stage: its result (its steps per tick, the held
+    step's repeats)}. The ticks are far enough apart for every stage to finish before the next: the
+    slowest step as the profiles price it, times what the host's cores could stretch it by."""
+    step = max(p.step_overhead_s + p.layer_decode_s * tick_layers for p in profiles)
+    cores = max(1, min(p.host_cores or len(group) for p in profiles))
+    period = step * (1 + len(group) / cores) + 0.005
+    start = time.time() + TICK_LEAD_S + 3 * step  # each stage loads its layers and warms up first
+    for stage in group:
+        control.send(stage, protocol.PROFILE, **probe, tick_start=start, tick_period_s=period, tick_layers=tick_layers)
+    return _probe_results(control, group, timeout_s + TICK_LEAD_S, field="probe_ticks")
+
+
+def lockstep_excess_s(rounds: list[tuple[dict[str, float], dict[str, dict | None]]], factors: dict[str, float]) -> float:
+    """Per step, how much longer the host's stages took started in step than the slowest of them at its
+    own pace: per tick every stage started, the last to finish, less the slowest stage's step alone times
+    its co-run factor (what the plan already prices); the median tick of each round, the median round.
+    `rounds`: per round, each stage's step alone (the held layers once) and its result in step. 0 when
+    no tick had every stage (the plan then prices the ring as the factors say)."""
+    medians = []
+    for alone, results in rounds:
+        if not all(results.get(name) for name in alone) or not all(name in factors for name in alone):
+            continue
+        steps = {name: dict((int(tick), float(took)) for tick, took in results[name]["probe_ticks"]) for name in alone}
+        paced = max(alone[name] * int(results[name]["probe_tick_repeats"]) * factors[name] for name in alone)
+        shared = set.intersection(*(set(by_tick) for by_tick in steps.values()))
+        excesses = [max(by_tick[tick] for by_tick in steps.values()) - paced for tick in sorted(shared)]
+        if excesses:
+            medians.append(statistics.median(excesses))
+    return max(0.0, statistics.median(medians)) if medians else 0.0
 
 
 def even_factors(factors: dict[str, float], setups: dict[str, str]) -> dict[str, float]:
@@ -193,7 +251,7 @@ def _digest(key: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def _read_factors(path: Path, key: dict, count: int) -> list[float] | None:
+def _read_factors(path: Path, key: dict, count: int) -> tuple[list[float], float] | None:
     try:
         stored = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -205,14 +263,18 @@ def _read_factors(path: Path, key: dict, count: int) -> list[float] | None:
         return None
     if not all(isinstance(f, (int, float)) and not isinstance(f, bool) and 1.0 <= f < 1e6 for f in factors):
         return None
-    return [float(f) for f in factors]
+    excess = stored.get("lockstep_excess_s", 0.0)
+    if not isinstance(excess, (int, float)) or isinstance(excess, bool) or not 0 <= excess < 60:
+        return None
+    return [float(f) for f in factors], float(excess)
 
 
-def _write_factors(path: Path, key: dict, factors: list[float]) -> None:
+def _write_factors(path: Path, key: dict, factors: list[float], lockstep_excess: float = 0.0) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(json.dumps({"key": key, "factors": factors, "measured_at": time.time()}, indent=1))
+        temporary.write_text(json.dumps({"key": key, "factors": factors, "lockstep_excess_s": lockstep_excess,
+                                         "measured_at": time.time()}, indent=1))
         os.replace(temporary, path)  # concurrent writers each rename a whole file
     except OSError as error:
         log.warning("could not cache the co-run factors in %s (%s); the next plan probes again", path, error)
@@ -224,10 +286,12 @@ def _probe_result(control: ControlPlane, stage: StageInfo, timeout_s: float) -> 
     return _probe_results(control, [stage], timeout_s).get(stage.name)
 
 
-def _probe_results(control: ControlPlane, stages: list[StageInfo], timeout_s: float) -> dict[str, float | None]:
-    """Every stage's probe result, gathered as they come (one poll may bring several)."""
+def _probe_results(control: ControlPlane, stages: list[StageInfo], timeout_s: float,
+                   field: str = "probe_step_s") -> dict:
+    """Every stage's probe result, gathered as they come (one poll may bring several): its step time, or
+    for another `field` its whole result; None where it could not run the probe."""
     waiting = {stage.name for stage in stages}
-    results: dict[str, float | None] = {}
+    results: dict = {}
     deadline = time.monotonic() + timeout_s
     while waiting and time.monotonic() < deadline:
         for event in control.poll(50):
@@ -236,8 +300,8 @@ def _probe_results(control: ControlPlane, stages: list[StageInfo], timeout_s: fl
             if event.kind != protocol.PROFILE_RESULT or event.stage not in waiting:
                 continue
             waiting.discard(event.stage)
-            if "probe_step_s" in event.header:
-                results[event.stage] = float(event.header["probe_step_s"])
+            if field in event.header:
+                results[event.stage] = float(event.header[field]) if field == "probe_step_s" else event.header
             else:
                 log.warning("stage %s could not run the co-run probe: %s", event.stage,
                             event.header.get("error", "no step time"))

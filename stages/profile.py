@@ -66,6 +66,12 @@ class ProfileRequest:
     prefill_tokens: int  # tokens of one prefill chunk
     # > 0: not a profile but a co-run probe: serve the decode step for this many seconds (see corun_probe)
     probe_s: float = 0.0
+    # A co-run probe in step (tick_period_s > 0): each step starts at tick_start + k * tick_period_s on the
+    # host's wall clock, as every stage of the host is, and runs the held layers over and over to about
+    # `tick_layers` layers (a stage's share of the model: the length of a real step). See `tick_probe`.
+    tick_start: float = 0.0
+    tick_period_s: float = 0.0
+    tick_layers: int = 0
     # The broker's --weights (wire.weight_formats): the stage's own flag wins, as for its assignment. The
     # profile is taken in that format; under "auto" in full precision, with the quantized formats the
     # planner may fall back to timed beside it (`format_ratios`).
@@ -81,8 +87,14 @@ class ProfileRequest:
         weights = header.get("weights", "auto")
         if weights not in WEIGHT_FORMATS:
             raise WireError(f"profile weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+        ticks = {name: header.get(name, 0) for name in ("tick_start", "tick_period_s", "tick_layers")}
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in ticks.values()) \
+                or not isinstance(ticks["tick_layers"], int) or ticks["tick_period_s"] > 60:
+            raise WireError(f"profile tick_start, tick_period_s (at most 60 s) and tick_layers (an int) must be "
+                            f"numbers >= 0, got {ticks}")
         request = cls(header["model_dir"], header["micro_batch_size"], header["kv_length"], header["prefill_tokens"],
-                      float(probe_s), weights)
+                      float(probe_s), tick_start=float(ticks["tick_start"]), tick_period_s=float(ticks["tick_period_s"]),
+                      tick_layers=ticks["tick_layers"], weights=weights)
         if min(request.micro_batch_size, request.prefill_tokens) < 1 or request.kv_length < 0:
             raise WireError(f"profile shapes must be positive, got {request}")
         return request
@@ -154,7 +166,8 @@ def corun_probe(files, request: ProfileRequest, device: str, weights: WeightChoi
     serves steps (an emulated slower device sleeps after each, as the worker does), and report the
     median time a step lasts (with that sleep: what the stage's busy time counts). Never cached: the
     broker runs it on each stage alone and then on the stages of one machine at once, and the ratio is
-    what sharing that machine costs each (cores, memory bandwidth, whatever else runs there now)."""
+    what sharing that machine costs each (cores, memory bandwidth, whatever else runs there now). With
+    `request.tick_period_s`, the steps start in step with the host's other stages (`tick_probe`)."""
     held = min(PROFILE_LAYERS, files.num_layers)
     full = load_shard(files, _spec(held, False, device, weights))
     shape = attention_shape(full.config)
@@ -164,9 +177,9 @@ def corun_probe(files, request: ProfileRequest, device: str, weights: WeightChoi
     hidden = torch.randn(rows, full.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(full.dtype)
     step_rows = [StepRow(slot, request.kv_length, 1) for slot in range(rows)]
     sync = synchronizer(full.device)
-    samples = []
-    started = time.monotonic()
-    while time.monotonic() - started < request.probe_s or len(samples) < 3:
+
+    def serve() -> float:
+        """One step as the worker serves it; how long it lasted (with an emulated device's sleep)."""
         arena.lengths = [request.kv_length] * rows
         timer = StepTimer(full.device.type, torch.get_num_threads())
         run_step(full, arena, step_rows, hidden)
@@ -174,12 +187,51 @@ def corun_probe(files, request: ProfileRequest, device: str, weights: WeightChoi
         # An emulated slower device sleeps after each step as the worker does (stages/emulation.py); the
         # step lasts until the sleep ends, so the ratio of these is what sharing the host costs its steps
         pause = timer.sleep_s(emulate_speed)
-        samples.append(time.monotonic() - timer.started + pause)
+        took = time.monotonic() - timer.started + pause
         time.sleep(pause)
-    del full, arena
-    gc.collect()
-    return {"probe_step_s": statistics.median(samples[1:] if len(samples) > 3 else samples),
-            "probe_steps": len(samples)}
+        return took
+
+    try:
+        if request.tick_period_s > 0:
+            return tick_probe(serve, request, max(1, round(request.tick_layers / held)))
+        samples = []
+        started = time.monotonic()
+        while time.monotonic() - started < request.probe_s or len(samples) < 3:
+            samples.append(serve())
+        return {"probe_step_s": statistics.median(samples[1:] if len(samples) > 3 else samples),
+                "probe_steps": len(samples)}
+    finally:
+        del full, arena
+        gc.collect()
+
+
+TICK_SLACK_S = 0.002  # a step that cannot start within this of its tick is left out (the ring would not wait)
+MIN_TICKS = 4
+
+
+def tick_probe(serve: Callable[[], float], request: ProfileRequest, repeats: int) -> dict:
+    """The co-run probe in step: each step (`repeats` served back to back: a real step's length) starts at
+    the next tick of the host's wall clock, as the ring of micro-batches starts the steps of a host's
+    stages together. Three one-thread stages on two cores started together finish unevenly (the kernel
+    gives one a core of its own), and the ring waits for the last: 1.65x the step alone at 45 ms, where
+    each at its own pace took 1.5x (bench/bench_cosched.py). Reports [tick, seconds] per step started
+    on time; the broker compares the ticks every stage of the host started."""
+    serve()  # the first step pays for warming up, before any tick
+    ticks = max(MIN_TICKS, int(request.probe_s / request.tick_period_s))
+    steps = []
+    for tick in range(ticks):
+        at = request.tick_start + tick * request.tick_period_s
+        if time.time() > at + TICK_SLACK_S:
+            continue  # the shard loaded late, or the step before overran its tick: not a start in step
+        while (wait := at - time.time()) > 0.002:
+            time.sleep(wait - 0.002)
+        while time.time() < at:
+            pass  # the last 2 ms spun: a sleep wakes a millisecond or more late, and each stage's by a different amount
+        began = time.monotonic()
+        for _ in range(repeats):
+            serve()
+        steps.append([tick, time.monotonic() - began])
+    return {"probe_ticks": steps, "probe_tick_repeats": repeats}
 
 
 def emulated_timings(measured: dict[str, float], emulate_speed: float) -> dict[str, float]:

@@ -14,7 +14,7 @@ import pytest
 
 from layerbus.broker.control import ControlEvent, StageInfo
 from layerbus.broker.plan_values import StageProfile
-from layerbus.broker.profiling import measure_sharing
+from layerbus.broker.profiling import lockstep_excess_s, measure_sharing
 from layerbus.wire import protocol
 
 ALONE_S, TOGETHER_S = 0.010, 0.015
@@ -188,15 +188,16 @@ def test_a_stage_that_joins_is_probed_beside_every_stage_already_on_its_machine(
     from layerbus.broker.broker import Broker, BrokerConfig
     from layerbus.broker.link_probing import LinkProbeConfig
 
-    timed, probed = [], []
+    timed, probed, tick_shares = [], [], []
 
     def collect(control, stages, *args):
         timed.append([s.name for s in stages])
         assert args[-2].probe_s == 0, "timed alone; the co-run probe comes after, over the whole machine"
         return [profile(s.name) for s in stages]
 
-    def measure(control, stages, profiles, request, probe_s, timeout_s, rounds):
+    def measure(control, stages, profiles, request, probe_s, timeout_s, rounds, tick_layers):
         probed.append(sorted(s.name for s in stages))
+        tick_shares.append(tick_layers)
         return [replace(p, corun_factor=1.5) for p in profiles]
 
     monkeypatch.setattr(broker_module, "collect_profiles", collect)
@@ -210,4 +211,74 @@ def test_a_stage_that_joins_is_probed_beside_every_stage_already_on_its_machine(
         broker.close()
     assert timed == [["a", "b"], ["c"]]
     assert probed == [["a", "b"], ["a", "b", "c"]]
+    layers = json.loads((tiny_models("llama") / "config.json").read_text())["num_hidden_layers"]
+    assert tick_shares == [round(layers / 2), round(layers / 3)], "the probe in step runs a stage's share of the layers"
     assert factors(broker.profiles) == {"a": 1.5, "b": 1.5, "c": 1.5}
+
+
+class TickControl(AnsweringControl):
+    """Answers as AnsweringControl, and the probe in step with each stage's steps per tick: `ticks[name]`
+    lists (tick, seconds) for a step of `repeats` held steps. Records the probes in step it was sent."""
+
+    def __init__(self, ticks: dict[str, list[tuple[int, float]]], repeats: int = 2):
+        super().__init__()
+        self.ticks, self.repeats, self.in_step = ticks, repeats, []
+
+    def send(self, stage: StageInfo, kind: str, **fields) -> None:
+        super().send(stage, kind, **fields)
+        self.pending_in_step = bool(fields.get("tick_period_s"))
+        if self.pending_in_step:
+            self.in_step.append((stage.name, fields["tick_start"], fields["tick_period_s"], fields["tick_layers"]))
+
+    def poll(self, timeout_ms: int) -> list[ControlEvent]:
+        if not self.pending or not self.pending_in_step:
+            return super().poll(timeout_ms)
+        events = [ControlEvent(protocol.PROFILE_RESULT, name, {"probe_ticks": [list(t) for t in self.ticks[name]],
+                                                               "probe_tick_repeats": self.repeats})
+                  for name in self.pending]
+        self.pending = []
+        return events
+
+
+def test_the_probe_in_step_measures_what_the_ring_waits_for_beyond_the_factors(tmp_path):
+    # Alone a held step takes 10 ms, two of them make a tick's step; at their own pace together 1.5x: 30 ms.
+    # In step, each tick one stage gets a core to itself (20 ms) and the other finishes late (34-38 ms);
+    # tick 3 only stage a started: left out.
+    ticks = {"a": [(0, 0.020), (1, 0.038), (2, 0.020), (3, 0.050)], "b": [(0, 0.034), (1, 0.020), (2, 0.036)]}
+    control = TickControl(ticks)
+    stages, profiles = [stage("a"), stage("b")], [profile("a"), profile("b")]
+    measured = measure_sharing(control, stages, profiles, REQUEST, 1.5, 10.0, cache_dir=tmp_path, tick_layers=10)
+    assert [p.lockstep_excess_s for p in measured] == [pytest.approx(0.006)] * 2  # median of 4, 8, 6 ms
+    assert [name for name, *_ in control.in_step] == ["a", "b"] * 3, "both in step, once a round"
+    starts = {(start, period, layers) for _, start, period, layers in control.in_step}
+    assert len(starts) == 3 and {layers for _, _, layers in starts} == {10}
+    # ticks as far apart as the slowest stage's 10 layers as profiled (10 x 1 ms) x (1 + 2 stages / 2 cores), + 5 ms
+    assert [period for _, period, _ in starts] == [pytest.approx(0.010 * 2 + 0.005)] * 3
+    again = TickControl(ticks)
+    cached = measure_sharing(again, stages, profiles, REQUEST, 1.5, 10.0, cache_dir=tmp_path, tick_layers=10)
+    assert again.sent == [] and [p.lockstep_excess_s for p in cached] == [pytest.approx(0.006)] * 2
+    # Without tick_layers (a caller of before) no probe in step runs, and the cache is another one
+    plain = TickControl(ticks)
+    assert [p.lockstep_excess_s for p in measure_sharing(plain, stages, profiles, REQUEST, 1.5, 10.0,
+                                                         cache_dir=tmp_path)] == [0.0, 0.0]
+    assert plain.in_step == [] and len(plain.sent) == 12
+
+
+@pytest.mark.parametrize("rounds, want", [
+    # one round; two stages, 10 ms alone x 2 repeats x factor 1.5 = 30 ms paced; the ticks' slowest 34, 38, 36
+    ([({"a": 0.01, "b": 0.01}, {"a": {"probe_ticks": [[0, 0.02], [1, 0.038], [2, 0.02]], "probe_tick_repeats": 2},
+                                "b": {"probe_ticks": [[0, 0.034], [1, 0.02], [2, 0.036]], "probe_tick_repeats": 2}})],
+     0.006),
+    # in step no slower than at their own pace: no excess, not a negative one
+    ([({"a": 0.01, "b": 0.01}, {"a": {"probe_ticks": [[0, 0.025]], "probe_tick_repeats": 2},
+                                "b": {"probe_ticks": [[0, 0.025]], "probe_tick_repeats": 2}})], 0.0),
+    # no tick both started; a stage that could not probe: nothing measured
+    ([({"a": 0.01, "b": 0.01}, {"a": {"probe_ticks": [[0, 0.05]], "probe_tick_repeats": 2},
+                                "b": {"probe_ticks": [[1, 0.05]], "probe_tick_repeats": 2}})], 0.0),
+    ([({"a": 0.01, "b": 0.01}, {"a": {"probe_ticks": [[0, 0.05]], "probe_tick_repeats": 2}, "b": None})], 0.0),
+    # three rounds, one a burst of other load: the median round counts
+    ([({"a": 0.01, "b": 0.01}, {n: {"probe_ticks": [[0, took]], "probe_tick_repeats": 2} for n in "ab"})
+      for took in (0.034, 0.09, 0.036)], 0.006),
+], ids=["ticks", "no slower", "no shared tick", "a stage without", "median round"])
+def test_lockstep_excess_table(rounds, want):
+    assert lockstep_excess_s(rounds, {"a": 1.5, "b": 1.5}) == pytest.approx(want)

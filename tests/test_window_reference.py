@@ -33,7 +33,14 @@ def reference_window_s(alone, chain, window, num_micro_batches, latency=None, ne
             demand = sum(b * s.compute_share * max(1, s.threads) for b, s in zip(alone, chain) if _on(s, host))
             taken = sum(n.cores for n in neighbours if _on(n.profile, host))
             host_bound = max(host_bound, demand / max(cores - taken, MIN_CORE_SHARE * cores))
-        time = max(max(busy, default=0.0), chain_bound, host_bound)
+        in_step = 0.0  # a ring of one micro-batch per stage (and one at the broker) starts a host's stages together
+        if num_micro_batches <= len(chain) + 1:
+            for host in _hosts(chain):
+                on = [k for k, s in enumerate(chain) if _on(s, host)]
+                excess = max(chain[k].lockstep_excess_s for k in on)
+                if len(on) >= 2 and excess > 0 and not any(_on(n.profile, host) for n in neighbours):
+                    in_step = max(in_step, max(busy[k] for k in on) + window.work.steps * excess)
+        time = max(max(busy, default=0.0), chain_bound, host_bound, in_step)
         if time <= 0:
             return 0.0, busy
         stretched = []
@@ -62,7 +69,8 @@ def random_case(rnd: random.Random):
     chain = [StageProfile(f"s{i}", 1e-3, 1e-2, 1e-4, 1e-3, 1 << 30, device=rnd.choice(["cpu", "cpu", "cuda:0"]),
                           host=rnd.choice(["a", "b", ""]), host_cores=rnd.choice([0, 1, 2, 4]),
                           threads=rnd.choice([0, 1, 2]), compute_share=rnd.choice([1.0, 0.5, 0.33]),
-                          corun_factor=rnd.choice([0.0, 0.0, 1.1, 1.6, 2.3]), link_latency_s=rnd.random() * 1e-3)
+                          corun_factor=rnd.choice([0.0, 0.0, 1.1, 1.6, 2.3]), link_latency_s=rnd.random() * 1e-3,
+                          lockstep_excess_s=rnd.choice([0.0, 0.0, 1e-3, 0.05]))
              for i in range(rnd.randint(1, 8))]
     neighbours = [Neighbour(replace(rnd.choice(chain), name=f"n{i}", host=rnd.choice(["a", "b"]),
                                     threads=rnd.choice([1, 2, 3])), rnd.random() * 1.3, rnd.random() * 2)
@@ -91,7 +99,8 @@ def random_plan_case(rnd: random.Random):
                            layer_cost=LinearCost(per_row_s=rnd.uniform(0.2, 2), per_token_s=rnd.uniform(0.02, 0.5)),
                            overhead_cost=LinearCost(per_step_s=rnd.random()), device=rnd.choice(["cpu", "cuda:0"]),
                            host=rnd.choice(["h", "g"]), host_cores=rnd.choice([1, 2, 4]), threads=rnd.choice([1, 2]),
-                           compute_share=rnd.choice([1.0, 0.4]), corun_factor=rnd.choice([0.0, 1.3, 1.8]))
+                           compute_share=rnd.choice([1.0, 0.4]), corun_factor=rnd.choice([0.0, 1.3, 1.8]),
+                           lockstep_excess_s=rnd.choice([0.0, 0.2]))
               for i in range(rnd.randint(1, 4))]
     memory = ModelMemory(layer_weight_bytes=(100,) * 12, embed_bytes=10, head_bytes=10, head_shares_embed=False,
                          kv_bytes_per_token=1, activation_bytes_per_token=0, hidden_size=2, intermediate_size=4,
