@@ -274,6 +274,9 @@ def window_s(alone: list[float], chain: Sequence[StageProfile], window: Window,
     # 90% of it in this function, when every round recomputed the hosts, who shares them and the host bound).
     host_bound = _host_bound(alone, chain, neighbours)
     in_step = _in_step_groups(chain, window, num_micro_batches, neighbours)
+    # Started together, a host's stages compute at the same time whenever one does, however idle the ring
+    # leaves them: each is stretched as if the others were always busy (they are, while it computes)
+    together = {k for on, _ in in_step for k in on}
     # Per stage sharing a host: the others of this chain there (index, threads, compute share), what the
     # other chains' stages there want (`_cores_stretch`'s terms for them: they do not change), and the
     # stretch with every one of them busy. The rounds below do `_cores_stretch`'s arithmetic inline, in
@@ -305,7 +308,7 @@ def window_s(alone: list[float], chain: Sequence[StageProfile], window: Window,
                 continue
             others, near_terms, near_shares, at_full, own_threads = shared
             # The others' shares of the time they are busy, as this stage sees them
-            shares = [min(1.0, busy[j] / time) for j, _, _ in others]
+            shares = [1.0] * len(others) if k in together else [min(1.0, busy[j] / time) for j, _, _ in others]
             wanted_others = 0
             for (_, threads, compute_share), share in zip(others, shares):
                 wanted_others += threads * share * compute_share
@@ -350,7 +353,8 @@ def _host_bound(alone: list[float], chain: Sequence[StageProfile], neighbours: N
 def _in_step_groups(chain: Sequence[StageProfile], window: Window, num_micro_batches: int,
                     neighbours: Neighbours) -> list[tuple[list[int], float]]:
     """Per host whose stages the ring starts in step, (those stages' places in the chain, the seconds the
-    window's steps last longer for it: steps x the host's measured `lockstep_excess_s`). A ring of at most
+    window's steps last longer for it: steps x the host's measured `lockstep_excess_s`; its stages are
+    stretched as if always computing together, as they do whenever one computes). A ring of at most
     one micro-batch per stage plus the one at the broker keeps every stage waiting on its neighbour, so the
     host's stages start their steps together and the ring waits for the last to finish: the trace of the
     README's command (3 one-thread stages on 2 cores) showed decode steps of 1.63-1.74x alone where the

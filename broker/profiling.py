@@ -33,10 +33,10 @@ from layerbus.wire import protocol
 log = logging.getLogger("layerbus.broker")
 
 MAX_PROBE_BYTES = 512 << 10  # control messages are capped at 1 MiB
-SHARING_CACHE_VERSION = 4  # bump when what the co-run probe measures changes: older cache files are ignored
+SHARING_CACHE_VERSION = 5  # bump when what the co-run probe measures changes: older cache files are ignored
 # (2: an emulated stage's step lasts its CPU time / F, stages/emulation.py; 3: the median of rounds;
-# 4: the probe in step, `lockstep_excess_s`)
-TICK_LEAD_S = 0.4  # from sending the probe in step to its first tick: each stage loads its layers first
+# 4: the probe in step, `lockstep_excess_s`; 5: the stages probed together start at one time)
+TICK_LEAD_S = 0.4  # from sending a probe served together to its start: each stage loads its layers first
 PROFILE_SHAPES = ("decode", "few_rows", "long_kv", "prefill", "late_prefill")  # as stages/profile.py SHAPES
 
 
@@ -164,9 +164,10 @@ def measure_sharing(control: ControlPlane, stages: list[StageInfo], profiles: li
                 for stage in group:
                     control.send(stage, protocol.PROFILE, **probe)
                     alone[stage.name] = _probe_result(control, stage, timeout_s)
+                start = time.time() + TICK_LEAD_S  # all at once: each loads its layers first, at its own speed
                 for stage in group:
-                    control.send(stage, protocol.PROFILE, **probe)
-                together = _probe_results(control, group, timeout_s)
+                    control.send(stage, protocol.PROFILE, **probe, probe_start=start)
+                together = _probe_results(control, group, timeout_s + TICK_LEAD_S)
                 for stage in group:
                     if alone[stage.name] and together.get(stage.name):
                         ratios[stage.name].append(together[stage.name] / alone[stage.name])

@@ -222,10 +222,11 @@ class TickControl(AnsweringControl):
 
     def __init__(self, ticks: dict[str, list[tuple[int, float]]], repeats: int = 2):
         super().__init__()
-        self.ticks, self.repeats, self.in_step = ticks, repeats, []
+        self.ticks, self.repeats, self.in_step, self.starts = ticks, repeats, [], []
 
     def send(self, stage: StageInfo, kind: str, **fields) -> None:
         super().send(stage, kind, **fields)
+        self.starts.append((stage.name, fields.get("probe_start", 0.0)))
         self.pending_in_step = bool(fields.get("tick_period_s"))
         if self.pending_in_step:
             self.in_step.append((stage.name, fields["tick_start"], fields["tick_period_s"], fields["tick_layers"]))
@@ -250,6 +251,8 @@ def test_the_probe_in_step_measures_what_the_ring_waits_for_beyond_the_factors(t
     measured = measure_sharing(control, stages, profiles, REQUEST, 1.5, 10.0, cache_dir=tmp_path, tick_layers=10)
     assert [p.lockstep_excess_s for p in measured] == [pytest.approx(0.006)] * 2  # median of 4, 8, 6 ms
     assert [name for name, *_ in control.in_step] == ["a", "b"] * 3, "both in step, once a round"
+    together = [start for _, start in control.starts if start]
+    assert len(together) == 6 and len(set(together)) == 3, "the two probed together start at one time, each round"
     starts = {(start, period, layers) for _, start, period, layers in control.in_step}
     assert len(starts) == 3 and {layers for _, _, layers in starts} == {10}
     # ticks as far apart as the slowest stage's 10 layers as profiled (10 x 1 ms) x (1 + 2 stages / 2 cores), + 5 ms

@@ -31,7 +31,7 @@ def test_a_step_whose_tick_has_passed_is_left_out_and_the_rest_are_reported_by_t
 
 
 @pytest.mark.parametrize("fields", [{"tick_period_s": -1.0}, {"tick_period_s": 61.0}, {"tick_layers": 2.5},
-                                    {"tick_start": "soon"}, {"tick_layers": True}])
+                                    {"tick_start": "soon"}, {"tick_layers": True}, {"probe_start": -3}])
 def test_a_malformed_probe_in_step_is_refused(fields) -> None:
     with pytest.raises(WireError, match="tick_start, tick_period_s"):
         ProfileRequest.from_header({**HEADER, **fields})
@@ -39,7 +39,12 @@ def test_a_malformed_probe_in_step_is_refused(fields) -> None:
 
 def test_a_profile_request_without_ticks_is_a_probe_at_its_own_pace() -> None:
     request = ProfileRequest.from_header(dict(HEADER, weights="int8"))
-    assert (request.tick_period_s, request.tick_layers, request.weights) == (0.0, 0, "int8")
+    assert (request.tick_period_s, request.tick_layers, request.probe_start, request.weights) == (0.0, 0, 0.0, "int8")
+
+
+def test_stages_probed_together_start_serving_at_one_time() -> None:
+    request = ProfileRequest.from_header({**HEADER, "probe_start": 1234.5})
+    assert request.probe_start == 1234.5 and request.tick_period_s == 0
 
 
 def cpu_stage(name: str, excess: float) -> StageProfile:
@@ -62,10 +67,11 @@ def test_the_ring_waits_each_step_for_the_host_s_last_stage(micro_batches, neigh
     paced_s, paced_busy = window_s(ALONE, [replace(s, lockstep_excess_s=0.0) for s in chain], WINDOW, micro_batches,
                                    neighbours=neighbours)
     if in_step:
-        # the busiest stage's seconds as the co-run factors stretch it, and 4 ms more each of the 100 steps
-        # (to the fixed point's last round: the busy times it returns are one round on)
-        assert time_s == pytest.approx(max(busy) + 100 * 0.004, rel=1e-4) and time_s > paced_s
-        assert max(busy) <= max(paced_busy)  # the others busy a smaller share of a longer window stretch it less
+        # Started together, each computes while the others do: stretched by the whole co-run factor (3
+        # one-thread stages on 2 cores: 1.5x), however idle the ring leaves them; the window lasts the
+        # busiest stage's seconds and 4 ms more each of its 100 steps.
+        assert busy == [pytest.approx(a * 1.5) for a in ALONE]
+        assert time_s == pytest.approx(max(busy) + 100 * 0.004) and time_s > paced_s
     else:
         assert (time_s, busy) == (paced_s, paced_busy)
 

@@ -34,12 +34,14 @@ def reference_window_s(alone, chain, window, num_micro_batches, latency=None, ne
             taken = sum(n.cores for n in neighbours if _on(n.profile, host))
             host_bound = max(host_bound, demand / max(cores - taken, MIN_CORE_SHARE * cores))
         in_step = 0.0  # a ring of one micro-batch per stage (and one at the broker) starts a host's stages together
-        if num_micro_batches <= len(chain) + 1:
+        together = set()
+        if num_micro_batches <= len(chain) + 1 and window.work.steps > 0:
             for host in _hosts(chain):
                 on = [k for k, s in enumerate(chain) if _on(s, host)]
                 excess = max(chain[k].lockstep_excess_s for k in on)
                 if len(on) >= 2 and excess > 0 and not any(_on(n.profile, host) for n in neighbours):
                     in_step = max(in_step, max(busy[k] for k in on) + window.work.steps * excess)
+                    together.update(on)
         time = max(max(busy, default=0.0), chain_bound, host_bound, in_step)
         if time <= 0:
             return 0.0, busy
@@ -50,7 +52,7 @@ def reference_window_s(alone, chain, window, num_micro_batches, latency=None, ne
             if not s.shares_cores or not (others or near):
                 stretched.append(b)
                 continue
-            sharing = [(chain[j], min(1.0, busy[j] / time)) for j in others] + near
+            sharing = [(chain[j], 1.0 if k in together else min(1.0, busy[j] / time)) for j in others] + near
             cores = _cores_stretch(s, sharing)
             if s.corun_factor > 0:
                 at_full = _cores_stretch(s, [(o, 1.0) for o, _ in sharing])
