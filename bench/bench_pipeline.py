@@ -36,7 +36,7 @@ from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions  # noq
 from layerbus.broker.partition import model_cost_from_config  # noqa: E402
 from layerbus.broker.requests import GenerationRequest  # noqa: E402
 from layerbus.broker.scheduler import BatchingConfig  # noqa: E402
-from layerbus.broker.workload import Workload  # noqa: E402
+from layerbus.broker.workload import ASSUMED_OUTPUT_SHARES, Workload  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -109,7 +109,9 @@ def run_layerbus(model_dir: Path, prompts, max_new_tokens: int, stages: int, thr
     """layerbus on local stage processes; `batching` as given (its defaults: what `layerbus run` uses)."""
     requests = [GenerationRequest(pid, ids, max_new_tokens=max_new_tokens) for pid, ids in prompts]
     # The job's shape, as `layerbus run` gives it from the store (jobs.job_workload): sizes and plan use it.
-    workload = Workload.of_prompts([ids for _, ids in prompts], max_new_tokens)
+    # Nothing like it has run before (no store here): outputs assumed to end evenly up to their budgets.
+    workload = Workload.of_prompts([ids for _, ids in prompts], max_new_tokens).with_output_shares(
+        ASSUMED_OUTPUT_SHARES, assumed=True)
     config = BrokerConfig(str(model_dir), stages, batching=batching, workload=workload, weights=weights)
     with LocalCluster(config, LocalStageOptions(threads_per_stage=threads_per_stage, device=device,
                                                 dtype=dtype)) as cluster:

@@ -5,9 +5,11 @@ per stage, on the cases the issue names.
                run through the CLI in this process, in a fresh LAYERBUS_HOME
   readme-again the same command again in the same home: the store now knows where this model's
                summaries ended, and the plan expects outputs to end there
-  pipeline-2   bench_pipeline.py's layerbus run on 2 stages (128 prompts, 128 new tokens, its batching)
+  pipeline-2   bench_pipeline.py's layerbus run on 2 stages (128 prompts, 128 new tokens, its batching), its
+               workload told as `layerbus run` tells a first job (outputs assumed to end evenly up to the budget)
   pipeline-3   the same on 3 stages
-  A-equal, A-planned   bench_placement.py's scenario A (2 stages at emulated speeds 1.0 and 0.33)
+  A-equal, A-planned   bench_placement.py's scenario A (2 stages at emulated speeds 1.0 and 0.33), told as
+                       bench_placement tells it: every item may run to its budget
   B-planned, B-equal   scenario B (3 stages at 0.33, the middle one with 300MB; the best equal split
                        that fits is the two large stages, 15 + 15)
 
@@ -92,17 +94,18 @@ class BrokerLog(logging.Handler):
 
 
 def broker_config(model_dir: Path, stages: int, batching: BatchingConfig, partition: str, prompts,
-                  max_new_tokens: int) -> BrokerConfig:
-    """The config, telling the broker the workload where it can be told (the broker of issue 12)."""
+                  max_new_tokens: int, as_first_job: bool) -> BrokerConfig:
+    """The config, telling the broker the workload where it can be told (the broker of issue 12).
+    `as_first_job`: told as `layerbus run` tells it for a job nothing like has run before (outputs assumed
+    to end evenly up to their budgets, jobs.job_workload); else as bench_placement tells it (every item
+    may run to its budget)."""
     fields = {f.name for f in dataclasses.fields(BrokerConfig)}
     extra = {}
     if "workload" in fields:
-        from layerbus.broker.workload import Workload
-
-        workload = Workload.of_prompts([ids for _, ids in prompts], max_new_tokens)
         from layerbus.broker import workload as workloads
 
-        if hasattr(workloads, "ASSUMED_OUTPUT_SHARES"):  # as `layerbus run` plans a job nothing like has run before
+        workload = workloads.Workload.of_prompts([ids for _, ids in prompts], max_new_tokens)
+        if as_first_job and hasattr(workloads, "ASSUMED_OUTPUT_SHARES"):
             workload = workload.with_output_shares(workloads.ASSUMED_OUTPUT_SHARES, assumed=True)
         extra["workload"] = workload
     else:  # before: the planner was told the prompt/new-token ratio
@@ -114,8 +117,8 @@ def broker_config(model_dir: Path, stages: int, batching: BatchingConfig, partit
 
 
 def run_cluster(name: str, model_dir: Path, prompts, max_new_tokens: int, batching: BatchingConfig, partition: str,
-                stage_args: list[tuple[str, ...]], threads: int) -> dict:
-    config = broker_config(model_dir, len(stage_args), batching, partition, prompts, max_new_tokens)
+                stage_args: list[tuple[str, ...]], threads: int, as_first_job: bool = False) -> dict:
+    config = broker_config(model_dir, len(stage_args), batching, partition, prompts, max_new_tokens, as_first_job)
     requests = [GenerationRequest(pid, ids, max_new_tokens=max_new_tokens) for pid, ids in prompts]
     print(f"== {name}: {len(stage_args)} stage(s), {partition}", file=sys.stderr, flush=True)
     with BrokerLog() as broker_log:
@@ -190,7 +193,7 @@ def main() -> None:
             # bench_pipeline.py's settings: batch sizes chosen by the broker, as `layerbus run` does.
             batching = BatchingConfig(micro_batch_size=0, max_step_tokens=0, max_context=4096)
             rows.append(run_cluster(case, model_dir, prompts, 128, batching, "planned", [()] * stages,
-                                    max(1, cores // stages)))
+                                    max(1, cores // stages), as_first_job=True))
         elif case.startswith("A-"):
             prompts = tokenized_prompts(tokenizer, 48)
             batching = BatchingConfig(micro_batch_size=16, max_context=768)
