@@ -36,7 +36,9 @@ MAX_PROBE_BYTES = 512 << 10  # control messages are capped at 1 MiB
 SHARING_CACHE_VERSION = 5  # bump when what the co-run probe measures changes: older cache files are ignored
 # (2: an emulated stage's step lasts its CPU time / F, stages/emulation.py; 3: the median of rounds;
 # 4: the probe in step, `lockstep_excess_s`; 5: the stages probed together start at one time)
-TICK_LEAD_S = 0.4  # from sending a probe served together to its start: each stage loads its layers first
+# From sending a probe served together to its start: each stage loads its layers and warms up first. Twice
+# the longest a stage took to that alone (with a margin), or this where a stage did not say.
+UNKNOWN_LEAD_S = 0.4
 PROFILE_SHAPES = ("decode", "few_rows", "long_kv", "prefill", "late_prefill")  # as stages/profile.py SHAPES
 
 
@@ -160,20 +162,23 @@ def measure_sharing(control: ControlPlane, stages: list[StageInfo], profiles: li
             ratios: dict[str, list[float]] = {stage.name: [] for stage in group}
             tick_rounds = []
             for _ in range(rounds):
-                alone = {}
+                alone, ready = {}, []
                 for stage in group:
                     control.send(stage, protocol.PROFILE, **probe)
-                    alone[stage.name] = _probe_result(control, stage, timeout_s)
-                start = time.time() + TICK_LEAD_S  # all at once: each loads its layers first, at its own speed
+                    result = _probe_results(control, [stage], timeout_s, field="probe_step_s", whole=True)[stage.name]
+                    alone[stage.name] = float(result["probe_step_s"]) if result else None
+                    ready.append(result.get("probe_ready_s") if result else None)
+                lead = _lead_s(ready)
+                start = time.time() + lead  # all at once: each loads its layers first, at its own speed
                 for stage in group:
                     control.send(stage, protocol.PROFILE, **probe, probe_start=start)
-                together = _probe_results(control, group, timeout_s + TICK_LEAD_S)
+                together = _probe_results(control, group, timeout_s + lead)
                 for stage in group:
                     if alone[stage.name] and together.get(stage.name):
                         ratios[stage.name].append(together[stage.name] / alone[stage.name])
                 if tick_layers and all(alone.values()):
                     tick_rounds.append((alone, _ticks_round(control, group, [by_name[g.name] for g in group], probe,
-                                                            tick_layers, timeout_s)))
+                                                            tick_layers, timeout_s, lead)))
             for name, measured in ratios.items():
                 if len(measured) == rounds:  # a stage that could not probe in some round: reckoned from threads
                     factors[name] = max(1.0, statistics.median(measured))
@@ -192,18 +197,28 @@ def measure_sharing(control: ControlPlane, stages: list[StageInfo], profiles: li
             if p.name in factors else p for p in profiles]
 
 
+def _lead_s(ready: list) -> float:
+    """How long before a start in common to send the stages their probes: twice the longest any took alone
+    from the request to its first step served (together they load at once, sharing the cores), plus 50 ms;
+    UNKNOWN_LEAD_S where a stage did not say (a stage of before). 0.4 s for every probe cost the test suite
+    over a minute, where a tiny model's stages are ready in milliseconds."""
+    if not ready or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and 0 <= r < 60 for r in ready):
+        return UNKNOWN_LEAD_S
+    return 0.05 + 2 * max(ready)
+
+
 def _ticks_round(control: ControlPlane, group: list[StageInfo], profiles: list[StageProfile], probe: dict,
-                 tick_layers: int, timeout_s: float) -> dict[str, dict]:
+                 tick_layers: int, timeout_s: float, lead_s: float = UNKNOWN_LEAD_S) -> dict[str, dict]:
     """The probe in step on every stage of one host: {stage: its result (its steps per tick, the held
     step's repeats)}. The ticks are far enough apart for every stage to finish before the next: the
     slowest step as the profiles price it, times what the host's cores could stretch it by."""
     step = max(p.step_overhead_s + p.layer_decode_s * tick_layers for p in profiles)
     cores = max(1, min(p.host_cores or len(group) for p in profiles))
     period = step * (1 + len(group) / cores) + 0.005
-    start = time.time() + TICK_LEAD_S + 3 * step  # each stage loads its layers and warms up first
+    start = time.time() + lead_s + step  # each stage loads its layers and warms up (a real step's length) first
     for stage in group:
         control.send(stage, protocol.PROFILE, **probe, tick_start=start, tick_period_s=period, tick_layers=tick_layers)
-    return _probe_results(control, group, timeout_s + TICK_LEAD_S, field="probe_ticks")
+    return _probe_results(control, group, timeout_s + lead_s, field="probe_ticks", whole=True)
 
 
 def lockstep_excess_s(rounds: list[tuple[dict[str, float], dict[str, dict | None]]], factors: dict[str, float]) -> float:
@@ -281,16 +296,10 @@ def _write_factors(path: Path, key: dict, factors: list[float], lockstep_excess:
         log.warning("could not cache the co-run factors in %s (%s); the next plan probes again", path, error)
 
 
-def _probe_result(control: ControlPlane, stage: StageInfo, timeout_s: float) -> float | None:
-    """The probe's step time, or None when the stage could not run it (it says why; the plan then
-    reckons the sharing from threads and cores)."""
-    return _probe_results(control, [stage], timeout_s).get(stage.name)
-
-
 def _probe_results(control: ControlPlane, stages: list[StageInfo], timeout_s: float,
-                   field: str = "probe_step_s") -> dict:
+                   field: str = "probe_step_s", whole: bool = False) -> dict:
     """Every stage's probe result, gathered as they come (one poll may bring several): its step time, or
-    for another `field` its whole result; None where it could not run the probe."""
+    (`whole`) the result with `field` in it; None where it could not run the probe."""
     waiting = {stage.name for stage in stages}
     results: dict = {}
     deadline = time.monotonic() + timeout_s
@@ -302,7 +311,7 @@ def _probe_results(control: ControlPlane, stages: list[StageInfo], timeout_s: fl
                 continue
             waiting.discard(event.stage)
             if field in event.header:
-                results[event.stage] = float(event.header[field]) if field == "probe_step_s" else event.header
+                results[event.stage] = event.header if whole else float(event.header[field])
             else:
                 log.warning("stage %s could not run the co-run probe: %s", event.stage,
                             event.header.get("error", "no step time"))

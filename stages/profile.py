@@ -171,6 +171,7 @@ def corun_probe(files, request: ProfileRequest, device: str, weights: WeightChoi
     broker runs it on each stage alone and then on the stages of one machine at once, and the ratio is
     what sharing that machine costs each (cores, memory bandwidth, whatever else runs there now). With
     `request.tick_period_s`, the steps start in step with the host's other stages (`tick_probe`)."""
+    began = time.monotonic()
     held = min(PROFILE_LAYERS, files.num_layers)
     full = load_shard(files, _spec(held, False, device, weights))
     shape = attention_shape(full.config)
@@ -207,8 +208,10 @@ def corun_probe(files, request: ProfileRequest, device: str, weights: WeightChoi
         started = time.monotonic()
         while time.monotonic() - started < request.probe_s or len(samples) < 3:
             samples.append(serve())
+        # probe_ready_s: from the request to the first step served (loading and warming up): how long before
+        # a start in common the broker sends the probes served together
         return {"probe_step_s": statistics.median(samples[1:] if len(samples) > 3 else samples),
-                "probe_steps": len(samples)}
+                "probe_steps": len(samples), "probe_ready_s": started - began + samples[0]}
     finally:
         del full, arena
         gc.collect()

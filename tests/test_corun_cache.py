@@ -8,13 +8,14 @@ once); the end-to-end path, with real stages, runs in every cluster test that pl
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 
 import pytest
 
 from layerbus.broker.control import ControlEvent, StageInfo
 from layerbus.broker.plan_values import StageProfile
-from layerbus.broker.profiling import lockstep_excess_s, measure_sharing
+from layerbus.broker.profiling import UNKNOWN_LEAD_S, _lead_s, lockstep_excess_s, measure_sharing
 from layerbus.wire import protocol
 
 ALONE_S, TOGETHER_S = 0.010, 0.015
@@ -285,3 +286,38 @@ def test_the_probe_in_step_measures_what_the_ring_waits_for_beyond_the_factors(t
 ], ids=["ticks", "no slower", "no shared tick", "a stage without", "median round"])
 def test_lockstep_excess_table(rounds, want):
     assert lockstep_excess_s(rounds, {"a": 1.5, "b": 1.5}) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("ready, want", [
+    ([0.01, 0.02], 0.05 + 2 * 0.02),  # twice the slowest to get ready alone, and 50 ms
+    ([1.5], 3.05),  # a large model's layers take a while to load: the start waits for them
+    ([0.01, None], UNKNOWN_LEAD_S), ([], UNKNOWN_LEAD_S), ([True], UNKNOWN_LEAD_S), (["0.1"], UNKNOWN_LEAD_S),
+], ids=["ready", "slow to load", "one did not say", "none", "a bool", "a string"])
+def test_the_start_in_common_waits_as_long_as_the_stages_took_to_get_ready(ready, want):
+    assert _lead_s(ready) == pytest.approx(want)
+
+
+class ReadyControl(TickControl):
+    """Says, with each probe alone, that the stage was ready 10 ms after the request; records when each
+    probe was sent."""
+
+    def __init__(self):
+        super().__init__({"a": [(0, 0.02)], "b": [(0, 0.02)]})
+        self.sent_at = []
+
+    def send(self, stage: StageInfo, kind: str, **fields) -> None:
+        self.sent_at.append(time.time())
+        super().send(stage, kind, **fields)
+
+    def poll(self, timeout_ms: int) -> list[ControlEvent]:
+        events = super().poll(timeout_ms)
+        return [ControlEvent(e.kind, e.stage, {**e.header, "probe_ready_s": 0.01}) for e in events]
+
+
+def test_stages_probed_together_start_as_soon_as_they_were_ready_alone(tmp_path):
+    control = ReadyControl()
+    measure_sharing(control, [stage("a"), stage("b")], [profile("a"), profile("b")], REQUEST, 1.5, 10.0,
+                    cache_dir=tmp_path, tick_layers=10)
+    lead = 0.05 + 2 * 0.01
+    waits = [start - sent for (_, start), sent in zip(control.starts, control.sent_at) if start]
+    assert len(waits) == 6 and all(0 < wait <= lead for wait in waits), waits  # not UNKNOWN_LEAD_S
