@@ -171,7 +171,7 @@ def measure_sharing(control: ControlPlane, stages: list[StageInfo], profiles: li
                 lead = _lead_s(ready)
                 start = time.time() + lead  # all at once: each loads its layers first, at its own speed
                 for stage in group:
-                    control.send(stage, protocol.PROFILE, **probe, probe_start=start)
+                    control.send(stage, protocol.PROFILE, **probe, probe_start=start, start_lead_s=lead)
                 together = _probe_results(control, group, timeout_s + lead)
                 for stage in group:
                     if alone[stage.name] and together.get(stage.name):
@@ -215,9 +215,11 @@ def _ticks_round(control: ControlPlane, group: list[StageInfo], profiles: list[S
     step = max(p.step_overhead_s + p.layer_decode_s * tick_layers for p in profiles)
     cores = max(1, min(p.host_cores or len(group) for p in profiles))
     period = step * (1 + len(group) / cores) + 0.005
-    start = time.time() + lead_s + step  # each stage loads its layers and warms up (a real step's length) first
+    lead_s += step  # each stage loads its layers and warms up (a real step's length) first
+    start = time.time() + lead_s
     for stage in group:
-        control.send(stage, protocol.PROFILE, **probe, tick_start=start, tick_period_s=period, tick_layers=tick_layers)
+        control.send(stage, protocol.PROFILE, **probe, tick_start=start, tick_period_s=period, tick_layers=tick_layers,
+                     start_lead_s=lead_s)
     return _probe_results(control, group, timeout_s + lead_s, field="probe_ticks", whole=True)
 
 

@@ -20,7 +20,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -75,6 +75,10 @@ class ProfileRequest:
     # A co-run probe at its own pace served by several stages at once: the host's wall-clock time they all
     # start serving at (0: at once). Each loads its layers first, which takes each a different time.
     probe_start: float = 0.0
+    # How long after the broker sent it tick_start / probe_start is: where this host's clock disagrees with
+    # the broker's (another machine's) by more than CLOCKS_AGREE_S, the start is taken as this long after
+    # the request came (the stages of one host get it at about the same moment). 0: the start as given.
+    start_lead_s: float = 0.0
     # The broker's --weights (wire.weight_formats): the stage's own flag wins, as for its assignment. The
     # profile is taken in that format; under "auto" in full precision, with the quantized formats the
     # planner may fall back to timed beside it (`format_ratios`).
@@ -90,14 +94,23 @@ class ProfileRequest:
         weights = header.get("weights", "auto")
         if weights not in WEIGHT_FORMATS:
             raise WireError(f"profile weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
-        ticks = {name: header.get(name, 0) for name in ("tick_start", "tick_period_s", "tick_layers", "probe_start")}
+        ticks = {name: header.get(name, 0)
+                 for name in ("tick_start", "tick_period_s", "tick_layers", "probe_start", "start_lead_s")}
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in ticks.values()) \
                 or not isinstance(ticks["tick_layers"], int) or ticks["tick_period_s"] > 60:
-            raise WireError(f"profile tick_start, tick_period_s (at most 60 s), tick_layers (an int) and probe_start "
-                            f"must be numbers >= 0, got {ticks}")
+            raise WireError(f"profile tick_start, tick_period_s (at most 60 s), tick_layers (an int), probe_start and "
+                            f"start_lead_s must be numbers >= 0, got {ticks}")
+        if 0 < ticks["tick_period_s"] < MIN_TICK_PERIOD_S or ticks["tick_period_s"] and not ticks["tick_layers"]:
+            raise WireError(f"profile tick_period_s must be 0 or at least {MIN_TICK_PERIOD_S} s, with tick_layers, "
+                            f"got {ticks}")
+        if ticks["start_lead_s"] > MAX_START_AHEAD_S or not ticks["start_lead_s"] and \
+                max(ticks["tick_start"], ticks["probe_start"]) > time.time() + MAX_START_AHEAD_S:
+            raise WireError(f"profile start_lead_s, or without it tick_start / probe_start, must be at most "
+                            f"{MAX_START_AHEAD_S:.0f} s ahead of this host's clock (now {time.time():.3f}), got {ticks}")
         request = cls(header["model_dir"], header["micro_batch_size"], header["kv_length"], header["prefill_tokens"],
                       float(probe_s), tick_start=float(ticks["tick_start"]), tick_period_s=float(ticks["tick_period_s"]),
-                      tick_layers=ticks["tick_layers"], probe_start=float(ticks["probe_start"]), weights=weights)
+                      tick_layers=ticks["tick_layers"], probe_start=float(ticks["probe_start"]),
+                      start_lead_s=float(ticks["start_lead_s"]), weights=weights)
         if min(request.micro_batch_size, request.prefill_tokens) < 1 or request.kv_length < 0:
             raise WireError(f"profile shapes must be positive, got {request}")
         return request
@@ -172,6 +185,7 @@ def corun_probe(files, request: ProfileRequest, device: str, weights: WeightChoi
     what sharing that machine costs each (cores, memory bandwidth, whatever else runs there now). With
     `request.tick_period_s`, the steps start in step with the host's other stages (`tick_probe`)."""
     began = time.monotonic()
+    request = on_this_clock(request)
     held = min(PROFILE_LAYERS, files.num_layers)
     full = load_shard(files, _spec(held, False, device, weights))
     shape = attention_shape(full.config)
@@ -218,7 +232,25 @@ def corun_probe(files, request: ProfileRequest, device: str, weights: WeightChoi
 
 
 TICK_SLACK_S = 0.002  # a step that cannot start within this of its tick is left out (the ring would not wait)
+MIN_TICK_PERIOD_S = 0.001
+MAX_START_AHEAD_S = 60.0  # a start further ahead than this on the stage's clock is refused, not waited for
+CLOCKS_AGREE_S = 0.5  # a broker's start this close to the stage's own reckoning is on the same clock
 MIN_TICKS = 4
+
+
+def on_this_clock(request: ProfileRequest) -> ProfileRequest:
+    """The request with its starts on this host's clock, as it comes in: as the broker gave them where the
+    two clocks agree (the broker's machine, or one in sync with it), else `start_lead_s` from now. The
+    stages probed together are on one host, so they agree with each other either way; a start taken from
+    a clock seconds off would have them all wait that long, or start each as it was ready."""
+    start = request.tick_start if request.tick_period_s > 0 else request.probe_start
+    if not start or not request.start_lead_s:
+        return request
+    here = time.time() + request.start_lead_s
+    if abs(start - here) <= CLOCKS_AGREE_S:
+        return request
+    return replace(request, tick_start=here if request.tick_period_s > 0 else request.tick_start,
+                   probe_start=here if request.probe_start else 0.0)
 
 
 def _wait_until(at: float) -> None:

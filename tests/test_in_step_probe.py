@@ -80,3 +80,31 @@ def test_stages_on_hosts_of_their_own_are_not_in_step_with_anyone() -> None:
     chain = [replace(cpu_stage(f"s{k}", 0.004), host=f"box{k}") for k in range(3)]
     assert window_s(ALONE, chain, WINDOW, 3) == window_s(ALONE, [replace(s, lockstep_excess_s=0.0) for s in chain],
                                                          WINDOW, 3)
+
+
+@pytest.mark.parametrize("offset_s, lead_s, moved", [
+    (0.0, 0.3, False),  # the broker's clock is this host's: the start as given
+    (0.2, 0.3, False),  # a clock in sync to within a fraction of a second: as given
+    (100.0, 0.3, True), (-100.0, 0.3, True),  # another machine's clock, far off either way: the lead from now
+    (100.0, 0.0, False),  # no lead said (a broker of before): as given
+], ids=["same clock", "in sync", "ahead", "behind", "no lead"])
+def test_a_start_on_another_machine_s_clock_is_taken_as_the_lead_from_now(offset_s, lead_s, moved) -> None:
+    from layerbus.stages.profile import on_this_clock
+
+    for fields in ({"probe_start": 1.0}, {"tick_start": 1.0, "tick_period_s": 0.1, "tick_layers": 4}):
+        given = time.time() + lead_s + offset_s
+        name = next(iter(fields))
+        request = ProfileRequest(**{**{k: v for k, v in HEADER.items()}, **fields, name: given, "start_lead_s": lead_s})
+        before = time.time()
+        start = getattr(on_this_clock(request), name)
+        if moved:
+            assert before + lead_s <= start <= time.time() + lead_s
+        else:
+            assert start == given
+
+
+def test_a_start_more_than_a_minute_ahead_without_a_lead_is_refused() -> None:
+    with pytest.raises(WireError, match="at most 60 s ahead"):
+        ProfileRequest.from_header({**HEADER, "probe_start": time.time() + 3600})
+    assert ProfileRequest.from_header({**HEADER, "probe_start": time.time() + 3600, "start_lead_s": 0.3}).start_lead_s \
+        == 0.3  # with a lead the stage starts that long after the request, whatever the broker's clock says

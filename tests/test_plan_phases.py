@@ -8,7 +8,7 @@ import pytest
 from layerbus.broker.placement import ModelMemory, Shapes, StageProfile, estimate_split, plan_placement
 from layerbus.broker.plan_report import format_prediction, prediction_report
 from layerbus.broker.scheduler import BatchingConfig
-from layerbus.broker.step_cost import LinearCost, ProfilePoint, StepWork, decode_step, fit_costs, prefill_step
+from layerbus.broker.step_cost import LinearCost, ProfilePoint, decode_step, fit_costs, prefill_step
 from layerbus.broker.workload import Workload, job_shape, shared_prefix_blocks, spread_shares
 from layerbus.storage.sample_places import sample_places
 from layerbus.wire.spans import LayerRange
