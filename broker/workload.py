@@ -28,8 +28,8 @@ mean: a job ends with its longest outputs, and one mean share for all ended ever
 README's summaries ended anywhere from 12% to 100% of their budgets (mean 63%); priced at the mean the
 job was 536 steps where 808 ran, its last third a dozen outputs running on to their budgets.
 Before any output of the model and task has ended, the shares are assumed spread evenly up to the
-budget (`ASSUMED_OUTPUT_SHARES`): outputs end at EOS, where is unknown, and a budget is a cap users
-set above what they expect. Every item to its budget was the one guess sure to be wrong for a job that
+budget (`ASSUMED_OUTPUT_SHARES`): outputs end at EOS, nobody knows where before they run, and a budget
+is a cap users set above what they expect. Every item to its budget was the one guess sure to be wrong for a job that
 ends at EOS: it predicted the README's first run at 141 tok/s where 88 ran (105 for the lengths it made).
 """
 
