@@ -200,8 +200,9 @@ def measure_sharing(control: ControlPlane, stages: list[StageInfo], profiles: li
 def _lead_s(ready: list) -> float:
     """How long before a start in common to send the stages their probes: twice the longest any took alone
     from the request to its first step served (together they load at once, sharing the cores), plus 50 ms;
-    UNKNOWN_LEAD_S where a stage did not say (a stage of before). 0.4 s for every probe cost the test suite
-    over a minute, where a tiny model's stages are ready in milliseconds."""
+    UNKNOWN_LEAD_S where a stage did not say (a stage of before). 0.4 s before every probe served together,
+    where a tiny model's stages are ready in milliseconds, added seconds to each test that plans local
+    stages (the fresh-clone suite ran 45 s faster without it, within this machine's noise)."""
     if not ready or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and 0 <= r < 60 for r in ready):
         return UNKNOWN_LEAD_S
     return 0.05 + 2 * max(ready)
