@@ -1,7 +1,7 @@
 """Several chains on one job (issue 14): tokens/s of the planner's choice of chains against 1 chain of 4, side by side in
 one run, on the same job, outputs checked equal. The shape run beside one chain of four is the planner's
 choice: `layerbus plan --stages 4 --json` profiles the same four stages and says how many chains and
-which stages in each (broker/chain_plan.py), with predicted tokens/s for its choice and for one chain
+which stages in each (planner/chain_plan.py), with predicted tokens/s for its choice and for one chain
 (at the corpus's own prompt tokens per new token, every stage given layers as in the runs); both
 predictions are tabled beside what ran.
 Chains are run as `layerbus run --chains K` deals them (consecutive stages); with alike stages the
@@ -87,9 +87,9 @@ def planner_choice(args: argparse.Namespace, model_dir: Path, ratio: float) -> d
 def run(chains: int, args: argparse.Namespace, model_dir: Path, corpus: Path, home: Path) -> dict:
     """One job on 4 emulated stages in `chains` chains; its figures and outputs."""
     from layerbus.broker.broker import BrokerConfig
-    from layerbus.broker.placement import PlanOptions
+    from layerbus.planner.placement import PlanOptions
     from layerbus.broker.local_cluster import LocalStageOptions
-    from layerbus.broker.scheduler import BatchingConfig
+    from layerbus.planner.batching import BatchingConfig
     from layerbus.jobs.chain_split import split_stages
     from layerbus.jobs.job_workload import job_workload
     from layerbus.jobs.leases import LeaseConfig

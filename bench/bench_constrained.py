@@ -35,10 +35,10 @@ from layerbus.broker import grammar as grammar_module  # noqa: E402
 from layerbus.broker import pipeline as pipeline_module  # noqa: E402
 from layerbus.broker.broker import BrokerConfig  # noqa: E402
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
-from layerbus.broker.placement import PlanOptions  # noqa: E402
+from layerbus.planner.placement import PlanOptions  # noqa: E402
 from layerbus.broker.requests import GenerationRequest  # noqa: E402
 from layerbus.broker.run_state import ListSource  # noqa: E402
-from layerbus.broker.scheduler import BatchingConfig  # noqa: E402
+from layerbus.planner.batching import BatchingConfig  # noqa: E402
 from layerbus.models.default_model import default_model_dir  # noqa: E402
 from layerbus.stages.sampling import allowed_tokens  # noqa: E402
 from layerbus.wire.constraint import Constraint, pack_mask  # noqa: E402

@@ -39,7 +39,7 @@ from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions  # noq
 from layerbus.broker.pipeline import PipelineConfig  # noqa: E402
 from layerbus.broker.run_state import ListSource  # noqa: E402
 from layerbus.broker.requests import GenerationRequest  # noqa: E402
-from layerbus.broker.scheduler import BatchingConfig  # noqa: E402
+from layerbus.planner.batching import BatchingConfig  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

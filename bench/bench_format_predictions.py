@@ -37,11 +37,11 @@ prefer_passive_waits()  # before torch loads: this process is the broker (bench/
 
 from layerbus.broker.broker import BrokerConfig  # noqa: E402
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
-from layerbus.broker.model_memory import model_memory  # noqa: E402
-from layerbus.broker.placement import estimate_split  # noqa: E402
+from layerbus.planner.model_memory import model_memory  # noqa: E402
+from layerbus.planner.placement import estimate_split  # noqa: E402
 from layerbus.broker.profiling import ProfilingConfig  # noqa: E402
 from layerbus.broker.requests import GenerationRequest  # noqa: E402
-from layerbus.broker.scheduler import BatchingConfig  # noqa: E402
+from layerbus.planner.batching import BatchingConfig  # noqa: E402
 from layerbus.models.model_files import open_model_dir  # noqa: E402
 from tests.large_model import make_large_model  # noqa: E402
 

@@ -61,8 +61,8 @@ def rss_mb() -> float:
 
 def measure(url: str, job_id: str) -> dict[str, Any]:
     """In this process: load the tokenizer, then time job_workload and price its shape."""
-    from layerbus.broker.scheduler import BatchingConfig
-    from layerbus.broker.workload import job_shape
+    from layerbus.planner.batching import BatchingConfig
+    from layerbus.broker.job_simulation import job_shape
     from layerbus.jobs.job_workload import job_workload
     from layerbus.models.default_model import default_model_dir
     from layerbus.models.model_info import load_tokenizer

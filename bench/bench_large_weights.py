@@ -29,7 +29,7 @@ from layerbus.broker.broker import BrokerConfig  # noqa: E402
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
 from layerbus.broker.profiling import ProfilingConfig  # noqa: E402
 from layerbus.broker.requests import GenerationRequest  # noqa: E402
-from layerbus.broker.scheduler import BatchingConfig  # noqa: E402
+from layerbus.planner.batching import BatchingConfig  # noqa: E402
 from layerbus.models.model_info import load_tokenizer  # noqa: E402
 from tests.large_model import make_large_model  # noqa: E402
 from tests.test_memory_budget import vm_hwm  # noqa: E402

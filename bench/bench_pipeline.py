@@ -33,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.corpus import tokenized_prompts  # noqa: E402
 from layerbus.broker.broker import BrokerConfig  # noqa: E402
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
-from layerbus.broker.partition import model_cost_from_config  # noqa: E402
+from layerbus.planner.partition import model_cost_from_config  # noqa: E402
 from layerbus.broker.requests import GenerationRequest  # noqa: E402
-from layerbus.broker.scheduler import BatchingConfig  # noqa: E402
-from layerbus.broker.workload import ASSUMED_OUTPUT_SHARES, Workload  # noqa: E402
+from layerbus.planner.batching import BatchingConfig  # noqa: E402
+from layerbus.planner.workload import ASSUMED_OUTPUT_SHARES, Workload  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

@@ -26,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.corpus import tokenized_prompts  # noqa: E402
 from layerbus.broker.broker import BrokerConfig  # noqa: E402
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
-from layerbus.broker.partition import equal_partition  # noqa: E402
-from layerbus.broker.placement import PlanOptions, estimate_split  # noqa: E402
-from layerbus.broker.plan_report import format_plan  # noqa: E402
+from layerbus.planner.partition import equal_partition  # noqa: E402
+from layerbus.planner.placement import PlanOptions, estimate_split  # noqa: E402
+from layerbus.planner.plan_report import format_plan  # noqa: E402
 from layerbus.broker.requests import GenerationRequest  # noqa: E402
-from layerbus.broker.scheduler import BatchingConfig  # noqa: E402
+from layerbus.planner.batching import BatchingConfig  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -112,8 +112,8 @@ def main() -> None:
         speeds = ("--emulate-speed", "0.33")
         stage_args = [speeds, (*speeds, "--emulate-memory", args.small_budget), speeds]
         planned = run(model_dir, prompts, args.max_new_tokens, batching, "planned", stage_args, options)
-        from layerbus.broker.model_memory import model_memory
-        from layerbus.broker.placement import Shapes
+        from layerbus.planner.model_memory import model_memory
+        from layerbus.planner.placement import Shapes
         from layerbus.models.model_info import read_model_info
 
         memory = model_memory(read_model_info(model_dir).files)

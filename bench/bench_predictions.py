@@ -40,7 +40,7 @@ from bench.corpus import tokenized_prompts  # noqa: E402
 from layerbus.broker.broker import BrokerConfig  # noqa: E402
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
 from layerbus.broker.requests import GenerationRequest  # noqa: E402
-from layerbus.broker.scheduler import BatchingConfig  # noqa: E402
+from layerbus.planner.batching import BatchingConfig  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
@@ -102,14 +102,14 @@ def broker_config(model_dir: Path, stages: int, batching: BatchingConfig, partit
     fields = {f.name for f in dataclasses.fields(BrokerConfig)}
     extra = {}
     if "workload" in fields:
-        from layerbus.broker import workload as workloads
+        from layerbus.planner import workload as workloads
 
         workload = workloads.Workload.of_prompts([ids for _, ids in prompts], max_new_tokens)
         if as_first_job and hasattr(workloads, "ASSUMED_OUTPUT_SHARES"):
             workload = workload.with_output_shares(workloads.ASSUMED_OUTPUT_SHARES, assumed=True)
         extra["workload"] = workload
     else:  # before: the planner was told the prompt/new-token ratio
-        from layerbus.broker.placement import PlanOptions
+        from layerbus.planner.placement import PlanOptions
 
         ratio = sum(len(ids) for _, ids in prompts) / (len(prompts) * max_new_tokens)
         extra["plan_options"] = PlanOptions(prompt_tokens_per_new_token=ratio)

@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.corpus import SAMPLE_CORPUS, tokenized_prompts  # noqa: E402
 from layerbus.broker.broker import BrokerConfig  # noqa: E402
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
-from layerbus.broker.prefix_cache import PrefixCacheConfig  # noqa: E402
+from layerbus.planner.prefix_budget import PrefixCacheConfig  # noqa: E402
 from layerbus.broker.requests import GenerationRequest  # noqa: E402
-from layerbus.broker.scheduler import BatchingConfig  # noqa: E402
-from layerbus.broker.workload import Workload  # noqa: E402
+from layerbus.planner.batching import BatchingConfig  # noqa: E402
+from layerbus.planner.workload import Workload  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

@@ -35,11 +35,11 @@ from bench.corpus import tokenized_stories  # noqa: E402
 from bench.netns import StageNamespaces, run_ip, stop_stages, unavailable_reason  # noqa: E402
 from layerbus.broker.broker import Broker, BrokerConfig  # noqa: E402
 from layerbus.broker.link_probing import LinkProbeConfig  # noqa: E402
-from layerbus.broker.network import BROKER, HostLinks, Link  # noqa: E402
-from layerbus.broker.placement import PlanOptions  # noqa: E402
+from layerbus.planner.network import BROKER, HostLinks, Link  # noqa: E402
+from layerbus.planner.placement import PlanOptions  # noqa: E402
 from layerbus.broker.requests import GenerationRequest  # noqa: E402
-from layerbus.broker.scheduler import BatchingConfig  # noqa: E402
-from layerbus.broker.workload import Workload  # noqa: E402
+from layerbus.planner.batching import BatchingConfig  # noqa: E402
+from layerbus.planner.workload import Workload  # noqa: E402
 from layerbus.wire.curve import ClusterKeys, make_keypair, read_keypair  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"

@@ -32,7 +32,7 @@ from torch.nn import functional as F  # noqa: E402
 from layerbus.broker.broker import BrokerConfig  # noqa: E402
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
 from layerbus.broker.requests import GenerationRequest  # noqa: E402
-from layerbus.broker.scheduler import BatchingConfig  # noqa: E402
+from layerbus.planner.batching import BatchingConfig  # noqa: E402
 from layerbus.jobs.corpus import corpus_prompts  # noqa: E402
 from layerbus.models.default_model import default_model_dir  # noqa: E402
 from layerbus.models.model_info import load_tokenizer  # noqa: E402

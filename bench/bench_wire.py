@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.netns import StageNamespaces, stop_stages, unavailable_reason  # noqa: E402
 from layerbus.broker.broker import Broker, BrokerConfig  # noqa: E402
-from layerbus.broker.placement import PlanOptions  # noqa: E402
+from layerbus.planner.placement import PlanOptions  # noqa: E402
 from layerbus.broker.requests import GenerationRequest  # noqa: E402
-from layerbus.broker.scheduler import BatchingConfig  # noqa: E402
+from layerbus.planner.batching import BatchingConfig  # noqa: E402
 from layerbus.jobs.corpus import SAMPLE_CORPUS, corpus_prompts  # noqa: E402
 from layerbus.stages.wire_quality import quality_report  # noqa: E402
 from layerbus.wire.codecs import CODEC_NAMES, wire_bytes  # noqa: E402

@@ -1,6 +1,6 @@
 """The broker: owns the control plane, the placement in use (one `Placement`, swapped whole on a
 re-plan), the schedule and the result socket. What to place where is decided by the pure functions
-of broker.planning; the broker measures, loads, logs and reports around them."""
+of planner.planning; the broker measures, loads, logs and reports around them."""
 
 from __future__ import annotations
 
@@ -12,20 +12,20 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 
 import zmq
 
-from layerbus.broker.chain import Placement
-from layerbus.broker.weight_choice import AUTO_FALLBACKS
+from layerbus.planner.chain import Placement
+from layerbus.planner.weight_choice import AUTO_FALLBACKS
 from layerbus.broker.control import ClusterError, ControlPlane, StageInfo, StageLost, StageState
-from layerbus.broker.drift import Work
+from layerbus.planner.drift import Work
 from layerbus.broker.detokenizer import IncrementalDetokenizer
-from layerbus.broker.model_memory import model_memory
+from layerbus.planner.model_memory import model_memory
 from layerbus.broker.link_probing import LinkProbeConfig, MeasuredLink, probe_links
-from layerbus.broker.network import HostLinks, Link, LinkMatrix, live_matrix
-from layerbus.broker.partition import model_cost_from_config
+from layerbus.planner.network import HostLinks, Link, LinkMatrix, live_matrix
+from layerbus.planner.partition import model_cost_from_config
 from layerbus.broker.pipeline import Pipeline, PipelineConfig
-from layerbus.broker.placement import PlacementError, Plan, PlanOptions, StageProfile, estimate_split
-from layerbus.broker.batch_sizing import choose_batching, choose_by_plan
-from layerbus.broker.plan_report import format_link_matrix, format_plan, format_prediction, prediction_report
-from layerbus.broker.planning import (
+from layerbus.planner.placement import PlacementError, Plan, PlanOptions, StageProfile, estimate_split
+from layerbus.planner.batch_sizing import choose_batching, choose_by_plan
+from layerbus.planner.plan_report import format_link_matrix, format_plan, format_prediction, prediction_report
+from layerbus.planner.planning import (
     PlanInputs,
     expected_busy_s,
     link_codec_inputs,
@@ -42,11 +42,12 @@ from layerbus.broker.planning import (
 from layerbus.broker.profiling import ProfilingConfig, collect_profiles, measure_sharing, profile_request, tick_layers_of
 from layerbus.broker.requests import GenerationRequest, GenerationResult
 from layerbus.broker.run_state import BrokerCounts, ListSource, RecordingSink, RecordingSource, RequestSource, ResultSink, RunStats
-from layerbus.broker.scheduler import BatchingConfig
+from layerbus.planner.batching import BatchingConfig
 from layerbus.broker.stage_view import StageView
 from layerbus.broker.trace_file import BrokerTrace
-from layerbus.broker.wire_choice import AutoWireInputs, plan_link_codecs
-from layerbus.broker.workload import Workload, job_shape, mean_decode_context
+from layerbus.planner.wire_choice import AutoWireInputs, plan_link_codecs
+from layerbus.planner.workload import Workload, mean_decode_context
+from layerbus.broker.job_simulation import job_shape
 from layerbus.models.model_info import ModelInfo, load_tokenizer, read_model_info
 from layerbus.storage.snapshot_records import StageSnapshot
 from layerbus.wire.curve import ClusterKeys
@@ -75,7 +76,7 @@ class BrokerConfig:
     # CURVE on every link (wire/curve.py): the broker's keypair and the stage keys it admits. None: the
     # links are neither authenticated nor encrypted (the CLI allows that on loopback binds, or --insecure).
     keys: ClusterKeys | None = None
-    partition: str = "planned"  # "planned" (profiled stages, broker.placement), "balanced" (by FLOPs) or "equal"
+    partition: str = "planned"  # "planned" (profiled stages, planner.placement), "balanced" (by FLOPs) or "equal"
     plan_options: PlanOptions = field(default_factory=PlanOptions)  # workload mix, reserve, reordering
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
@@ -287,7 +288,7 @@ class Broker:
         it touches no socket."""
         inputs = self._plan_inputs(stages)
         return one_chain_planner(self.requested_batching, inputs.memory, inputs.options, inputs.network,
-                                 self.config.workload)
+                                 self.config.workload, job_shape)
 
     def _heartbeating(self, compute: Callable[[], T]) -> T:
         """`compute()` (pure planning) on a thread of its own while this one keeps the stages' heartbeats

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import zmq
 
-from layerbus.broker.chain import Placement
+from layerbus.planner.chain import Placement
 from layerbus.wire import protocol
 from layerbus.wire.curve import ClusterKeys, CurveGate
 from layerbus.wire.frames import WireError, decode, encode

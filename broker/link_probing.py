@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from layerbus.broker.control import ClusterError, ControlPlane, StageInfo
-from layerbus.broker.network import Link
+from layerbus.planner.network import Link
 from layerbus.wire import protocol
 
 log = logging.getLogger("layerbus.broker")

@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from layerbus.broker.chain import Placement
+from layerbus.planner.chain import Placement
 from layerbus.broker.control import StageInfo, StageState
 from layerbus.broker.run_state import BrokerCounts
 from layerbus.storage.records import JobStatus

@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import zmq
 
-from layerbus.broker.chain import Placement
+from layerbus.planner.chain import Placement
 from layerbus.broker.control import ControlPlane, StageInfo, StageLost
 from layerbus.broker.detokenizer import IncrementalDetokenizer
-from layerbus.broker.drift import DriftConfig, DriftWatch, Expected, Work
-from layerbus.broker.prefix_cache import PrefixIndex, prefix_positions
+from layerbus.planner.drift import DriftConfig, DriftWatch, Expected, Work
+from layerbus.broker.prefix_cache import PrefixIndex
+from layerbus.planner.prefix_budget import prefix_positions
 from layerbus.broker.replay_window import StageCaches, replay_window
 from layerbus.broker.run_state import (
     BrokerCounts,
@@ -40,7 +41,8 @@ from layerbus.broker.run_state import (
     RunState,
     RunStats,
 )
-from layerbus.broker.scheduler import BatchingConfig, Scheduler, StepPlan
+from layerbus.planner.batching import BatchingConfig
+from layerbus.broker.scheduler import Scheduler, StepPlan
 from layerbus.broker.trace_file import BrokerTrace
 from layerbus.wire import protocol
 from layerbus.wire.curve import secure_client
@@ -396,7 +398,7 @@ class Pipeline:
         return {stage.name: stage.stats for stage in self.chain}
 
     def _watch_speed(self, run: RunState) -> None:
-        """Move layers off a stage that has slowed well below its measured normal (see broker.drift)."""
+        """Move layers off a stage that has slowed well below its measured normal (see planner.drift)."""
         if self.rebalance is None or not self._drift_watched:
             return
         slowed = self.drift.observe(self.clock(), self._stage_stats(), self.work)

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from layerbus.broker.control import ClusterError, ControlPlane, StageInfo
-from layerbus.broker.placement import ModelMemory, StageProfile
-from layerbus.broker.step_cost import LinearCost, ProfilePoint, StepWork, decode_step, fit_costs, prefill_step
+from layerbus.planner.placement import ModelMemory, StageProfile
+from layerbus.planner.step_cost import LinearCost, ProfilePoint, StepWork, decode_step, fit_costs, prefill_step
 from layerbus.models.home import profile_cache_dir
 from layerbus.models.openmp_waits import wait_policy
 from layerbus.wire import protocol
@@ -328,7 +328,7 @@ def _probe_results(control: ControlPlane, stages: list[StageInfo], timeout_s: fl
 def profile_from_result(result: dict, name: str, device: str, host: str, threads: int, kv_length: int,
                         bandwidth: float = math.inf, latency: float = 0.0) -> StageProfile:
     """The planner's profile from a stage's PROFILE_RESULT: the scalars it reports, plus the costs
-    fitted from its timed shapes (broker.step_cost) when it reports them (a stage of this version)."""
+    fitted from its timed shapes (planner.step_cost) when it reports them (a stage of this version)."""
     rows, chunk = int(result["micro_batch_size"]), int(result["prefill_tokens"])
     layer = overhead = None
     head_step = 0.0

@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from layerbus.broker.chain import Placement
+from layerbus.planner.chain import Placement
 from layerbus.broker.control import StageInfo
 from layerbus.storage.snapshot_records import StageSnapshot
 

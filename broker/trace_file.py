@@ -46,7 +46,7 @@ from layerbus.wire.trace_events import (
 )
 
 if TYPE_CHECKING:
-    from layerbus.broker.chain import Placement
+    from layerbus.planner.chain import Placement
     from layerbus.broker.control import ControlPlane, StageInfo
 
 log = logging.getLogger("layerbus.broker")

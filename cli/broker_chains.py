@@ -8,7 +8,7 @@ on this broker's hosts. The chains serve the store's jobs side by side, through 
 several `layerbus broker` processes on one job do; `layerbus status JOB` shows each.
 
 --chains auto: first a broker bound at the front door's own address waits for the N stages and profiles
-them, the planner groups them (broker/chain_plan.py), and once each chain's broker listens that broker
+them, the planner groups them (planner/chain_plan.py), and once each chain's broker listens that broker
 sends its stages on to it; then it closes and the front door takes the address over.
 
 A chain's broker that ends is marked gone at the front door (its stages that register again wait there);
@@ -165,8 +165,8 @@ def serve_chains(args: argparse.Namespace, keys, control_bind: str, results_bind
 def _planned_groups(broker: "Broker", stages: int) -> tuple[list[int], dict[str, int]]:
     """--chains auto: the chains' sizes and which stage goes to which chain, from `broker` (bound at the front
     door's address), which waits for `stages` stages and profiles them as a broker placing them would; the
-    planner groups them (broker/chain_plan.py)."""
-    from layerbus.broker.chain_plan import plan_chains
+    planner groups them (planner/chain_plan.py)."""
+    from layerbus.planner.chain_plan import plan_chains
 
     _say(f"--chains auto: waiting for {stages} stage(s) at {broker.address} to profile them")
     found = broker.control.wait_for_stages(stages, broker.config.register_timeout_s,

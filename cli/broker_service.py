@@ -169,7 +169,7 @@ def _broker_config(args: argparse.Namespace, model_dir: Path, keys, control_bind
 
     network = None
     if args.network is not None:
-        from layerbus.broker.cluster_file import ClusterFileError, read_network_file
+        from layerbus.planner.cluster_file import ClusterFileError, read_network_file
 
         try:
             network = read_network_file(args.network)

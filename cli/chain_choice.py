@@ -1,5 +1,5 @@
 """`layerbus run --chains auto`: profile the local stages once and let the planner group them into chains
-(broker/chain_plan.py) before the run starts them in that shape.
+(planner/chain_plan.py) before the run starts them in that shape.
 
 The stages are started, profiled and stopped here, then started again by the run (one chain: as
 `layerbus run` always does; several: one broker process per chain, cli/chains.py). Their profiles and
@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 
 from layerbus.broker.broker import BrokerConfig
-from layerbus.broker.chain_plan import ChainsPlan, plan_chains
+from layerbus.planner.chain_plan import ChainsPlan, plan_chains
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.jobs.chain_split import ChainStages, split_sizes
 

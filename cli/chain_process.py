@@ -52,7 +52,7 @@ def chain_main(run: ChainRun, placed: Any, go: Any) -> None:
     job starts once `go` (an event) is set, so every chain claims from the same moment. Exits with one
     of the CHAIN_* codes, or 128 + the signal that stopped it."""
     from layerbus.broker.control import ClusterError
-    from layerbus.broker.plan_values import PlacementError
+    from layerbus.planner.plan_values import PlacementError
     from layerbus.broker.stage_launcher import die_with_parent
     from layerbus.cli.signals import Interrupted, stop_on_signals
     from layerbus.jobs.local_run import run_job_locally

@@ -253,7 +253,7 @@ def serve(bind: str) -> int:
 
 def format_report(report: dict[str, Any]) -> str:
     """The report as a table with a few lines of explanation."""
-    from layerbus.broker.cluster_file import link_entry
+    from layerbus.planner.cluster_file import link_entry
 
     rtt = report["rtt"]
     lines = [f"layerbus netprobe {report['target']} (answers to {report['reply']})",

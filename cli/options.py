@@ -257,7 +257,7 @@ def link_mbps(text: str) -> tuple[float, ...]:
 
 def wire_from_args(args: argparse.Namespace) -> dict:
     """BrokerConfig's wire fields from --wire, --wire-quality and --link-mbps."""
-    from layerbus.broker.wire_choice import AutoWireInputs
+    from layerbus.planner.wire_choice import AutoWireInputs
 
     auto = AutoWireInputs(quality_table=args.wire_quality,
                           link_bandwidth=tuple(mbps * 1e6 / 8 for mbps in args.link_mbps))
@@ -275,8 +275,8 @@ def link_probe_from_args(args: argparse.Namespace):
 def batching_from_args(args: argparse.Namespace):
     """The BatchingConfig that --slots, --micro-batch-size, --micro-batches, --max-step-tokens,
     --max-context and the prefix cache's options describe."""
-    from layerbus.broker.prefix_cache import PrefixCacheConfig
-    from layerbus.broker.scheduler import BatchingConfig
+    from layerbus.planner.prefix_budget import PrefixCacheConfig
+    from layerbus.planner.batching import BatchingConfig
 
     prefix_tokens = 0 if getattr(args, "no_prefix_cache", False) else getattr(args, "prefix_cache_tokens", 4096)
     return BatchingConfig(num_slots=args.slots, micro_batch_size=args.micro_batch_size,
@@ -293,7 +293,7 @@ def pipeline_from_args(args: argparse.Namespace):
     if args.liveness_window <= 1.0:
         raise UsageError(f"--liveness-window {args.liveness_window}: stages heartbeat every 0.5 s, so the window must "
                          "be over 1 s (a few heartbeats) or live stages would be declared lost")
-    from layerbus.broker.drift import DriftConfig
+    from layerbus.planner.drift import DriftConfig
 
     threshold = args.slowdown_threshold
     if threshold and threshold <= 1.0:

@@ -63,9 +63,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from layerbus.broker.model_memory import model_memory
-    from layerbus.broker.placement import PlanOptions, Shapes, plan_placement
-    from layerbus.broker.plan_report import format_explain, format_plan
+    from layerbus.planner.model_memory import model_memory
+    from layerbus.planner.placement import PlanOptions, Shapes, plan_placement
+    from layerbus.planner.plan_report import format_explain, format_plan
     from layerbus.models.model_info import read_model_info
 
     if args.cluster and (args.emulate_speed or args.memory_budget or args.threads_per_stage):
@@ -80,13 +80,13 @@ def main(args: argparse.Namespace) -> int:
                           allow_drop=not args.keep_all)
     from dataclasses import replace
 
-    from layerbus.broker.batch_sizing import choose_by_plan
+    from layerbus.planner.batch_sizing import choose_by_plan
 
     batching = replace(batching, max_context=min(batching.max_context, info.max_positions))
     network = None
     if args.cluster:
-        from layerbus.broker.cluster_file import read_cluster
-        from layerbus.broker.partition import model_cost_from_config
+        from layerbus.planner.cluster_file import read_cluster
+        from layerbus.planner.partition import model_cost_from_config
 
         count = _count_stages(args.cluster)
         cluster = read_cluster(args.cluster, model_cost_from_config(info.files.config),
@@ -113,7 +113,7 @@ def main(args: argparse.Namespace) -> int:
                                            {"mean_kl": cost[0], "same_top": cost[1], "source": quality.source})
         print(json.dumps(dict(report, batching_reasons=list(sizing.reasons)), indent=2))
     else:
-        from layerbus.broker.plan_report import format_chains
+        from layerbus.planner.plan_report import format_chains
 
         print(format_plan(plan))
         print(format_chains(chains))
@@ -125,11 +125,11 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _plan_chains(profiles, memory, batching, options, network, chains: int):
-    """The grouping of the stages into chains (broker/chain_plan.py), each chain's batch sizes chosen from
+    """The grouping of the stages into chains (planner/chain_plan.py), each chain's batch sizes chosen from
     its own stages' profiles, as that chain's broker would."""
-    from layerbus.broker.chain_plan import ChainPlanOptions, plan_chains
-    from layerbus.broker.placement import PlacementError
-    from layerbus.broker.planning import one_chain_planner
+    from layerbus.planner.chain_plan import ChainPlanOptions, plan_chains
+    from layerbus.planner.placement import PlacementError
+    from layerbus.planner.planning import one_chain_planner
 
     try:
         return plan_chains(profiles, one_chain_planner(batching, memory, options, network),
@@ -139,7 +139,7 @@ def _plan_chains(profiles, memory, batching, options, network, chains: int):
 
 
 def _quality_table(path: Path | None, model_name: str):
-    from layerbus.broker.weight_choice import BUILT_IN_QUALITY, quality_from_report
+    from layerbus.planner.weight_choice import BUILT_IN_QUALITY, quality_from_report
 
     if path is None:
         return BUILT_IN_QUALITY
@@ -158,7 +158,7 @@ def _quality_table(path: Path | None, model_name: str):
 def _count_stages(path: str) -> int:
     """The number of stages in the file, for the batching defaults (slots scale with stages); a
     broken file is reported properly by read_cluster_file."""
-    from layerbus.broker.cluster_file import ClusterFileError, _parse
+    from layerbus.planner.cluster_file import ClusterFileError, _parse
     from pathlib import Path
 
     try:
@@ -171,7 +171,7 @@ def _count_stages(path: str) -> int:
 def _local_profiles(model_dir, memory, batching, args):
     from layerbus.broker.broker import BrokerConfig
     from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
-    from layerbus.broker.placement import Shapes
+    from layerbus.planner.placement import Shapes
     from layerbus.broker.profiling import collect_profiles
 
     if len(args.emulate_speed) > args.stages or len(args.memory_budget) > args.stages:

@@ -206,7 +206,7 @@ def _chains(job_id: str, args: argparse.Namespace, config: BrokerConfig, options
     if chains != AUTO_CHAINS:
         return split_stages(args.stages, chains)
     from layerbus.broker.control import ClusterError
-    from layerbus.broker.placement import PlacementError
+    from layerbus.planner.placement import PlacementError
     from layerbus.cli.chain_choice import chains_of, choose_local_chains, describe
 
     kept = f"the job keeps what it has done: `layerbus run --job {job_id}` runs it"

@@ -42,7 +42,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from layerbus.broker.wire_choice import saved_table_path
+    from layerbus.planner.wire_choice import saved_table_path
     from layerbus.jobs.corpus import SAMPLE_CORPUS, corpus_prompts
     from layerbus.models.model_info import load_tokenizer, read_model_info
     from layerbus.stages.wire_quality import quality_report
@@ -79,7 +79,7 @@ def main(args: argparse.Namespace) -> int:
 
 def plan_cuts(args: argparse.Namespace, config) -> list[int]:
     """--cuts as given, else the boundaries of the balanced plan for --stages (also `layerbus quality`'s)."""
-    from layerbus.broker.partition import balanced_partition, model_cost_from_config
+    from layerbus.planner.partition import balanced_partition, model_cost_from_config
 
     if args.cuts:
         try:

@@ -124,7 +124,7 @@ def _run(store: JobStore, job_id: str, pipeline: LocalPipeline) -> JobStatus:
     from layerbus.broker.broker import BrokerConfig
     from layerbus.broker.control import ClusterError
     from layerbus.broker.local_cluster import LocalStageOptions
-    from layerbus.broker.scheduler import BatchingConfig
+    from layerbus.planner.batching import BatchingConfig
     from layerbus.jobs.local_run import run_job_locally, stage_log_dir
 
     log_dir = stage_log_dir(job_id)

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from layerbus.broker.requests import GenerationRequest
-from layerbus.broker.workload import ASSUMED_OUTPUT_SHARES, Workload
+from layerbus.planner.workload import ASSUMED_OUTPUT_SHARES, Workload
 from layerbus.jobs.runner import StoreSource
 from layerbus.jobs.samples import samples_of
 from layerbus.jobs.tasks import TASKS

@@ -377,7 +377,7 @@ def measure_timings(files, request: ProfileRequest, device: str,
 def measure_format_ratios(files, device: str, full: WeightChoice, full_layers: StageShard,
                           middle: Callable[..., StageShard], runs: dict[str, Callable[[StageShard], object]],
                           sync: Callable[[], None]) -> dict[str, dict[str, float]]:
-    """For each quantized format `--weights auto` may fall back to (broker.weight_choice), how long the
+    """For each quantized format `--weights auto` may fall back to (planner.weight_choice), how long the
     same layers take in it against full precision, per shape ("decode", "prefill"): timed in turns
     with the full-precision layers, so the ratio holds on a machine whose load moves. Measured, not
     assumed: on the CPUs measured Q8_0/Q4_1 tiles ran 1.1-8x slower than the float32 matmul

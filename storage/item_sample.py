@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from sqlalchemy import BindParameter, Integer, Select, bindparam, func, select
 
 from layerbus.storage.records import NewItem
-from layerbus.storage.sample_places import sample_places
+from layerbus.planner.sample_places import sample_places
 from layerbus.storage.schema import items as items_table
 
 ITEM = items_table.c

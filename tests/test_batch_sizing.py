@@ -7,11 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from layerbus.broker.batch_sizing import choose_batching, choose_by_plan, max_slots, micro_batch_counts, rows_to_amortize
-from layerbus.broker.placement import ModelMemory, StageProfile
-from layerbus.broker.prefix_cache import PrefixCacheConfig
-from layerbus.broker.scheduler import BatchingConfig
-from layerbus.broker.step_cost import LinearCost
+from layerbus.planner.batch_sizing import choose_batching, choose_by_plan, max_slots, micro_batch_counts, rows_to_amortize
+from layerbus.planner.placement import ModelMemory, StageProfile
+from layerbus.planner.prefix_budget import PrefixCacheConfig
+from layerbus.planner.batching import BatchingConfig
+from layerbus.planner.step_cost import LinearCost
 
 AUTO = BatchingConfig(micro_batch_size=0, max_step_tokens=0, max_context=1000)
 MEMORY = ModelMemory(layer_weight_bytes=(100,) * 10, embed_bytes=100, head_bytes=100, head_shares_embed=False,
@@ -138,7 +138,7 @@ def test_a_large_job_is_sized_to_what_the_planner_then_accepts() -> None:
     """The default model's shapes, two stages of 20.17 GiB (this machine's, as the bench that found it saw
     them), a 500-item job at a 4,096-token context: every slot's KV and every row's logits, at the prefill
     budget chosen, fit what the placement checks (it was 90 MiB short, counting one row's logits)."""
-    from layerbus.broker.placement import plan_placement
+    from layerbus.planner.placement import plan_placement
 
     memory = ModelMemory(layer_weight_bytes=(14_155_776,) * 30, embed_bytes=113_246_208, head_bytes=113_246_208,
                          head_shares_embed=True, kv_bytes_per_token=1536, activation_bytes_per_token=2304,

@@ -436,8 +436,8 @@ FOLD_ARGS = ("--weights", "fp32", "--slots", "8", "--micro-batches", "2", "--max
 
 def half_model_budget(model: Path) -> int:
     """Memory (--emulate-memory) in which two stages hold the model under FOLD_ARGS' batching but one does not."""
-    from layerbus.broker.model_memory import model_memory
-    from layerbus.broker.placement import PlacementError, PlanOptions, StageProfile, plan_placement
+    from layerbus.planner.model_memory import model_memory
+    from layerbus.planner.placement import PlacementError, PlanOptions, StageProfile, plan_placement
     from layerbus.cli.options import batching_from_args
     from layerbus.models.model_files import open_model_dir
 

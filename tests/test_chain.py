@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from layerbus.broker.chain import Placement
+from layerbus.planner.chain import Placement
 from layerbus.broker.control import StageInfo, StageState, lost_reason
 from layerbus.wire.spans import LayerRange, format_chain
 

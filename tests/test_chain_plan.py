@@ -1,12 +1,12 @@
-"""The chain planner (broker/chain_plan.py): how many chains a pool of stages forms and which stages go
+"""The chain planner (planner/chain_plan.py): how many chains a pool of stages forms and which stages go
 in each, priced with the placement planner, other chains' stages competing for a host's cores (pure)."""
 
 from __future__ import annotations
 
 import pytest
 
-from layerbus.broker.chain_plan import ChainPlanOptions, plan_chains, price_grouping
-from layerbus.broker.placement import ModelMemory, PlacementError, PlanOptions, Shapes, StageProfile, plan_placement
+from layerbus.planner.chain_plan import ChainPlanOptions, plan_chains, price_grouping
+from layerbus.planner.placement import ModelMemory, PlacementError, PlanOptions, Shapes, StageProfile, plan_placement
 
 LAYERS = 8
 SHAPES = Shapes(num_slots=4, micro_batch_size=2, num_micro_batches=3, max_context=8, max_step_tokens=4)

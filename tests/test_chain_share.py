@@ -9,10 +9,11 @@ import pytest
 
 from layerbus.broker.broker import BrokerConfig
 from layerbus.broker.local_cluster import LocalStageOptions
-from layerbus.broker.placement import PlanOptions
-from layerbus.broker.planning import one_chain_planner
-from layerbus.broker.scheduler import BatchingConfig
-from layerbus.broker.workload import Workload
+from layerbus.planner.placement import PlanOptions
+from layerbus.broker.job_simulation import job_shape
+from layerbus.planner.planning import one_chain_planner
+from layerbus.planner.batching import BatchingConfig
+from layerbus.planner.workload import Workload
 from layerbus.cli.chains import chain_runs
 from layerbus.jobs.chain_split import split_stages
 from layerbus.jobs.leases import LeaseConfig
@@ -74,7 +75,7 @@ def test_run_chains_gives_each_chain_s_broker_its_share(tmp_path: Path) -> None:
 def test_the_planner_prices_a_chain_of_a_grouping_for_its_share_of_the_job() -> None:
     workload = Workload.of([3] * 40, 4)
     plan_one = one_chain_planner(BatchingConfig(micro_batch_size=2, max_context=8, max_step_tokens=4),
-                                 MODEL, PlanOptions(), workload=workload)
+                                 MODEL, PlanOptions(), workload=workload, job_shape=job_shape)
     pool = [stage("a"), stage("b")]
     whole, half = plan_one(pool, (), 1).chosen, plan_one(pool, (), 2).chosen
     assert whole.new_tokens == 160 and half.new_tokens == 80

@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from layerbus.broker.cluster_file import ClusterFileError, cluster_from_description, link_entry
-from layerbus.broker.network import BROKER, Link
-from layerbus.broker.partition import ModelCost
-from layerbus.broker.placement import Shapes
+from layerbus.planner.cluster_file import ClusterFileError, cluster_from_description, link_entry
+from layerbus.planner.network import BROKER, Link
+from layerbus.planner.partition import ModelCost
+from layerbus.planner.placement import Shapes
 
 COST = ModelCost(layer=(1e6,) * 4, embed=1e3, head=1e5)
 SHAPES = Shapes(num_slots=4, micro_batch_size=2, num_micro_batches=2, max_context=8, max_step_tokens=4)

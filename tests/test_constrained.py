@@ -20,7 +20,8 @@ from transformers import AutoTokenizer
 
 from layerbus.broker.grammar import GrammarCompiler
 from layerbus.broker.requests import GenerationRequest
-from layerbus.broker.scheduler import BatchingConfig, Scheduler
+from layerbus.planner.batching import BatchingConfig
+from layerbus.broker.scheduler import Scheduler
 from layerbus.jobs.constraints import CONSTRAINT_KEY, constraint_of, job_constraint
 from layerbus.jobs.jsonl_items import parse_jsonl_line
 from layerbus.models.model_info import read_model_info

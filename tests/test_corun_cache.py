@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 
 from layerbus.broker.control import ControlEvent, StageInfo
-from layerbus.broker.plan_values import StageProfile
+from layerbus.planner.plan_values import StageProfile
 from layerbus.broker.profiling import UNKNOWN_LEAD_S, _lead_s, lockstep_excess_s, measure_sharing
 from layerbus.wire import protocol
 

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from layerbus.broker.chain import Placement
+from layerbus.planner.chain import Placement
 from layerbus.broker.metrics import counter_families, job_families, stage_families
 from layerbus.broker.run_state import BrokerCounts
 from layerbus.wire.spans import LayerRange

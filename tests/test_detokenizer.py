@@ -12,7 +12,8 @@ import pytest
 from layerbus.broker.detokenizer import IncrementalDetokenizer
 from layerbus.models.model_info import load_tokenizer
 from layerbus.broker.requests import GenerationRequest
-from layerbus.broker.scheduler import BatchingConfig, Scheduler
+from layerbus.planner.batching import BatchingConfig
+from layerbus.broker.scheduler import Scheduler
 from tests.tiny_models import make_tiny_tokenizer
 
 # Text whose tokens split UTF-8 characters: accents, CJK, emoji (4 bytes), a combining mark.

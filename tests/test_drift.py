@@ -1,10 +1,10 @@
-"""Telling a slowed stage from a change in the work (broker.drift), by table."""
+"""Telling a slowed stage from a change in the work (planner.drift), by table."""
 
 from __future__ import annotations
 
 import pytest
 
-from layerbus.broker.drift import DriftConfig, DriftWatch, Work, relative_slowdowns
+from layerbus.planner.drift import DriftConfig, DriftWatch, Work, relative_slowdowns
 
 CASES = {
     "nobody changed": ({"a": 0.1, "b": 0.2}, {"a": 0.1, "b": 0.2}, {"a": 1.0, "b": 1.0}),

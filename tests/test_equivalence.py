@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from layerbus.broker.broker import BrokerConfig
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.requests import GenerationRequest
-from layerbus.broker.scheduler import BatchingConfig
+from layerbus.planner.batching import BatchingConfig
 from layerbus.models.model_files import open_model_dir
 from layerbus.stages.forward import head_logits, run_step
 from layerbus.stages.kv_cache import KVArena

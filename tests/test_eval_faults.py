@@ -14,8 +14,8 @@ import pytest
 from layerbus.broker.broker import BrokerConfig
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.pipeline import PipelineConfig
-from layerbus.broker.placement import PlanOptions
-from layerbus.broker.scheduler import BatchingConfig
+from layerbus.planner.placement import PlanOptions
+from layerbus.planner.batching import BatchingConfig
 from layerbus.evals.encoding import Encoder
 from layerbus.evals.eval_run import EvalOptions, finalize_eval, queue_eval, select_tasks
 from layerbus.jobs.runner import run_job

@@ -13,14 +13,14 @@ import pytest
 from transformers import AutoTokenizer
 
 from layerbus.broker.broker import BrokerConfig
-from layerbus.broker.drift import DriftConfig
-from layerbus.broker.placement import PlanOptions
+from layerbus.planner.drift import DriftConfig
+from layerbus.planner.placement import PlanOptions
 from layerbus.broker.profiling import ProfilingConfig
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.pipeline import PipelineConfig
 from layerbus.broker.run_state import ListSource
 from layerbus.broker.requests import GenerationRequest, GenerationResult
-from layerbus.broker.scheduler import BatchingConfig
+from layerbus.planner.batching import BatchingConfig
 
 pytestmark = pytest.mark.cluster  # stage processes, killed and stopped
 
@@ -237,8 +237,8 @@ def test_a_stage_slowed_mid_job_has_layers_moved_off_it_and_outputs_do_not_chang
 def test_survivors_too_small_for_the_model_wait_for_a_stage_to_join(model_dir, requests, unfaulted):
     """Each stage's --memory-budget holds a third of the model: after a kill, the two survivors cannot
     hold it, the job waits (and says why) instead of failing, and goes on when a new stage registers."""
-    from layerbus.broker.model_memory import model_memory
-    from layerbus.broker.placement import PlacementError, PlanOptions, StageProfile, plan_placement
+    from layerbus.planner.model_memory import model_memory
+    from layerbus.planner.placement import PlacementError, PlanOptions, StageProfile, plan_placement
     from layerbus.models.model_files import open_model_dir
 
     batching = BatchingConfig(num_slots=8, num_micro_batches=4, max_step_tokens=32, max_context=128)

@@ -58,12 +58,13 @@ NAMESPACE = "layerbus"
 ALLOWED: dict[str, tuple[str, ...]] = {
     "wire": (),
     "models": (),
+    "planner": ("wire", "models"),
     "stages": ("wire", "models"),
-    "storage": ("wire", "models"),
-    "broker": ("wire", "models", "storage"),
-    "jobs": ("wire", "models", "storage", "broker"),
-    "evals": ("wire", "models", "storage", "broker", "jobs"),
-    "cli": ("wire", "models", "stages", "storage", "broker", "jobs", "evals"),
+    "storage": ("wire", "models", "planner"),
+    "broker": ("wire", "models", "planner", "storage"),
+    "jobs": ("wire", "models", "planner", "storage", "broker"),
+    "evals": ("wire", "models", "planner", "storage", "broker", "jobs"),
+    "cli": ("wire", "models", "planner", "stages", "storage", "broker", "jobs", "evals"),
 }
 # Third-party imports a package must not make anywhere (module-level or not).
 BANNED_THIRD_PARTY = {"wire": ("transformers",)}

@@ -10,10 +10,10 @@ from dataclasses import replace
 
 import pytest
 
-from layerbus.broker.placement import Neighbour, window_s
-from layerbus.broker.plan_values import StageProfile
-from layerbus.broker.step_cost import StepWork
-from layerbus.broker.workload import Window
+from layerbus.planner.placement import Neighbour, window_s
+from layerbus.planner.plan_values import StageProfile
+from layerbus.planner.step_cost import StepWork
+from layerbus.planner.workload import Window
 from layerbus.stages.profile import ProfileRequest, tick_probe
 from layerbus.wire.frames import WireError
 

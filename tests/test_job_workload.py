@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from layerbus.broker.workload import ASSUMED_OUTPUT_SHARES
+from layerbus.planner.workload import ASSUMED_OUTPUT_SHARES
 from layerbus.jobs.item_params import PROMPT_IDS_KEY, item_params
 from layerbus.jobs.job_workload import job_workload
 from layerbus.storage import InvalidItem, JobSettings, NewItem

@@ -8,12 +8,13 @@ from typing import Any
 
 import pytest
 
-from layerbus.broker.scheduler import BatchingConfig
-from layerbus.broker.workload import Workload, job_shape
+from layerbus.planner.batching import BatchingConfig
+from layerbus.planner.workload import Workload
+from layerbus.broker.job_simulation import job_shape
 from layerbus.jobs.item_params import item_params
 from layerbus.jobs.job_workload import job_workload
 from layerbus.storage import InvalidItem, JobSettings, JobStore, NewItem
-from layerbus.storage.sample_places import sample_places
+from layerbus.planner.sample_places import sample_places
 from tests.fixtures_jobs import tokenizer  # noqa: F401 - fixture
 from tests.fixtures_stores import store, store_url  # noqa: F401 - fixtures
 

@@ -11,8 +11,8 @@ from transformers import AutoTokenizer
 
 from layerbus.broker.broker import BatchingConfig, BrokerConfig
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
-from layerbus.broker.model_memory import model_memory
-from layerbus.broker.placement import PlacementError, Shapes, plan_placement
+from layerbus.planner.model_memory import model_memory
+from layerbus.planner.placement import PlacementError, Shapes, plan_placement
 from layerbus.broker.profiling import ProfilingConfig
 from layerbus.broker.requests import GenerationRequest
 from layerbus.models.model_files import open_model_dir

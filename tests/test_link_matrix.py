@@ -19,12 +19,12 @@ import zmq
 from layerbus.broker.broker import BrokerConfig
 from layerbus.broker.link_probing import LinkProbeConfig, MeasuredLink, missing_pairs, read_answer
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
-from layerbus.broker.model_memory import model_memory
-from layerbus.broker.network import BROKER, MEASURED, NETWORK_FILE, OWN_LINK, HostLinks, Link, live_matrix
-from layerbus.broker.placement import PlanOptions, StageProfile, plan_placement
-from layerbus.broker.plan_report import format_explain
+from layerbus.planner.model_memory import model_memory
+from layerbus.planner.network import BROKER, MEASURED, NETWORK_FILE, OWN_LINK, HostLinks, Link, live_matrix
+from layerbus.planner.placement import PlanOptions, StageProfile, plan_placement
+from layerbus.planner.plan_report import format_explain
 from layerbus.broker.requests import GenerationRequest
-from layerbus.broker.scheduler import BatchingConfig
+from layerbus.planner.batching import BatchingConfig
 from layerbus.models.model_files import open_model_dir
 from layerbus.stages.peer_links import PeerProbeRequest, PeerProber, is_link_probe
 from layerbus.wire import link_probe
@@ -289,7 +289,7 @@ def test_plan_explain_on_local_stages_says_each_link_was_measured(tiny_models, t
 def test_a_network_file_covers_only_the_pairs_it_describes(tmp_path) -> None:
     """[[links]] covers its host pair; [network] bandwidth the other host pairs, host_bandwidth the pairs
     within a host: whatever the file leaves out stays to be measured."""
-    from layerbus.broker.cluster_file import read_network_file
+    from layerbus.planner.cluster_file import read_network_file
 
     hosts = {"a0": "boxA", "a1": "boxA", "b0": "boxB", "c0": "boxC"}
     links_only = tmp_path / "links.toml"

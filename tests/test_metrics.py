@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from layerbus.broker.chain import Placement
+from layerbus.planner.chain import Placement
 from layerbus.broker.control import StageInfo, StageState
 from layerbus.broker.metrics import (
     BusySample,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from layerbus.broker.cluster_file import ClusterFileError, read_network_file
-from layerbus.broker.network import BROKER, Link
+from layerbus.planner.cluster_file import ClusterFileError, read_network_file
+from layerbus.planner.network import BROKER, Link
 from layerbus.cli.main import main as layerbus_main
 
 REPO = Path(__file__).resolve().parent.parent

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from layerbus.broker.partition import ModelCost, balanced_partition, equal_partition, model_cost_from_config, stage_costs
+from layerbus.planner.partition import ModelCost, balanced_partition, equal_partition, model_cost_from_config, stage_costs
 from layerbus.wire.spans import LayerRange
 
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from layerbus.broker.placement import (
+from layerbus.planner.placement import (
     ModelMemory,
     PlacementError,
     PlanOptions,
@@ -17,7 +17,7 @@ from layerbus.broker.placement import (
     estimate_split,
     plan_placement,
 )
-from layerbus.broker.scheduler import BatchingConfig
+from layerbus.planner.batching import BatchingConfig
 from layerbus.wire.spans import LayerRange
 
 SHAPES = Shapes(num_slots=4, micro_batch_size=2, num_micro_batches=3, max_context=8, max_step_tokens=4)

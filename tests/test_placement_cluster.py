@@ -8,11 +8,11 @@ import json
 import pytest
 
 from layerbus.broker.broker import BrokerConfig
-from layerbus.broker.model_memory import model_memory
-from layerbus.broker.placement import PlanOptions, StageProfile, plan_placement
+from layerbus.planner.model_memory import model_memory
+from layerbus.planner.placement import PlanOptions, StageProfile, plan_placement
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.requests import GenerationRequest
-from layerbus.broker.scheduler import BatchingConfig
+from layerbus.planner.batching import BatchingConfig
 from layerbus.models.model_files import open_model_dir
 from layerbus.stages.host import current_rss_bytes
 from layerbus.wire.frames import WireError

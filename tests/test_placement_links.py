@@ -9,11 +9,11 @@ import random
 
 import pytest
 
-from layerbus.broker import placement
-from layerbus.broker.link_search import pair_dp
-from layerbus.broker.network import BROKER, HostLinks, Link
-from layerbus.broker.placement import PlanOptions, estimate_split, plan_placement
-from layerbus.broker.planning import PlanInputs, plan_chain, planned, replan_slowed
+from layerbus.planner import placement
+from layerbus.planner.link_search import pair_dp
+from layerbus.planner.network import BROKER, HostLinks, Link
+from layerbus.planner.placement import PlanOptions, estimate_split, plan_placement
+from layerbus.planner.planning import PlanInputs, plan_chain, planned, replan_slowed
 from layerbus.wire.spans import LayerRange
 from tests.test_placement import SHAPES, compositions, profile, small_model
 
@@ -192,7 +192,7 @@ def test_the_broker_plans_and_replans_on_the_same_matrix() -> None:
 def test_explain_for_local_stages_shows_one_machine_and_each_stages_own_link() -> None:
     from dataclasses import replace
 
-    from layerbus.broker.plan_report import format_explain
+    from layerbus.planner.plan_report import format_explain
 
     stages = [replace(profile(name, 1.0, bandwidth=125e6), host="node7") for name in ("s0", "s1")]
     text = format_explain(plan_placement(stages, small_model(4), SHAPES, STEADY))

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from layerbus.broker.placement import ModelMemory, Shapes, StageProfile, estimate_split, plan_placement
-from layerbus.broker.plan_report import format_prediction, prediction_report
-from layerbus.broker.scheduler import BatchingConfig
-from layerbus.broker.step_cost import LinearCost, ProfilePoint, decode_step, fit_costs, prefill_step
-from layerbus.broker.workload import Workload, job_shape, shared_prefix_blocks, spread_shares
-from layerbus.storage.sample_places import sample_places
+from layerbus.planner.placement import ModelMemory, Shapes, StageProfile, estimate_split, plan_placement
+from layerbus.planner.plan_report import format_prediction, prediction_report
+from layerbus.planner.batching import BatchingConfig
+from layerbus.planner.step_cost import LinearCost, ProfilePoint, decode_step, fit_costs, prefill_step
+from layerbus.planner.workload import Workload, shared_prefix_blocks, spread_shares
+from layerbus.broker.job_simulation import job_shape
+from layerbus.planner.sample_places import sample_places
 from layerbus.wire.spans import LayerRange
 
 TRUE_LAYER = LinearCost(per_pass_s=2.0, per_row_s=0.5, per_row_kv_s=0.01, per_token_s=0.2, per_token_ctx_s=0.001)
@@ -134,7 +135,7 @@ def test_a_workload_of_prompts_prices_only_the_prefill_the_prefix_cache_leaves()
     # The cache off: every prompt token computed, shared prefix or not.
     from dataclasses import replace
 
-    from layerbus.broker.prefix_cache import PrefixCacheConfig
+    from layerbus.planner.prefix_budget import PrefixCacheConfig
 
     off = replace(batching, prefix_cache=PrefixCacheConfig(budget_tokens=0))
     assert job_shape(Workload.of_prompts(prompts, 4), off).total.prefill_tokens == 448
@@ -158,7 +159,7 @@ def test_the_longest_sequence_is_a_prompt_plus_its_budget(prompts, budgets, long
 
 
 def test_a_larger_job_is_sampled_and_scaled_back() -> None:
-    import layerbus.broker.workload as workload_module
+    import layerbus.broker.job_simulation as workload_module
 
     workload = Workload.of([10] * 400, 50)
     batching = BatchingConfig(num_slots=8, num_micro_batches=2, max_context=256).resolved(1)

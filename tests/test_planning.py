@@ -1,4 +1,4 @@
-"""The broker's placement decisions as pure functions (broker.planning): literal tables, no stages."""
+"""The broker's placement decisions as pure functions (planner.planning): literal tables, no stages."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from layerbus.broker.chain import Placement
-from layerbus.broker.drift import Work
-from layerbus.broker.partition import ModelCost
-from layerbus.broker.placement import ModelMemory, PlacementError, PlanOptions, Shapes, StageProfile
-from layerbus.broker.planning import (
+from layerbus.planner.chain import Placement
+from layerbus.planner.drift import Work
+from layerbus.planner.partition import ModelCost
+from layerbus.planner.placement import ModelMemory, PlacementError, PlanOptions, Shapes, StageProfile
+from layerbus.planner.planning import (
     PlanInputs,
     expected_busy_s,
     link_codec_inputs,
@@ -24,7 +24,7 @@ from layerbus.broker.planning import (
     unprofiled,
     without_stage,
 )
-from layerbus.broker.wire_choice import AutoWireInputs
+from layerbus.planner.wire_choice import AutoWireInputs
 from layerbus.wire.spans import LayerRange
 
 SHAPES = Shapes(num_slots=4, micro_batch_size=2, num_micro_batches=3, max_context=8, max_step_tokens=4)

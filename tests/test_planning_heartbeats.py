@@ -12,7 +12,7 @@ import layerbus.broker.broker as broker_module
 from layerbus.broker.broker import BrokerConfig
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.requests import GenerationRequest
-from layerbus.broker.scheduler import BatchingConfig
+from layerbus.planner.batching import BatchingConfig
 
 SLOW_PLAN_S = 5.0  # longer than the stages' broker timeout below
 STAGE_BROKER_TIMEOUT_S = 2

@@ -13,9 +13,11 @@ from transformers import AutoModelForCausalLM
 
 from layerbus.broker.broker import BrokerConfig
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
-from layerbus.broker.prefix_cache import PrefixCacheConfig, PrefixIndex, block_hashes
+from layerbus.planner.prefix_budget import PrefixCacheConfig, block_hashes
+from layerbus.broker.prefix_cache import PrefixIndex
 from layerbus.broker.requests import GenerationRequest, ScoreRequest, ScoreSegment
-from layerbus.broker.scheduler import BatchingConfig, PlannedRow, Scheduler
+from layerbus.planner.batching import BatchingConfig
+from layerbus.broker.scheduler import PlannedRow, Scheduler
 from layerbus.wire import protocol
 from layerbus.wire.frames import WireError
 from tests.test_equivalence import assert_equivalent, run_pipeline

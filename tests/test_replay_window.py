@@ -6,7 +6,8 @@ import pytest
 
 from layerbus.broker.replay_window import StageCaches, replay_window
 from layerbus.broker.requests import GenerationRequest
-from layerbus.broker.scheduler import BatchingConfig, Scheduler
+from layerbus.planner.batching import BatchingConfig
+from layerbus.broker.scheduler import Scheduler
 from layerbus.wire.spans import LayerRange
 
 R = LayerRange

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from layerbus.storage.sample_places import sample_places
+from layerbus.planner.sample_places import sample_places
 
 
 @pytest.mark.parametrize("count, total", [(1, 1), (1, 7), (3, 10), (10, 100), (4096, 1_000_000), (4096, 4097)])

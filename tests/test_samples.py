@@ -283,8 +283,8 @@ def sampled_job(model_dir: Path, work: Path, kill_after: int | None) -> tuple[li
     seed as the first, run by run_job over 3 real stages; the middle one killed after `kill_after` results."""
     from layerbus.broker.broker import BrokerConfig
     from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
-    from layerbus.broker.placement import PlanOptions
-    from layerbus.broker.scheduler import BatchingConfig
+    from layerbus.planner.placement import PlanOptions
+    from layerbus.planner.batching import BatchingConfig
     from layerbus.jobs.runner import run_job
     from tests.test_eval_faults import KillAfter
     from tests.test_faults import FAST_LIVENESS

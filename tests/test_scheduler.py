@@ -10,7 +10,8 @@ import pytest
 
 from layerbus.broker.detokenizer import IncrementalDetokenizer
 from layerbus.broker.requests import GenerationRequest, GenerationResult
-from layerbus.broker.scheduler import BatchingConfig, PlannedRow, Scheduler, StepPlan
+from layerbus.planner.batching import BatchingConfig
+from layerbus.broker.scheduler import PlannedRow, Scheduler, StepPlan
 
 EOS = 0
 VOCAB = 97

@@ -9,7 +9,8 @@ import random
 import pytest
 
 from layerbus.broker.requests import ScoreRequest, ScoreSegment
-from layerbus.broker.scheduler import BatchingConfig, Scheduler, StepPlan
+from layerbus.planner.batching import BatchingConfig
+from layerbus.broker.scheduler import Scheduler, StepPlan
 from layerbus.broker.scoring import Phase, ScoringFeed, phases_of
 
 

@@ -20,7 +20,7 @@ from layerbus.broker.broker import BrokerConfig
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.requests import GenerationRequest
 from layerbus.broker.run_state import ListSource
-from layerbus.broker.scheduler import BatchingConfig
+from layerbus.planner.batching import BatchingConfig
 from layerbus.cli.main import main as layerbus_main
 from layerbus.wire import protocol
 from layerbus.wire.curve import ClusterKeys, is_loopback, make_keypair, read_keypair, secure_client

@@ -7,7 +7,7 @@ from dataclasses import asdict
 
 import pytest
 
-from layerbus.broker.chain import Placement
+from layerbus.planner.chain import Placement
 from layerbus.broker.control import StageInfo, StageState
 from layerbus.broker.stage_view import StageRates, StageView, stage_rates
 from layerbus.wire.spans import LayerRange

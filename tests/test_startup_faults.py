@@ -15,7 +15,7 @@ from layerbus.broker.broker import BrokerConfig
 from layerbus.broker.control import StageState
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.pipeline import PipelineConfig
-from layerbus.broker.scheduler import BatchingConfig
+from layerbus.planner.batching import BatchingConfig
 from tests.test_faults import make_requests, outputs
 
 pytestmark = pytest.mark.cluster  # stage processes, killed with SIGKILL

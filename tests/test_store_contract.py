@@ -16,7 +16,7 @@ from sqlalchemy import create_engine, func, select, text
 from layerbus.storage.errors import StoreError
 from layerbus.storage.item_counts import read_counts, recount
 from layerbus.storage.records import InvalidItem, ItemResult, JobSettings, Lease, NewItem
-from layerbus.storage.sample_places import sample_places
+from layerbus.planner.sample_places import sample_places
 from layerbus.storage.schema import items as items_table
 from layerbus.storage.schema import jobs as jobs_table
 from layerbus.storage.store import JobStore

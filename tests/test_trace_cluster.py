@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from layerbus.broker.broker import BrokerConfig
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.requests import GenerationRequest
-from layerbus.broker.scheduler import BatchingConfig
+from layerbus.planner.batching import BatchingConfig
 from layerbus.wire.trace_events import BUSY_CATEGORIES
 from tests.test_cli_run import RUN_TIMEOUT_S, documents, start_run, wait_for_job
 from tests.test_cli_helpers import write_jsonl

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from bench.trace_svg import read_lanes, render
-from layerbus.broker.chain import Placement
+from layerbus.planner.chain import Placement
 from layerbus.broker.trace_file import BrokerTrace
 from layerbus.cli.main import build_parser
 from layerbus.stages.tracing import StageTracer, untraced_flush

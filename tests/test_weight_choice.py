@@ -9,15 +9,15 @@ from dataclasses import replace
 
 import pytest
 
-from layerbus.broker.chain import Placement
-from layerbus.broker.model_memory import model_memory
-from layerbus.broker.placement import PlacementError, PlanOptions, plan_placement
-from layerbus.broker.plan_values import FormatWeights, ModelMemory
-from layerbus.broker.plan_report import weights_reason
-from layerbus.broker.planning import stage_weights
+from layerbus.planner.chain import Placement
+from layerbus.planner.model_memory import model_memory
+from layerbus.planner.placement import PlacementError, PlanOptions, plan_placement
+from layerbus.planner.plan_values import FormatWeights, ModelMemory
+from layerbus.planner.plan_report import weights_reason
+from layerbus.planner.planning import stage_weights
 from layerbus.broker.profiling import format_layer_costs
-from layerbus.broker.step_cost import LinearCost, decode_step, prefill_step
-from layerbus.broker.weight_choice import assigned_weights, first_that_fits, weight_candidates
+from layerbus.planner.step_cost import LinearCost, decode_step, prefill_step
+from layerbus.planner.weight_choice import assigned_weights, first_that_fits, weight_candidates
 from layerbus.models.model_files import open_model_dir
 from layerbus.models.weight_blocks import LAYOUTS
 from layerbus.models.weight_sizes import BLOCK_BYTES

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.broker import BrokerConfig
 from layerbus.broker.requests import GenerationRequest
-from layerbus.broker.scheduler import BatchingConfig
+from layerbus.planner.batching import BatchingConfig
 from layerbus.models.model_files import open_model_dir
 from layerbus.models.weight_blocks import dequantize, quantize
 from layerbus.stages.forward import head_logits, run_step

@@ -12,10 +12,10 @@ from dataclasses import replace
 
 import pytest
 
-from layerbus.broker.placement import MIN_CORE_SHARE, Neighbour, _cores_stretch, _hosts, _on, window_s
-from layerbus.broker.plan_values import StageProfile
-from layerbus.broker.step_cost import StepWork
-from layerbus.broker.workload import Window
+from layerbus.planner.placement import MIN_CORE_SHARE, Neighbour, _cores_stretch, _hosts, _on, window_s
+from layerbus.planner.plan_values import StageProfile
+from layerbus.planner.step_cost import StepWork
+from layerbus.planner.workload import Window
 
 
 def reference_window_s(alone, chain, window, num_micro_batches, latency=None, neighbours=()):
@@ -92,10 +92,11 @@ def test_the_fast_window_gives_the_plain_versions_figures_to_the_last_bit(seed) 
 
 def random_plan_case(rnd: random.Random):
     """A few stages with their own costs, hosts, threads and memory, on a 12-layer model, and a job."""
-    from layerbus.broker.placement import ModelMemory
-    from layerbus.broker.scheduler import BatchingConfig
-    from layerbus.broker.step_cost import LinearCost
-    from layerbus.broker.workload import Workload, job_shape
+    from layerbus.planner.placement import ModelMemory
+    from layerbus.planner.batching import BatchingConfig
+    from layerbus.planner.step_cost import LinearCost
+    from layerbus.planner.workload import Workload
+    from layerbus.broker.job_simulation import job_shape
 
     stages = [StageProfile(f"s{i}", 1.0, 1.0, rnd.random() * 0.1, rnd.random() * 3, rnd.choice([10**9, 700, 450]),
                            layer_cost=LinearCost(per_row_s=rnd.uniform(0.2, 2), per_token_s=rnd.uniform(0.02, 0.5)),
@@ -114,8 +115,8 @@ def random_plan_case(rnd: random.Random):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_pricing_from_the_lowest_floor_up_chooses_what_pricing_every_candidate_chooses(seed, monkeypatch) -> None:
-    from layerbus.broker import placement
-    from layerbus.broker.placement import PlacementError, PlanOptions, plan_placement
+    from layerbus.planner import placement
+    from layerbus.planner.placement import PlacementError, PlanOptions, plan_placement
 
     rnd = random.Random(seed)
     for _ in range(40):

@@ -1,4 +1,4 @@
-"""Which codec each link gets (broker/wire_choice.py): fixed settings, and auto mode's pure choice."""
+"""Which codec each link gets (planner/wire_choice.py): fixed settings, and auto mode's pure choice."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from layerbus.broker.wire_choice import (
+from layerbus.planner.wire_choice import (
     QualityBudget,
     WireConfigError,
     choose_codec,

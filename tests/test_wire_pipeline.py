@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from layerbus.broker.broker import BrokerConfig
 from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.requests import GenerationRequest
-from layerbus.broker.scheduler import BatchingConfig
-from layerbus.broker.placement import PlanOptions
+from layerbus.planner.batching import BatchingConfig
+from layerbus.planner.placement import PlanOptions
 from layerbus.wire.codecs import wire_bytes
 from tests.test_cli_helpers import JOB_ID, layerbus, status_json, write_jsonl
 from tests.test_equivalence import TINY_PROMPTS, assert_equivalent, top2_gap

@@ -1,13 +1,13 @@
 """The values placement reads and returns: each stage's profile, the model's memory needs, the
 planner's options and shapes, and the plan (each stage's layers, memory and predicted time). Kept
-apart from broker.placement, the planner itself, so each reads in one sitting."""
+apart from planner.placement, the planner itself, so each reads in one sitting."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-from layerbus.broker.step_cost import LinearCost, StepWork
+from layerbus.planner.step_cost import LinearCost, StepWork
 from layerbus.wire.spans import LayerRange
 
 
@@ -31,7 +31,7 @@ class StageProfile:
     micro_batch_size: int = 32  # decode rows the decode times were measured at
     prefill_tokens: int = 256  # tokens of the measured prefill chunk
     device: str = "cpu"  # "cpu" stages on one host share its cores; GPU stages do not compete
-    # Fitted from a profile at several shapes (broker.step_cost): what one layer and the per-step
+    # Fitted from a profile at several shapes (planner.step_cost): what one layer and the per-step
     # overhead cost as a function of what a step carries. None (a cluster file, an older profile):
     # derived from the scalars above, proportional to rows and tokens.
     layer_cost: LinearCost | None = None
@@ -54,7 +54,7 @@ class StageProfile:
     runtime_bytes: int = 0
     loader_bytes: int = 0
     # The --weights it holds its layers in (wire.weight_formats): its own flag, else the broker's. "auto"
-    # lets the planner choose per stage (broker.weight_choice): full precision where it fits, else int8, int4.
+    # lets the planner choose per stage (planner.weight_choice): full precision where it fits, else int8, int4.
     weights: str = "auto"
     # The format the profile was timed in (a stage's --weights; "auto": full precision), and under auto
     # one decoder layer's cost in each quantized format it may fall back to, measured beside full
@@ -242,7 +242,7 @@ class Shapes:
     @classmethod
     def from_batching(cls, batching, num_stages: int) -> "Shapes":
         resolved = batching if batching.num_slots and batching.num_micro_batches else batching.resolved(num_stages)
-        from layerbus.broker.prefix_cache import prefix_positions
+        from layerbus.planner.prefix_budget import prefix_positions
 
         return cls(resolved.num_slots, resolved.micro_batch_size, resolved.num_micro_batches,
                    resolved.max_context, resolved.max_step_tokens,
@@ -387,7 +387,7 @@ class Plan:
         """What the job's steps carry in all (without a job: one steady step per micro-batch)."""
         if self.job is not None:
             return self.job.total
-        from layerbus.broker.workload import steady_shape
+        from layerbus.planner.workload import steady_shape
 
         s = self.shapes
         return steady_shape(s.micro_batch_size, s.num_micro_batches, self.options.prompt_tokens_per_new_token,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from layerbus.broker.placement import Plan
+from layerbus.planner.placement import Plan
 from layerbus.wire.spans import LayerRange, format_chain
 
 

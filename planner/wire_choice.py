@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from layerbus.models.home import layerbus_home
 from layerbus.wire.codecs import CODEC_NAMES, CODECS_BY_SIZE, DEFAULT_CODEC, wire_bytes
 
 AUTO = "auto"
@@ -105,8 +106,6 @@ def plan_link_codecs(wire: tuple[str, ...] | str, num_links: int, bytes_per_step
 
 def saved_table_path(model_dir: str | Path, home: Path | None = None) -> Path:
     """Where `layerbus wire-quality --save` keeps a model's table: one file per model directory."""
-    from layerbus.storage.locations import layerbus_home
-
     resolved = Path(model_dir).expanduser().resolve()
     digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:10]
     return (home or layerbus_home()) / "wire_quality" / f"{resolved.name}-{digest}.json"

@@ -4,7 +4,7 @@ for planning a cluster one does not have at hand. The format is documented in th
 Each stage gives its memory and either a relative `speed` (times then follow from the model's
 FLOPs at `speed x reference_gflops`) or measured per-layer times in milliseconds. Stages may name
 the `host` they run on; `[[links]]` between two hosts and the `[network]` defaults then give the
-link between every pair of stages (broker.network)."""
+link between every pair of stages (planner.network)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from layerbus.broker.network import BROKER, HostLinks, Link, LinkMatrix
-from layerbus.broker.partition import ModelCost
-from layerbus.broker.placement import Shapes, StageProfile
+from layerbus.planner.network import BROKER, HostLinks, Link, LinkMatrix
+from layerbus.planner.partition import ModelCost
+from layerbus.planner.placement import Shapes, StageProfile
 from layerbus.wire.weight_formats import WEIGHT_FORMATS
 
 TOP_FIELDS = {"stages", "reference_gflops", "links", "network"}

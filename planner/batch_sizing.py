@@ -17,11 +17,11 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
-from layerbus.broker.plan_values import ModelMemory, StageProfile
-from layerbus.broker.prefix_cache import MAX_SHARE_OF_SLOTS
-from layerbus.broker.scheduler import default_micro_batches
-from layerbus.broker.step_cost import StepWork, prefill_context
-from layerbus.broker.weight_choice import AUTO_FALLBACKS, weight_candidates
+from layerbus.planner.plan_values import ModelMemory, StageProfile
+from layerbus.planner.prefix_budget import MAX_SHARE_OF_SLOTS
+from layerbus.planner.batching import default_micro_batches
+from layerbus.planner.step_cost import StepWork, prefill_context
+from layerbus.planner.weight_choice import AUTO_FALLBACKS, weight_candidates
 
 DEFAULT_MICRO_BATCH = 32  # without profiles (partition equal or balanced) and without a user's value
 DEFAULT_STEP_TOKENS = 256

@@ -8,7 +8,7 @@ weights, the KV cache of its layers for every slot at the full context length, a
 workspace and a reserve within its memory budget. It is solved exactly by dynamic programming
 over (stages used, layers placed), which also picks the order of the stages (where the head and
 the embedding go matters) and leaves out a stage that would only slow the chain. Given a link
-matrix (broker.network: hosts, and the link between each pair of stages), each stage's send is priced
+matrix (planner.network: hosts, and the link between each pair of stages), each stage's send is priced
 by the link to the stage after it, and the search is the one in broker.link_search.
 
 A pipeline step here is what yields one new token per slot of a micro-batch: `micro_batch_size`
@@ -23,8 +23,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from layerbus.broker.partition import equal_partition
-from layerbus.broker.plan_values import (  # noqa: F401  (the planner's vocabulary is imported from here too)
+from layerbus.planner.partition import equal_partition
+from layerbus.planner.plan_values import (  # noqa: F401  (the planner's vocabulary is imported from here too)
     ModelMemory,
     PlacementError,
     Plan,
@@ -34,12 +34,12 @@ from layerbus.broker.plan_values import (  # noqa: F401  (the planner's vocabula
     StagePlacement,
     StageProfile,
 )
-from layerbus.broker.link_search import host_grouped_orders, pair_dp
-from layerbus.broker.link_search import prefer_more_stages as _prefer_more_stages
-from layerbus.broker.network import BROKER, Link, LinkMatrix
-from layerbus.broker.step_cost import StepWork
-from layerbus.broker.weight_choice import AUTO_FALLBACKS, auto_levels, first_that_fits, weight_candidates
-from layerbus.broker.workload import JobShape, Window, steady_shape
+from layerbus.planner.link_search import host_grouped_orders, pair_dp
+from layerbus.planner.link_search import prefer_more_stages as _prefer_more_stages
+from layerbus.planner.network import BROKER, Link, LinkMatrix
+from layerbus.planner.step_cost import StepWork
+from layerbus.planner.weight_choice import AUTO_FALLBACKS, auto_levels, first_that_fits, weight_candidates
+from layerbus.planner.workload import JobShape, Window, steady_shape
 from layerbus.wire.spans import LayerRange
 
 # A quantized format measured at most this share of full precision's time is worth a line in `plan
@@ -50,7 +50,7 @@ SUBSET_DP_LIMIT = 6_000_000  # inner-loop steps above which the order search fal
 
 @dataclass(frozen=True)
 class Neighbour:
-    """A stage of another chain working at the same time (broker.chain_plan). Where it shares a host's
+    """A stage of another chain working at the same time (planner.chain_plan). Where it shares a host's
     cores with this chain's stages, it slows them as a stage of the chain would; it is not part of
     the chain's own round trip."""
 
@@ -72,13 +72,13 @@ class _CostModel:
     """Per-stage time and memory of holding layers [start, end), as the search and the estimates see them.
 
     Time is priced per window of the job (`JobShape`): each stage's busy seconds in a window are its
-    profile's linear cost of what the window's steps carry (broker.step_cost), and the window lasts
+    profile's linear cost of what the window's steps carry (planner.step_cost), and the window lasts
     as long as its slowest stage, stretched where CPU stages on one host want more cores than it
     has, and at least as long as its busiest micro-batch's steps take through the whole chain.
 
     Memory is priced in each stage's weight format: the one it asked for, or under `--weights auto`
     the first of full precision and the first `level` of int8, int4 that fits its span
-    (broker.weight_choice)."""
+    (planner.weight_choice)."""
 
     def __init__(self, stages: Sequence[StageProfile], model: ModelMemory, shapes: Shapes, options: PlanOptions,
                  job: JobShape | None = None, network: LinkMatrix | None = None, level: int = len(AUTO_FALLBACKS),
@@ -614,7 +614,7 @@ PAIR_DP_LIMIT = 2_500_000  # (subsets x first stages x spans) above which the li
 
 def _search_over_links(costs: _CostModel, options: PlanOptions) -> tuple[list[StageProfile], list[LayerRange], str]:
     """The search with a link matrix: each stage's send priced by the link to its successor
-    (broker.link_search); exact where the subsets are few, else stages grouped by host."""
+    (planner.link_search); exact where the subsets are few, else stages grouped by host."""
     stages, n = costs.stages, costs.num_layers
     p = len(stages)
     inf = math.inf

@@ -1,6 +1,6 @@
 """The planner's search when links differ by pair: a stage's send costs what the link to the stage
 after it costs, so the order, the spans and the stages taking part are chosen together. Pure
-functions over index tables (broker.placement builds them from profiles and the link matrix).
+functions over index tables (planner.placement builds them from profiles and the link matrix).
 
 Exact by dynamic programming over suffixes: best[mask][i][s] is the smallest slowest-stage time
 placing layers [s, n) on exactly the stages in `mask`, with stage i first (holding [s, e) and

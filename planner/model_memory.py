@@ -4,8 +4,8 @@ slot-token of KV costs and the activations."""
 
 from __future__ import annotations
 
-from layerbus.broker.placement import ModelMemory
-from layerbus.broker.plan_values import FormatWeights
+from layerbus.planner.placement import ModelMemory
+from layerbus.planner.plan_values import FormatWeights
 from layerbus.models.attention_shape import attention_shape
 from layerbus.models.model_files import ModelFiles
 from layerbus.models.weight_sizes import DTYPE_BYTES, weight_sizes
@@ -16,7 +16,7 @@ FULL_FORMAT = {dtype: name for name, dtype in FULL_PRECISION.items()}  # "float3
 
 def model_memory(files: ModelFiles, dtype: str = "float32") -> ModelMemory:
     """Bytes per part of the model once loaded as `dtype` (floating tensors convert to it, others keep
-    theirs); `formats` holds the weights in each other format (broker.weight_choice picks among them)."""
+    theirs); `formats` holds the weights in each other format (planner.weight_choice picks among them)."""
     weights = weight_sizes(files, dtype)
     element = DTYPE_BYTES[dtype]
     config = files.config

@@ -3,9 +3,9 @@ memory unused (`--explain`), and predicted against measured step times once a jo
 
 from __future__ import annotations
 
-from layerbus.broker.network import BROKER, LinkMatrix
-from layerbus.broker.placement import Plan, SplitEstimate, StagePlacement
-from layerbus.broker.weight_choice import AUTO_FALLBACKS, BUILT_IN_QUALITY, QualityTable, quality_note
+from layerbus.planner.network import BROKER, LinkMatrix
+from layerbus.planner.placement import Plan, SplitEstimate, StagePlacement
+from layerbus.planner.weight_choice import AUTO_FALLBACKS, BUILT_IN_QUALITY, QualityTable, quality_note
 from layerbus.wire.spans import format_chain
 
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
-from layerbus.broker.chain import Placement
-from layerbus.broker.drift import Work
-from layerbus.broker.partition import balanced_partition, equal_partition
-from layerbus.broker.step_cost import StepWork
-from layerbus.broker.placement import (
+from layerbus.planner.chain import Placement
+from layerbus.planner.drift import Work
+from layerbus.planner.partition import balanced_partition, equal_partition
+from layerbus.planner.step_cost import StepWork
+from layerbus.planner.placement import (
     ModelMemory,
     PlacementError,
     Plan,
@@ -23,8 +23,8 @@ from layerbus.broker.placement import (
     estimate_split,
     plan_placement,
 )
-from layerbus.broker.weight_choice import assigned_weights
-from layerbus.broker.wire_choice import AutoWireInputs
+from layerbus.planner.weight_choice import assigned_weights
+from layerbus.planner.wire_choice import AutoWireInputs
 
 
 @dataclass(frozen=True)
@@ -51,14 +51,19 @@ def plan_chain(names: Sequence[str], profiles: Sequence[StageProfile], inputs: P
         raise PlacementError(f"cannot place {inputs.model_name}: {error}") from None
 
 
-def one_chain_planner(requested, memory: ModelMemory, options: PlanOptions, network=None,
-                      workload=None) -> Callable[[Sequence[StageProfile], tuple, int], Plan]:
-    """What broker.chain_plan prices each grouping with: one chain over some stages, beside other chains'
+def one_chain_planner(requested, memory: ModelMemory, options: PlanOptions, network=None, workload=None,
+                      job_shape=None) -> Callable[[Sequence[StageProfile], tuple, int], Plan]:
+    """What planner.chain_plan prices each grouping with: one chain over some stages, beside other chains'
     stages, with the batch sizes its broker would choose (batch_sizing.choose_by_plan from `requested`,
-    a BatchingConfig, and its share of the job's `workload`, a broker.workload.Workload or None: as
-    `run --chains K` gives each chain's broker, cli/chains.py)."""
-    from layerbus.broker.batch_sizing import choose_by_plan
-    from layerbus.broker.workload import job_shape, mean_decode_context
+    a BatchingConfig, and its share of the job's `workload`, a planner.workload.Workload or None: as
+    `run --chains K` gives each chain's broker). With a workload, `job_shape(workload, batching)` turns
+    it into the windows the plan prices (the broker's simulation of its own scheduler,
+    broker.job_simulation.job_shape)."""
+    from layerbus.planner.batch_sizing import choose_by_plan
+    from layerbus.planner.workload import mean_decode_context
+
+    if workload is not None and workload.items and job_shape is None:
+        raise ValueError("one_chain_planner: a workload needs job_shape, the function that turns it into windows")
 
     def plan_one(group, neighbours, chains: int = 1) -> Plan:
         share = workload.share(0, chains) if workload is not None else None
