@@ -11,7 +11,7 @@ SmolLM2-135M, four local stages with one thread each at --emulate-speed F (each 
 at most F of a core: four fit this machine's two cores) and --memory-budget 1.3GB each (the model fits on two of
 them, not on one, as issue 14 sets it up), dense work (bench/corpus.py's story prompts, whose
 answers run to the token limit), greedy. The runs go through the code `layerbus run` uses: run_job_locally
-for one chain, cli/chains.py for several (one broker process per chain). Each chain's broker plans its
+for one chain, launch/chains.py for several (one broker process per chain). Each chain's broker plans its
 chain as `layerbus run` does, every stage kept (so one chain of four uses all four), with the same
 micro-batch size; the number of micro-batches in flight is each broker's own choice. Each chain's
 broker's own prediction (its "placed" event) is tabled beside the `layerbus plan` one. tokens/s is the job's own figure, as
@@ -88,13 +88,13 @@ def run(chains: int, args: argparse.Namespace, model_dir: Path, corpus: Path, ho
     """One job on 4 emulated stages in `chains` chains; its figures and outputs."""
     from layerbus.broker.broker import BrokerConfig
     from layerbus.planner.placement import PlanOptions
-    from layerbus.broker.local_cluster import LocalStageOptions
+    from layerbus.launch.local_cluster import LocalStageOptions
     from layerbus.planner.batching import BatchingConfig
     from layerbus.jobs.chain_split import split_stages
     from layerbus.jobs.job_workload import job_workload
     from layerbus.jobs.leases import LeaseConfig
-    from layerbus.cli.chains import chain_runs, run_chains
-    from layerbus.jobs.local_run import run_job_locally, stage_log_dir
+    from layerbus.launch.chains import chain_runs, run_chains
+    from layerbus.launch.local_run import run_job_locally, stage_log_dir
     from layerbus.models.model_info import load_tokenizer
     from layerbus.storage import JobStore, default_results_dir
     from layerbus.storage.results import read_results
@@ -142,7 +142,7 @@ def run(chains: int, args: argparse.Namespace, model_dir: Path, corpus: Path, ho
 
 
 def _broker_cpu(log_dir: Path) -> list[str]:
-    """Each chain broker's CPU over the job, as its log's last line says (cli/chain_process.py)."""
+    """Each chain broker's CPU over the job, as its log's last line says (launch/chain_process.py)."""
     found = []
     for path in sorted(log_dir.glob("chain-*.log")):
         match = re.findall(r"broker process CPU .*", path.read_text())

@@ -34,7 +34,7 @@ from bench.corpus import tokenized_prompts  # noqa: E402
 from layerbus.broker import grammar as grammar_module  # noqa: E402
 from layerbus.broker import pipeline as pipeline_module  # noqa: E402
 from layerbus.broker.broker import BrokerConfig  # noqa: E402
-from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
+from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
 from layerbus.planner.placement import PlanOptions  # noqa: E402
 from layerbus.broker.requests import GenerationRequest  # noqa: E402
 from layerbus.broker.run_state import ListSource  # noqa: E402

@@ -36,7 +36,7 @@ from layerbus.models.openmp_waits import prefer_passive_waits  # noqa: E402
 prefer_passive_waits()  # before torch loads: this process is the broker (bench/__init__.py)
 
 from layerbus.broker.broker import BrokerConfig  # noqa: E402
-from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
+from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
 from layerbus.planner.model_memory import model_memory  # noqa: E402
 from layerbus.planner.placement import estimate_split  # noqa: E402
 from layerbus.broker.profiling import ProfilingConfig  # noqa: E402

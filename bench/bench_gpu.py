@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.bench_pipeline import best_sorted_baseline, run_layerbus  # noqa: E402
 from bench.corpus import tokenized_stories  # noqa: E402
 from layerbus.broker.broker import BrokerConfig  # noqa: E402
-from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
+from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
 from layerbus.broker.requests import GenerationRequest  # noqa: E402
 from layerbus.planner.batching import BatchingConfig  # noqa: E402
 

@@ -43,7 +43,7 @@ def main() -> None:
 
     from layerbus.broker.broker import BrokerConfig
     from layerbus.jobs.runner import run_job
-    from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
+    from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions
     from layerbus.storage import JobStore
     from layerbus.storage.results import read_results
     from tests.tiny_models import make_tiny_model

@@ -26,7 +26,7 @@ from layerbus.models.openmp_waits import prefer_passive_waits  # noqa: E402
 prefer_passive_waits()  # before torch loads: this process is the broker (bench/__init__.py)
 
 from layerbus.broker.broker import BrokerConfig  # noqa: E402
-from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
+from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
 from layerbus.broker.profiling import ProfilingConfig  # noqa: E402
 from layerbus.broker.requests import GenerationRequest  # noqa: E402
 from layerbus.planner.batching import BatchingConfig  # noqa: E402

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.corpus import tokenized_prompts  # noqa: E402
 from layerbus.broker.broker import BrokerConfig  # noqa: E402
-from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
+from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
 from layerbus.planner.partition import model_cost_from_config  # noqa: E402
 from layerbus.broker.requests import GenerationRequest  # noqa: E402
 from layerbus.planner.batching import BatchingConfig  # noqa: E402

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.corpus import tokenized_prompts  # noqa: E402
 from layerbus.broker.broker import BrokerConfig  # noqa: E402
-from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
+from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
 from layerbus.planner.partition import equal_partition  # noqa: E402
 from layerbus.planner.placement import PlanOptions, estimate_split  # noqa: E402
 from layerbus.planner.plan_report import format_plan  # noqa: E402

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.corpus import SAMPLE_CORPUS, tokenized_prompts  # noqa: E402
 from layerbus.broker.broker import BrokerConfig  # noqa: E402
-from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
+from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
 from layerbus.planner.prefix_budget import PrefixCacheConfig  # noqa: E402
 from layerbus.broker.requests import GenerationRequest  # noqa: E402
 from layerbus.planner.batching import BatchingConfig  # noqa: E402

@@ -36,7 +36,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from layerbus.broker.broker import BrokerConfig
-    from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
+    from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions
     from layerbus.jobs.runner import run_job
     from layerbus.jobs.snapshot_keeper import SnapshotConfig
     from layerbus.storage import JobSettings, JobStore, NewItem

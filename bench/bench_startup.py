@@ -1,5 +1,5 @@
 """How long local stages take to start: forked from the launcher that imported their libraries once
-(the default, broker.stage_launcher) against a fresh interpreter each (LAYERBUS_FORK_STAGES=0).
+(the default, launch.stage_launcher) against a fresh interpreter each (LAYERBUS_FORK_STAGES=0).
 
 Each round runs `layerbus plan --stages N` on the default model as a subprocess (it starts N local
 stages, waits until each has registered, loaded its span and profiled itself, prints the plan and

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 from layerbus.broker.broker import BrokerConfig  # noqa: E402
-from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
+from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions  # noqa: E402
 from layerbus.broker.requests import GenerationRequest  # noqa: E402
 from layerbus.planner.batching import BatchingConfig  # noqa: E402
 from layerbus.jobs.corpus import corpus_prompts  # noqa: E402

@@ -17,7 +17,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import zmq
 
@@ -28,9 +28,6 @@ from layerbus.wire.frames import WireError, decode, encode
 from layerbus.wire.protocol import HEARTBEAT_IDENTITY_SUFFIX
 from layerbus.wire.spans import LayerRange
 from layerbus.wire.weight_formats import WEIGHT_FORMATS
-
-if TYPE_CHECKING:
-    from layerbus.broker.stage_supervisor import StageExit
 
 log = logging.getLogger("layerbus.broker")
 
@@ -105,6 +102,17 @@ class ControlEvent:
     header: dict
 
 
+@dataclass(frozen=True)
+class StageExit:
+    """A local stage process that ended, and what became of it."""
+
+    name: str  # the stage's --name (stage-i)
+    pid: int  # the process that ended
+    why: str  # how it ended and the last lines of its log, in words
+    restarted: bool  # a new process of the same name was started in its place
+    restarts: int  # restarts of this stage so far, this one included
+
+
 class TraceSink(Protocol):
     """Where step records from the stages go when the broker traces (broker.trace_file.BrokerTrace)."""
 
@@ -119,7 +127,7 @@ class ChildWatch(Protocol):
     given_up: set[str]  # names of stages that ended and will not come back
     max_restarts: int  # restarts of each stage allowed while the cluster starts
 
-    def check(self) -> list["StageExit"]: ...
+    def check(self) -> list[StageExit]: ...
 
 
 class ControlPlane:
@@ -159,7 +167,7 @@ class ControlPlane:
             events.extend(self._child_exited(ended) for ended in self.children.check())
         return events
 
-    def _child_exited(self, ended: "StageExit") -> ControlEvent:
+    def _child_exited(self, ended: StageExit) -> ControlEvent:
         """A stage process this broker started has ended: the stage is gone now, not after the liveness
         window, and says why. A later registration under its name (a restart) is a new stage."""
         self.exits.append(ended)
@@ -325,7 +333,7 @@ class ControlPlane:
 
     def release_all(self, endpoint: str) -> list[StageInfo]:
         """Send every live stage, spans dropped, to the broker at `endpoint` (a chain that gives up hands its
-        survivors back to its front door, cli/broker_chains.py); the stages sent."""
+        survivors back to its front door, launch/broker_chains.py); the stages sent."""
         sent = self.live_stages()
         for stage in sent:
             self.redirect(stage, endpoint, release=True)

@@ -11,7 +11,7 @@ decoding sequences move between micro-batches so that none runs full while anoth
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from layerbus.broker.detokenizer import IncrementalDetokenizer

@@ -34,7 +34,7 @@ from layerbus.cli.options import (
     results_dir,
     start_metrics,
 )
-from layerbus.cli.signals import Interrupted, stop_on_signals
+from layerbus.launch.signals import Interrupted, stop_on_signals
 
 if TYPE_CHECKING:
     from layerbus.broker.broker import BrokerConfig
@@ -127,8 +127,8 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError("--exit-when-idle and --job: --job already exits after its one job: drop one")
     if args.chains != 1:
         return _serve_chains(args)
-    if args.chain_label:  # one chain behind a front door (cli/broker_chains.py)
-        from layerbus.broker.stage_launcher import die_with_parent
+    if args.chain_label:  # one chain behind a front door (launch/broker_chains.py)
+        from layerbus.launch.process_life import die_with_parent
 
         die_with_parent()  # a killed front door leaves no chain behind
         global _speaker
@@ -184,10 +184,10 @@ def _broker_config(args: argparse.Namespace, model_dir: Path, keys, control_bind
 
 
 def _serve_chains(args: argparse.Namespace) -> int:
-    """--chains K: the front door and a broker process per chain (cli/broker_chains.py). What can be checked
+    """--chains K: the front door and a broker process per chain (launch/broker_chains.py). What can be checked
     here is, before any chain starts: the counts, the model (every stage of the longest chain needs a
     layer), the keys and binds, the job."""
-    from layerbus.cli.broker_chains import serve_chains
+    from layerbus.launch.broker_chains import serve_chains
     from layerbus.jobs.chain_split import chains_error, split_stages
 
     auto = args.chains == AUTO_CHAINS

@@ -2,7 +2,7 @@
 (planner/chain_plan.py) before the run starts them in that shape.
 
 The stages are started, profiled and stopped here, then started again by the run (one chain: as
-`layerbus run` always does; several: one broker process per chain, cli/chains.py). Their profiles and
+`layerbus run` always does; several: one broker process per chain, launch/chains.py). Their profiles and
 co-run factors are cached on disk by then, so the second start measures nothing again; the price is
 the stages' second start-up (importing torch and loading a span: seconds each on this machine).
 """
@@ -13,7 +13,7 @@ import sys
 
 from layerbus.broker.broker import BrokerConfig
 from layerbus.planner.chain_plan import ChainsPlan, plan_chains
-from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
+from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.jobs.chain_split import ChainStages, split_sizes
 
 

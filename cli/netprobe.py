@@ -218,7 +218,7 @@ def serve(bind: str) -> int:
     """Answer probes on `bind` until SIGINT or SIGTERM; the bound address is stdout's first line."""
     import zmq
 
-    from layerbus.cli.signals import Interrupted, stop_on_signals
+    from layerbus.launch.signals import Interrupted, stop_on_signals
     from layerbus.wire.link_probe import EchoPeer, serve as serve_probes
 
     context = zmq.Context()

@@ -170,7 +170,7 @@ def _count_stages(path: str) -> int:
 
 def _local_profiles(model_dir, memory, batching, args):
     from layerbus.broker.broker import BrokerConfig
-    from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
+    from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions
     from layerbus.planner.placement import Shapes
     from layerbus.broker.profiling import collect_profiles
 

@@ -31,13 +31,13 @@ from layerbus.cli.options import (
     results_dir,
     start_metrics,
 )
-from layerbus.cli.signals import Interrupted, stop_on_signals
+from layerbus.launch.signals import Interrupted, stop_on_signals
 from layerbus.cli.status import job_report
 from layerbus.storage.states import FINAL_JOB_STATES
 
 if TYPE_CHECKING:
     from layerbus.broker.broker import BrokerConfig
-    from layerbus.broker.local_cluster import LocalStageOptions
+    from layerbus.launch.local_cluster import LocalStageOptions
     from layerbus.broker.metrics_server import MetricsServer
     from layerbus.storage import JobStatus, JobStore
 
@@ -122,8 +122,8 @@ def run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.Na
     (--metrics) serves the broker once it has placed the model, and the job."""
     from layerbus.broker.broker import BrokerConfig
     from layerbus.broker.control import ClusterError
-    from layerbus.broker.local_cluster import LocalStageOptions
-    from layerbus.jobs.local_run import run_job_locally, stage_log_dir
+    from layerbus.launch.local_cluster import LocalStageOptions
+    from layerbus.launch.local_run import run_job_locally, stage_log_dir
 
     from layerbus.jobs.job_workload import job_workload
     from layerbus.models.model_info import load_tokenizer
@@ -229,7 +229,7 @@ def _run_chains(job_id: str, chains: list, config: BrokerConfig, options: LocalS
                 args: argparse.Namespace, log_dir: Path) -> JobStatus:
     """run_locally with several chains (jobs.chain_split.ChainStages each): a chain process each, a broker
     over its share of the stages, each opening the store itself from --db."""
-    from layerbus.cli.chains import chain_runs, run_chains
+    from layerbus.launch.chains import chain_runs, run_chains
     from layerbus.storage import default_db_url
 
     runs = chain_runs(chains, args.db or default_db_url(), job_id, config, options, results_dir(),

@@ -123,9 +123,9 @@ def _run(store: JobStore, job_id: str, pipeline: LocalPipeline) -> JobStatus:
     # Imported here: the broker and the stages' launcher are needed only when something is left to compute.
     from layerbus.broker.broker import BrokerConfig
     from layerbus.broker.control import ClusterError
-    from layerbus.broker.local_cluster import LocalStageOptions
+    from layerbus.launch.local_cluster import LocalStageOptions
     from layerbus.planner.batching import BatchingConfig
-    from layerbus.jobs.local_run import run_job_locally, stage_log_dir
+    from layerbus.launch.local_run import run_job_locally, stage_log_dir
 
     log_dir = stage_log_dir(job_id)
     config = BrokerConfig(str(pipeline.model_dir), pipeline.stages, partition=pipeline.partition,

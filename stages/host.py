@@ -126,7 +126,7 @@ def reset_peak_rss() -> None:
         pass
 
 
-# In a stage forked from the launcher (stages/launcher.py): the launcher's resident memory when it
+# In a stage forked from the launcher (launch/stage_forker.py): the launcher's resident memory when it
 # forked. Linux copies no page table entries of file-backed mappings at fork, so the child's own
 # resident figure starts lower (279 against 362 MB here) and grows as it touches the libraries' pages
 # again; runtime_rss_bytes counts the launcher's figure instead, as a fresh interpreter would measure

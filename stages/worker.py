@@ -168,7 +168,7 @@ class StageWorker:
                                  *((self._secure_peer, self._secure_answers) if self.gate is not None else ()))
         # What this process holds before any weight: interpreter, torch, libraries, sockets. A
         # --memory-budget counts it (stages/profile.py memory_figures), as the process's VmHWM does;
-        # a stage forked from the launcher counts what the launcher held (stages/launcher.py).
+        # a stage forked from the launcher counts what the launcher held (launch/stage_forker.py).
         self.runtime_bytes = runtime_rss_bytes()
         self._register()
         self._start_heartbeats()

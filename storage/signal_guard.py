@@ -1,7 +1,7 @@
 """Store transactions are never cut in half by a signal.
 
 `layerbus run` and `layerbus broker` stop on SIGINT/SIGTERM by raising an exception wherever the main
-thread is (cli/signals.py), so that `finally` blocks hand the items in flight back to the store. Raised
+thread is (launch/signals.py), so that `finally` blocks hand the items in flight back to the store. Raised
 inside a transaction's context manager at the wrong instruction (in `__exit__`, before it resumes the
 generator that commits), that exception leaves the transaction open and its SQLite write lock held by the
 exception's own traceback: the hand-back's write then waits on its own process's lock for the whole busy

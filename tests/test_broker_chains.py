@@ -18,8 +18,8 @@ import pytest
 
 import zmq
 
-from layerbus.broker.front_door import ChainDoor, FrontDoor, chain_for_stage
-from layerbus.cli.broker_chains import (
+from layerbus.launch.front_door import ChainDoor, FrontDoor, chain_for_stage
+from layerbus.launch.broker_chains import (
     MAX_CHAIN_RESTARTS,
     chain_binds,
     chain_command,

@@ -35,7 +35,7 @@ def children(pid: int) -> list[int]:
 
 
 def descendants(pid: int) -> list[int]:
-    """Every process under `pid`: the stages, and the launcher they were forked from (broker.stage_launcher)."""
+    """Every process under `pid`: the stages, and the launcher they were forked from (launch.stage_launcher)."""
     found = children(pid)
     return found + [grandchild for child in found for grandchild in descendants(child)]
 

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 
 from layerbus.broker.broker import BrokerConfig
-from layerbus.broker.local_cluster import LocalStageOptions
+from layerbus.launch.local_cluster import LocalStageOptions
 from layerbus.planner.placement import PlanOptions
 from layerbus.broker.job_simulation import job_shape
 from layerbus.planner.planning import one_chain_planner
 from layerbus.planner.batching import BatchingConfig
 from layerbus.planner.workload import Workload
-from layerbus.cli.chains import chain_runs
+from layerbus.launch.chains import chain_runs
 from layerbus.jobs.chain_split import split_stages
 from layerbus.jobs.leases import LeaseConfig
 from tests.test_chain_plan import MODEL, stage

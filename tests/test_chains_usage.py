@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from layerbus.broker.broker import BrokerConfig
-from layerbus.broker.local_cluster import LocalStageOptions
+from layerbus.launch.local_cluster import LocalStageOptions
 from layerbus.cli.main import main as layerbus_main
 from layerbus.jobs.chain_events import ChainEvents
 from layerbus.jobs.chain_split import split_stages
 from layerbus.jobs.leases import LeaseConfig
-from layerbus.cli.chains import chain_runs
+from layerbus.launch.chains import chain_runs
 from layerbus.storage import JobStore
 from tests.test_store_contract import SETTINGS, new_items
 

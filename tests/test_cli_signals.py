@@ -1,5 +1,5 @@
 """The first SIGINT stops a long-running command even when it lands inside a finalizer, where Python
-drops exceptions (cli/signals.py): a real signal, sent to this process."""
+drops exceptions (launch/signals.py): a real signal, sent to this process."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from layerbus.cli.signals import Interrupted, stop_on_signals
+from layerbus.launch.signals import Interrupted, stop_on_signals
 from layerbus.storage import JobSettings, JobStore, NewItem
 
 

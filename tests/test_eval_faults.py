@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from layerbus.broker.broker import BrokerConfig
-from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
+from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.pipeline import PipelineConfig
 from layerbus.planner.placement import PlanOptions
 from layerbus.planner.batching import BatchingConfig

@@ -16,7 +16,7 @@ from layerbus.broker.broker import BrokerConfig
 from layerbus.planner.drift import DriftConfig
 from layerbus.planner.placement import PlanOptions
 from layerbus.broker.profiling import ProfilingConfig
-from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
+from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.pipeline import PipelineConfig
 from layerbus.broker.run_state import ListSource
 from layerbus.broker.requests import GenerationRequest, GenerationResult

@@ -63,8 +63,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "storage": ("wire", "models", "planner"),
     "broker": ("wire", "models", "planner", "storage"),
     "jobs": ("wire", "models", "planner", "storage", "broker"),
-    "evals": ("wire", "models", "planner", "storage", "broker", "jobs"),
-    "cli": ("wire", "models", "planner", "stages", "storage", "broker", "jobs", "evals"),
+    "launch": ("wire", "models", "planner", "stages", "storage", "broker", "jobs"),
+    "evals": ("wire", "models", "planner", "storage", "broker", "jobs", "launch"),
+    "cli": ("wire", "models", "planner", "stages", "storage", "broker", "jobs", "launch", "evals"),
 }
 # Third-party imports a package must not make anywhere (module-level or not).
 BANNED_THIRD_PARTY = {"wire": ("transformers",)}

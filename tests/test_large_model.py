@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from layerbus.broker.broker import BatchingConfig, BrokerConfig
-from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
+from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.planner.model_memory import model_memory
 from layerbus.planner.placement import PlacementError, Shapes, plan_placement
 from layerbus.broker.profiling import ProfilingConfig

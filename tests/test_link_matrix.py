@@ -18,7 +18,7 @@ import zmq
 
 from layerbus.broker.broker import BrokerConfig
 from layerbus.broker.link_probing import LinkProbeConfig, MeasuredLink, missing_pairs, read_answer
-from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
+from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.planner.model_memory import model_memory
 from layerbus.planner.network import BROKER, MEASURED, NETWORK_FILE, OWN_LINK, HostLinks, Link, live_matrix
 from layerbus.planner.placement import PlanOptions, StageProfile, plan_placement

@@ -18,8 +18,8 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from sqlalchemy import create_engine, select  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-import layerbus.jobs.local_run as local_run  # noqa: E402
-from layerbus.broker.local_cluster import LocalCluster  # noqa: E402
+import layerbus.launch.local_run as local_run  # noqa: E402
+from layerbus.launch.local_cluster import LocalCluster  # noqa: E402
 from layerbus.evals.lm_eval_adapter import LayerbusLM  # noqa: E402
 from layerbus.jobs.runner import StoreSink, StoreSource  # noqa: E402
 from layerbus.storage import JobStore  # noqa: E402

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import layerbus.jobs.local_run as local_run
+import layerbus.launch.local_run as local_run
 from layerbus.evals.lm_eval_items import PlannedItem, job_name
 from layerbus.evals.lm_eval_jobs import LayerbusEvalError, LocalPipeline, job_settings, new_items, run_items
 from layerbus.storage import ItemResult, JobStore

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from layerbus.broker.broker import BrokerConfig
-from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
+from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.requests import GenerationRequest
 from layerbus.planner.batching import BatchingConfig
 

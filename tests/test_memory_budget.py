@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from layerbus.broker.broker import BatchingConfig, BrokerConfig
-from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
+from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.requests import GenerationRequest
 from layerbus.models.model_files import open_model_dir
 from layerbus.stages.host import budget_overrun, proc_kib_field

@@ -10,7 +10,7 @@ import pytest
 from layerbus.broker.broker import BrokerConfig
 from layerbus.planner.model_memory import model_memory
 from layerbus.planner.placement import PlanOptions, StageProfile, plan_placement
-from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
+from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.requests import GenerationRequest
 from layerbus.planner.batching import BatchingConfig
 from layerbus.models.model_files import open_model_dir

@@ -10,7 +10,7 @@ import pytest
 
 import layerbus.broker.broker as broker_module
 from layerbus.broker.broker import BrokerConfig
-from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
+from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.requests import GenerationRequest
 from layerbus.planner.batching import BatchingConfig
 

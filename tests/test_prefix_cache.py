@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from layerbus.broker.broker import BrokerConfig
-from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
+from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.planner.prefix_budget import PrefixCacheConfig, block_hashes
 from layerbus.broker.prefix_cache import PrefixIndex
 from layerbus.broker.requests import GenerationRequest, ScoreRequest, ScoreSegment

@@ -282,7 +282,7 @@ def sampled_job(model_dir: Path, work: Path, kill_after: int | None) -> tuple[li
     """A job of 6 items, 4 samples each (the job's --n), plus an item of one sample with the same prompt and
     seed as the first, run by run_job over 3 real stages; the middle one killed after `kill_after` results."""
     from layerbus.broker.broker import BrokerConfig
-    from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
+    from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions
     from layerbus.planner.placement import PlanOptions
     from layerbus.planner.batching import BatchingConfig
     from layerbus.jobs.runner import run_job

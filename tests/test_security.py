@@ -17,7 +17,7 @@ import torch
 import zmq
 
 from layerbus.broker.broker import BrokerConfig
-from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
+from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.requests import GenerationRequest
 from layerbus.broker.run_state import ListSource
 from layerbus.planner.batching import BatchingConfig

@@ -1,4 +1,4 @@
-"""Stages forked from the launcher (broker/stage_launcher.py, stages/launcher.py) behave as processes
+"""Stages forked from the launcher (launch/stage_launcher.py, launch/stage_forker.py) behave as processes
 started fresh: their arguments, environment, working folder and log are theirs; exits and signals are
 reported as subprocess.Popen reports them; and when the launcher dies its stages die with it."""
 
@@ -12,7 +12,7 @@ import time
 import pytest
 import zmq
 
-from layerbus.broker.stage_launcher import StageLauncher, forking_supported
+from layerbus.launch.stage_launcher import StageLauncher, forking_supported
 
 pytestmark = [pytest.mark.cluster,
               pytest.mark.skipif(not forking_supported({}), reason="the launcher forks: Linux only")]

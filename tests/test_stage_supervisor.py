@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from layerbus.broker.control import ClusterError, ControlPlane, StageState
-from layerbus.broker.stage_supervisor import StageExit, StageSupervisor, ending, last_lines, should_restart
+from layerbus.launch.stage_supervisor import StageExit, StageSupervisor, ending, last_lines, should_restart
 from layerbus.wire import protocol
 from layerbus.wire.frames import decode, encode
 

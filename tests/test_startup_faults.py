@@ -13,7 +13,7 @@ import pytest
 
 from layerbus.broker.broker import BrokerConfig
 from layerbus.broker.control import StageState
-from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
+from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.pipeline import PipelineConfig
 from layerbus.planner.batching import BatchingConfig
 from tests.test_faults import make_requests, outputs

@@ -13,7 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from layerbus.broker.broker import BrokerConfig
-from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
+from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.requests import GenerationRequest
 from layerbus.planner.batching import BatchingConfig
 from layerbus.wire.trace_events import BUSY_CATEGORIES

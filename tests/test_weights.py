@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
+from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.broker import BrokerConfig
 from layerbus.broker.requests import GenerationRequest
 from layerbus.planner.batching import BatchingConfig

@@ -9,8 +9,9 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+
+from layerbus.broker.control import StageExit
 
 log = logging.getLogger("layerbus.cluster")
 
@@ -19,16 +20,6 @@ LOG_LINES = 5
 # How often the processes are looked at (a waitpid each): the broker's loops ask far more often.
 CHECK_EVERY_S = 0.25
 
-
-@dataclass(frozen=True)
-class StageExit:
-    """A local stage process that ended, and what became of it."""
-
-    name: str  # the stage's --name (stage-i)
-    pid: int  # the process that ended
-    why: str  # how it ended and the last lines of its log, in words
-    restarted: bool  # a new process of the same name was started in its place
-    restarts: int  # restarts of this stage so far, this one included
 
 
 def ending(returncode: int) -> str:

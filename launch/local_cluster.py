@@ -1,8 +1,8 @@
 """A broker in this process plus N stage processes on this machine: for `layerbus run`, tests and
 benchmarks. The stage processes are forked from a launcher that imported their libraries once
-(broker.stage_launcher; LAYERBUS_FORK_STAGES=0 starts each as a fresh interpreter instead). A stage
+(launch.stage_launcher; LAYERBUS_FORK_STAGES=0 starts each as a fresh interpreter instead). A stage
 process that ends while the cluster starts is named with why and restarted a few times
-(broker.stage_supervisor); one that cannot come back is left out and the model placed over the
+(launch.stage_supervisor); one that cannot come back is left out and the model placed over the
 others. Every process it starts is stopped on exit: SIGTERM, a bounded wait, then SIGKILL; and on
 Linux the kernel sends them SIGTERM if this process dies without exiting (kill -9), so a killed broker
 leaves no stages behind to compete with the one that resumes its job.
@@ -25,8 +25,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from layerbus.broker.broker import Broker, BrokerConfig
-from layerbus.broker.stage_launcher import LauncherError, die_with_parent, forking_supported, shared_launcher
-from layerbus.broker.stage_supervisor import StageSupervisor
+from layerbus.launch.process_life import die_with_parent
+from layerbus.launch.stage_launcher import LauncherError, forking_supported, shared_launcher
+from layerbus.launch.stage_supervisor import StageSupervisor
 from layerbus.models.openmp_waits import with_passive_waits
 from layerbus.wire.curve import ClusterKeys, make_keypair, read_keypair
 
@@ -50,7 +51,7 @@ class LocalStageOptions:
     # CURVE on every link with a throwaway keypair, unless the broker's config brings keys of its own.
     # False: links neither authenticated nor encrypted (all on loopback), for comparisons.
     secure: bool = True
-    # Fork the stages from a launcher that imported their libraries once (broker.stage_launcher), where
+    # Fork the stages from a launcher that imported their libraries once (launch.stage_launcher), where
     # the platform can; False: a fresh `python -m layerbus.stages` each (seconds of imports per stage).
     fork: bool = True
     # The first stage's overall index: stages are named stage-{first_stage + i} and log to stage-{...}.log,

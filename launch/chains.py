@@ -1,5 +1,5 @@
 """`layerbus run --stages N --chains K`: K chains of this machine's stages working one job side by side,
-each a child process with its own Broker and LocalCluster (cli/chain_process.py). They share the job
+each a child process with its own Broker and LocalCluster (launch/chain_process.py). They share the job
 as several `layerbus broker` processes do, through the store's item leases (jobs/leases.py): each item
 is done once, exactly one chain finalizes, and a chain that loses a stage re-plans (or leaves the job
 to the others) while the others keep going.
@@ -25,14 +25,14 @@ import os
 import queue
 import signal
 import sys
-import time
 from dataclasses import replace
 from multiprocessing.connection import wait
 from pathlib import Path
 
 from layerbus.broker.broker import BrokerConfig
-from layerbus.broker.local_cluster import LocalStageOptions
-from layerbus.cli.chain_process import ChainRun, chain_main
+from layerbus.launch.local_cluster import LocalStageOptions
+from layerbus.launch.chain_process import ChainRun, chain_main
+from layerbus.launch.process_life import ChildProcess, stop_children
 from layerbus.jobs.chain_split import ChainStages
 from layerbus.jobs.leases import LeaseConfig
 from layerbus.storage import JobStatus, JobStore
@@ -111,7 +111,7 @@ def _watch(processes, placed, go, store: JobStore, job_id: str, bar) -> None:
 
 def _report_chain_ends(runs: list[ChainRun], processes) -> None:
     """A chain that ended otherwise than with the job is named on stderr, with its log."""
-    from layerbus.cli.chain_process import CHAIN_COMPLETED
+    from layerbus.launch.chain_process import CHAIN_COMPLETED
 
     for run, process in zip(runs, processes):
         if process.exitcode != CHAIN_COMPLETED:
@@ -120,18 +120,5 @@ def _report_chain_ends(runs: list[ChainRun], processes) -> None:
 
 
 def _stop(processes, signum: int) -> None:
-    """Pass `signum` to every chain still running, give each STOP_WAIT_S to stop, then kill what is left."""
-    alive = [process for process in processes if process.pid is not None and process.is_alive()]
-    for process in alive:
-        try:
-            os.kill(process.pid, signum)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + STOP_WAIT_S
-    for process in alive:
-        process.join(max(0.1, deadline - time.monotonic()))
-        if process.is_alive():
-            log.warning("%s did not stop within %.0f s of %s: killing it", process.name, STOP_WAIT_S,
-                        signal.Signals(signum).name)
-            process.kill()
-            process.join()
+    """Pass `signum` to every chain still running, give them STOP_WAIT_S to stop, then kill what is left."""
+    stop_children([ChildProcess(process) for process in processes], signum, STOP_WAIT_S)

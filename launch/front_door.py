@@ -2,7 +2,7 @@
 
 It binds the control address the stages are given (`layerbus stage --broker ADDRESS`) and runs no model.
 It answers each stage's registration with a redirect (wire/protocol.py) to its chain's broker, a
-`layerbus broker` process of its own bound on two ports of its own (cli/broker_chains.py), where the
+`layerbus broker` process of its own bound on two ports of its own (launch/broker_chains.py), where the
 stage registers again and is placed as with any broker. The chains then work the store's jobs side by
 side through the item leases, as several brokers on one job always can (jobs/leases.py).
 

@@ -1,5 +1,5 @@
-"""`python -m layerbus.stages.launcher`: a process that imports a stage's libraries once and forks stage
-processes from itself, for a broker that starts its stages on its own machine (broker.stage_launcher).
+"""`python -m layerbus.launch.stage_forker`: a process that imports a stage's libraries once and forks stage
+processes from itself, for a broker that starts its stages on its own machine (launch.stage_launcher).
 
 Importing torch and transformers' modeling code is most of a stage's start: 3.5 s of CPU here, paid by
 every stage process a `layerbus run` (or a restart after a crash at start-up) starts, and by every
@@ -26,6 +26,8 @@ import signal
 import sys
 import traceback
 
+from layerbus.launch.process_life import die_with_parent
+
 PRELOAD = ("layerbus.stages.worker", "layerbus.stages.__main__")  # what `python -m layerbus.stages` imports
 
 def _resident_bytes(pid: int) -> int:
@@ -35,18 +37,6 @@ def _resident_bytes(pid: int) -> int:
     except (OSError, ValueError, IndexError):
         return 0
 
-
-def die_with_parent() -> None:
-    """Ask Linux for SIGTERM when the parent dies (prctl PR_SET_PDEATHSIG); elsewhere nothing."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass  # without it, orphaned stages still exit once the broker has been silent for --broker-timeout
 
 
 def returncode(status: int) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from layerbus.broker.broker import Broker, BrokerConfig
-from layerbus.broker.local_cluster import LocalCluster, LocalStageOptions
+from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.jobs.leases import LeaseConfig
 from layerbus.jobs.runner import run_job
 from layerbus.models.home import layerbus_home

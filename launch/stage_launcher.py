@@ -1,5 +1,5 @@
 """Starting local stage processes by forking them from a launcher that has imported their libraries once
-(stages/launcher.py), instead of a fresh interpreter each: a stage then starts in milliseconds instead
+(launch/stage_forker.py), instead of a fresh interpreter each: a stage then starts in milliseconds instead
 of seconds of importing torch and transformers. `ForkedStage` answers what the broker and its callers ask
 of a `subprocess.Popen` (pid, poll, wait, returncode, signals), so the supervisor does not know which.
 
@@ -21,6 +21,7 @@ import sys
 import threading
 from pathlib import Path
 
+from layerbus.launch.process_life import die_with_parent
 from layerbus.models.openmp_waits import with_passive_waits
 
 log = logging.getLogger("layerbus.cluster")
@@ -67,12 +68,12 @@ class ForkedStage:
 
 
 class StageLauncher:
-    """A `python -m layerbus.stages.launcher` child; `spawn()` forks a stage from it."""
+    """A `python -m layerbus.launch.stage_forker` child; `spawn()` forks a stage from it."""
 
     def __init__(self, env: dict[str, str] | None = None):
         # Its OpenMP threads are its stages' (libgomp reads its settings as torch loads, in the launcher).
         env = with_passive_waits(os.environ if env is None else env)
-        self.process = subprocess.Popen([sys.executable, "-m", "layerbus.stages.launcher"], stdin=subprocess.PIPE,
+        self.process = subprocess.Popen([sys.executable, "-m", "layerbus.launch.stage_forker"], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, env=env, start_new_session=True,
                                         preexec_fn=die_with_parent)
         self.lock = threading.Lock()  # one spawn at a time: requests and their answers go in order
@@ -166,17 +167,3 @@ def forking_supported(environ=os.environ) -> bool:
     compare start-up times)."""
     return hasattr(os, "fork") and sys.platform.startswith("linux") and environ.get("LAYERBUS_FORK_STAGES") != "0"
 
-
-def die_with_parent() -> None:
-    """In a child before exec: ask Linux for SIGTERM when the parent dies (prctl PR_SET_PDEATHSIG).
-    The setting survives exec; stages/launcher.py asks the same for the stages it forks, with a copy of
-    this function: the broker may not import stages (tests/test_import_graph.py), nor stages the broker."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass  # without it, orphaned stages still exit once the broker has been silent for --broker-timeout

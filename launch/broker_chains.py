@@ -1,6 +1,6 @@
 """`layerbus broker --stages N --chains K`: K chains of stages started by hand, behind one address.
 
-This process is the front door (broker/front_door.py): it binds --bind-control, where every stage is
+This process is the front door (launch/front_door.py): it binds --bind-control, where every stage is
 told to register, and sends each on to its chain. Each chain is a `layerbus broker` child process with
 this command's own arguments and its own share of the stages (N // K, one more for the first N % K),
 bound on two ports of its own: chain i on --chain-ports + 2i (its control) and + 2i + 1 (its results),
@@ -18,7 +18,7 @@ model) leaves its job to the others and sends its surviving stages back to the f
 it is not started again, and the front door sends its stages on to the chains still running, whose
 brokers put them to work mid-job where the plan gains by it (Broker.grow) or keep them as spares.
 
-Child processes rather than one process driving K chains: cli/chains.py says why for `layerbus run
+Child processes rather than one process driving K chains: launch/chains.py says why for `layerbus run
 --chains K`, and it holds here too (each broker's Python work is its own, a fault stops one chain).
 The front door runs no model.
 """
@@ -26,7 +26,6 @@ The front door runs no model.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import signal
 import subprocess
@@ -36,7 +35,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from layerbus.cli.errors import EXIT_CHAIN_LEFT, EXIT_FAILED, EXIT_OK, RunFailed, UsageError
+from layerbus.launch.exits import EXIT_CHAIN_LEFT, EXIT_FAILED, EXIT_OK, RunFailed, UsageError
+from layerbus.launch.process_life import ChildProcess, stop_children
 
 if TYPE_CHECKING:
     from layerbus.broker.broker import Broker, BrokerConfig
@@ -103,8 +103,8 @@ def serve_chains(args: argparse.Namespace, keys, control_bind: str, results_bind
     the planner groups them; it sends each on to its chain itself."""
     import zmq
 
-    from layerbus.broker.front_door import ChainDoor, FrontDoor
-    from layerbus.cli.signals import Interrupted, stop_on_signals
+    from layerbus.launch.front_door import ChainDoor, FrontDoor
+    from layerbus.launch.signals import Interrupted, stop_on_signals
     from layerbus.jobs.chain_split import split_stages
 
     flags = Path(tempfile.mkdtemp(prefix="layerbus-chains-"))
@@ -272,19 +272,8 @@ def front_door_exit(codes: list[int]) -> int:
 
 def _stop(chains: list[ChainProcess], signum: int) -> None:
     """Pass `signum` to every chain's broker still running, STOP_WAIT_S for them all, then kill the rest."""
-    alive = [chain.process for chain in chains if chain.process is not None and chain.process.poll() is None]
-    for process in alive:
-        try:
-            os.kill(process.pid, signum)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + STOP_WAIT_S
-    for process in alive:
-        try:
-            process.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    stop_children([ChildProcess(chain.process, chain.label) for chain in chains if chain.process is not None],
+                  signum, STOP_WAIT_S)
 
 
 def _say(text: str) -> None:

@@ -19,14 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from layerbus.broker.broker import Broker, BrokerConfig
-from layerbus.broker.local_cluster import LocalStageOptions
+from layerbus.launch.local_cluster import LocalStageOptions
 from layerbus.jobs.chain_events import ChainEvents
 from layerbus.jobs.chain_split import ChainStages
 from layerbus.jobs.leases import LeaseConfig
 
 log = logging.getLogger("layerbus.chains")
 
-# Exit codes of a chain process, read by cli/chains.py.
+# Exit codes of a chain process, read by launch/chains.py.
 CHAIN_COMPLETED = 0  # the job completed (finalized here or by another chain)
 CHAIN_NOT_COMPLETED = 1  # the job ended otherwise (failed, cancelled), or this chain left it to the others
 CHAIN_BROKEN = 3  # this chain's broker stopped on an error (its stages broke, or cannot hold the model)
@@ -53,9 +53,9 @@ def chain_main(run: ChainRun, placed: Any, go: Any) -> None:
     of the CHAIN_* codes, or 128 + the signal that stopped it."""
     from layerbus.broker.control import ClusterError
     from layerbus.planner.plan_values import PlacementError
-    from layerbus.broker.stage_launcher import die_with_parent
-    from layerbus.cli.signals import Interrupted, stop_on_signals
-    from layerbus.jobs.local_run import run_job_locally
+    from layerbus.launch.process_life import die_with_parent
+    from layerbus.launch.signals import Interrupted, stop_on_signals
+    from layerbus.launch.local_run import run_job_locally
     from layerbus.storage import JobStore
 
     die_with_parent()  # a killed `layerbus run` leaves no chain behind
@@ -104,7 +104,7 @@ def _cpu_s() -> float:
 
 def _cpu_use(cpu_at_go: float, wall_at_go: float) -> str:
     """This broker process's CPU time against its wall time since the job started: what one chain's broker
-    would take from the others' under one interpreter lock, were the chains threads (cli/chains.py)."""
+    would take from the others' under one interpreter lock, were the chains threads (launch/chains.py)."""
     cpu, wall = _cpu_s() - cpu_at_go, time.monotonic() - wall_at_go
     return f"broker process CPU {cpu:.1f} s over {wall:.1f} s wall ({cpu / max(wall, 1e-9):.2f} of a core)"
 
