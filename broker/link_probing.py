@@ -1,4 +1,4 @@
-"""The broker's side of the measured link matrix (issue 21): once stages have registered and been
+"""The broker's side of the measured link matrix: once stages have registered and been
 profiled, it asks one stage at a time to time its links to the others (stages/peer_links.py: round
 trips and bandwidth at one step's size, with wire/link_probe.py), and keeps each ordered pair's figures.
 

@@ -1,4 +1,4 @@
-"""How many chains to form from a pool of stages, and which stages go in each (issue 14): a pure decision.
+"""How many chains to form from a pool of stages, and which stages go in each: a pure decision.
 
 A model that fits on two of four stages can run as one chain of four or as two chains of two working
 the job side by side. Which is faster is a matter of the stages' profiles: every chain pays a fixed

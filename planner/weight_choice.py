@@ -2,7 +2,7 @@
 stage was asked for (`--weights`, its own flag over the broker's) and the bytes each format needs.
 
 Under `--weights auto` a stage holds full precision (its --dtype) where its memory allows, else int8,
-else int4. In that order because quality falls in it (measured, issue 19, SmolLM2-135M over the sample
+else int4. In that order because quality falls in it (measured by `layerbus quality`, SmolLM2-135M over the sample
 corpus against float32: int8 g32 KL 0.0013 / 98.1% same top token; 4-bit g32 re-quantized from
 full precision costs more on a model not trained for it) and, on the CPUs measured, so does speed
 (Q4_1/Q8_0 tiles run 1.1-8x slower than the float32 matmul: bench/bench_weights.py). The planner
@@ -19,7 +19,7 @@ from pathlib import PurePath
 from typing import Callable, Sequence
 
 AUTO_FALLBACKS = ("int8", "int4")  # after full precision, in order of preference under --weights auto
-# Quality cost against float32, for `plan --explain` (issue 19's table: SmolLM2-135M over the sample
+# Quality cost against float32, for `plan --explain` (`layerbus quality`'s table: SmolLM2-135M over the sample
 # corpus; format -> (mean KL, same top token, a caveat)). `layerbus quality` measures a model's own.
 MEASURED_QUALITY = {"int8": (0.0013, 0.981, ""),
                     "int4": (0.0, 1.0, "; that model ships as Q4_1: on others int4 costs more")}

@@ -18,7 +18,7 @@ such a prefix instead of computing it. A workload made from the prompts themselv
 keeps, per item, which of its leading blocks another item shares (`prefix_blocks`), and the simulation
 runs the scheduler with the prefix cache on prompts that share exactly those blocks. Planned from lengths
 alone, a summarize job whose prompts were 40% shared prefix was priced for prefilling all of it: its
-tokens/s predicted 17-27% under what ran over a slow link (bench_topology, issue 21).
+tokens/s predicted 17-27% under what ran over a slow link (bench/bench_topology.py).
 
 Output lengths: an item runs to its max_new_tokens unless told otherwise (`output_fraction`, the
 shares of their budgets where earlier outputs ended (`output_shares`), or the lengths themselves after

@@ -4,13 +4,12 @@ Such a device takes (what this step costs this host alone) / F, however busy the
 are: a slow GPU's step does not stretch because a neighbour's process computes. On a one-thread CPU
 stage the step's CPU time is what it costs alone (a thread waiting for a core is not charged for the
 wait), so the stage sleeps until cpu / F has passed since the step began. Timing the
-sleep by the step's wall time instead (until the twenty-first session) let the host's contention stretch
-the sleep too: four emulated stages in one chain start their steps together, so their compute phases
+sleep by the step's wall time instead would let the host's contention stretch the sleep too: four emulated stages in one chain start their steps together, so their compute phases
 overlap, and each step's wall-clock compute, then its sleep, grew 1.45x over what the stages measured
 alone (one chain of four at 0.4 of a core on two cores: 54 tok/s, where 76 with this rule); the devices
 they stand for would not slow at all. A step whose wall time already exceeds cpu / F (the host is
 short of cores beyond what F leaves) does not sleep. Elsewhere the step's wall time stands for its cost
-alone, as before: a GPU stage's host thread waits for the device, so its CPU time says nothing; and with
+alone: a GPU stage's host thread waits for the device, so its CPU time says nothing; and with
 several torch threads the serving thread's own CPU time is its share of the work, 83-93% of the step's
 wall time alone here (2 threads), so it would make the stage faster than its profile says.
 """

@@ -1,4 +1,4 @@
-"""A stage's side of the measured link matrix (issue 21): it answers other stages' link probes that
+"""A stage's side of the measured link matrix: it answers other stages' link probes that
 arrive on its data port, and, when the broker asks (`link_probe`), times its own link to each peer
 stage: echo round trips and bursts of step-sized messages, with wire/link_probe.py's functions (the
 ones `layerbus netprobe` uses), sent to the peer's data address as steps travel.

@@ -78,7 +78,7 @@ REGISTER, ASSIGN, READY, HEARTBEAT, FAILURE, REJECTED, SHUTDOWN, BYE, RESET = (
 REDIRECT = "redirect"
 # Placement: the broker asks each stage to measure itself, and times its link with echoed probes.
 PROFILE, PROFILE_RESULT, PROBE, PROBE_ECHO = "profile", "profile_result", "probe", "probe_echo"
-# The link matrix (issue 21): the broker has each stage time its links to the others (stages/peer_links.py).
+# The link matrix: the broker has each stage time its links to the others (stages/peer_links.py).
 LINK_ADMIT, LINK_ADMITTED, LINK_PROBE, LINK_PROBE_RESULT = (
     "link_admit", "link_admitted", "link_probe", "link_probe_result")
 # Tracing: the broker asks for the step records a stage has not shipped yet; they come back as TRACE.
