@@ -75,7 +75,7 @@ fi
 if (( remote_stages > 0 )) && [[ -z "$keys" ]] && (( ! insecure )); then
     echo "run_cluster.sh: remote stages need keys: make the broker's with \`layerbus keys new KEYS --name broker\`," \
          "each stage's on its machine, copy the stages' NAME.key files into a folder and pass" \
-         "--keys KEYS --allow FOLDER (README: Security); or --insecure on a network you trust" >&2
+         "--keys KEYS --allow FOLDER (docs/operations.md: Security and keys); or --insecure on a network you trust" >&2
     exit 2
 fi
 
