@@ -1,4 +1,4 @@
-"""Several chains on one job (issue 14): tokens/s of the planner's choice of chains against 1 chain of 4, side by side in
+"""Several chains on one job: tokens/s of the planner's choice of chains against 1 chain of 4, side by side in
 one run, on the same job, outputs checked equal. The shape run beside one chain of four is the planner's
 choice: `layerbus plan --stages 4 --json` profiles the same four stages and says how many chains and
 which stages in each (planner/chain_plan.py), with predicted tokens/s for its choice and for one chain
@@ -9,14 +9,14 @@ planner's groups are consecutive too (recorded as groups_are_consecutive).
 
 SmolLM2-135M, four local stages with one thread each at --emulate-speed F (each stage sleeps so that it uses
 at most F of a core: four fit this machine's two cores) and --memory-budget 1.3GB each (the model fits on two of
-them, not on one, as issue 14 sets it up), dense work (bench/corpus.py's story prompts, whose
+them, not on one), dense work (bench/corpus.py's story prompts, whose
 answers run to the token limit), greedy. The runs go through the code `layerbus run` uses: run_job_locally
 for one chain, launch/chains.py for several (one broker process per chain). Each chain's broker plans its
 chain as `layerbus run` does, every stage kept (so one chain of four uses all four), with the same
 micro-batch size; the number of micro-batches in flight is each broker's own choice. Each chain's
 broker's own prediction (its "placed" event) is tabled beside the `layerbus plan` one. tokens/s is the job's own figure, as
 `layerbus status` shows it: generated tokens over the time from the job's start (its first claim, once every
-chain is placed) to its end; start-up (imports, loading, profiling) is reported apart. The issue's target is
+chain is placed) to its end; start-up (imports, loading, profiling) is reported apart. The target is
 >= 1.6x for the planner's choice against one chain of four, within 15% of its prediction.
 
     flock /tmp/layerbus-heavy.lock .venv/bin/python bench/bench_chains.py
@@ -160,7 +160,7 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--max-context", type=int, default=512)
     parser.add_argument("--memory-budget", default="1.3GB",
-                        help="each stage's whole memory, its runtime included (issue 14: the model fits on two "
+                        help="each stage's whole memory, its runtime included (the model fits on two "
                              "stages, not on one; at 1.3GB `layerbus plan` finds 1 and 2 chains feasible, not 3 or 4)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bench_chains.json")
     args = parser.parse_args()
@@ -177,7 +177,7 @@ def main() -> None:
     # `--chains K` deals consecutive stages; the planner's groups (in any order within a chain) may differ
     indices = [sorted(int(name.split("-")[1]) for name in group) for group in choice["groups"]]
     consecutive = all(group == list(range(group[0], group[0] + len(group))) for group in indices)
-    # One chain of four, the planner's choice, and two chains of two (the pinned shape issue 14 asks
+    # One chain of four, the planner's choice, and two chains of two (the pinned shape the target is
     # about) when the planner chose otherwise: each beside the planner's prediction for its shape.
     shapes = sorted({1, choice["chains"], 2})
     predicted = {row["chains"]: row["tokens_per_s"] for row in choice["by_count"]}

@@ -1,7 +1,7 @@
-"""How one-thread CPU steps share this machine's cores when they start together (issue 12's remaining
-prediction error): N processes each run a one-thread step of a fixed amount of work, either each at
-its own pace ("free", as the co-run probe serves its steps) or all started at the same wall-clock
-ticks ("in step", as a ring of as many micro-batches as stages starts them). It prints each mode's step
+"""How one-thread CPU steps share this machine's cores when they start together (what the plan must
+price for CPU stages that share a host): N processes each run a one-thread step of a fixed amount of
+work, either each at its own pace ("free", as the co-run probe serves its steps) or all started at the
+same wall-clock ticks ("in step", as a ring of as many micro-batches as stages starts them). It prints each mode's step
 time over the step alone, per process (the median) and, in step, per tick (the slowest of the N: what
 the ring waits for), at a short and a long step.
 

@@ -13,7 +13,7 @@ written as a layerbus task file. Both tools score exactly the same (context, cho
 Reported per system: documents/s over the scoring itself (lm-eval: the loglikelihood call; layerbus:
 the job's in_progress -> finalizing timestamps) and over the whole command (model load and start-up
 included), and prefill tokens computed per document (lm-eval: every position of every request, its
-batch padding counted separately; layerbus: the positions its stages computed). Targets (issue 11):
+batch padding counted separately; layerbus: the positions its stages computed). Targets:
 layerbus 1 stage >= 2x lm-eval at its best; 2 stages >= 0.9x 1 stage.
 
     flock /tmp/layerbus-heavy.lock .venv/bin/python bench/bench_eval.py [--docs 1000] [--stages 1 2]

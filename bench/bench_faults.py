@@ -1,4 +1,4 @@
-"""Recovery from a killed stage (issue: survive a dead stage), on the default model.
+"""Recovery from a killed stage, on the default model.
 
 Runs the same greedy summarization corpus three times on SmolLM2-135M-Instruct, float32, one thread per stage:
   * a fresh run on 2 local stages (the reference throughput);

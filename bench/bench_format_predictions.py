@@ -1,5 +1,5 @@
-"""Does the plan price a quantized stage at its own speed (issue 19: "a stage's profile is taken in its
-weight format")? Predicted against measured busy time per step, per stage, on two fresh local stages of
+"""Does the plan price a quantized stage at its own speed (a stage's profile is taken in its weight
+format)? Predicted against measured busy time per step, per stage, on two fresh local stages of
 one thread each under `--weights auto`:
 
   fp32    budgets that hold the model in float32: both stages full precision
@@ -65,7 +65,7 @@ def run_case(model_dir: Path, budget: int, batching: BatchingConfig, prompts: in
     requests = [GenerationRequest(f"p{i}", [3 + (i * 7 + k) % 50 for k in range(12)], max_new_tokens=new_tokens)
                 for i in range(prompts)]
     config = BrokerConfig(str(model_dir), 2, weights="auto", batching=batching,
-                          profiling=ProfilingConfig(probe_s=0))  # the co-run factor is another question (issue 12)
+                          profiling=ProfilingConfig(probe_s=0))  # the co-run factor is not what this measures
     stage_args = (("--memory-budget", str(budget)),) * 2
     with LocalCluster(config, LocalStageOptions(threads_per_stage=1, fork=False, stage_args=stage_args)) as cluster:
         broker = cluster.broker

@@ -1,4 +1,4 @@
-"""The GPU path in one short run (issue: engine speed), for a machine with a CUDA device.
+"""The GPU path in one short run, for a machine with a CUDA device.
 
 1. Equivalence: for each dtype (bfloat16, float32), layerbus on 2 local stages on the device must
    produce token for token what `transformers` `generate` produces for each prompt alone on the same

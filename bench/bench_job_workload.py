@@ -1,4 +1,4 @@
-"""What `layerbus run` spends on a queued job's workload before it plans (jobs/job_workload.py, issue 18):
+"""What `layerbus run` spends on a queued job's workload before it plans (jobs/job_workload.py):
 time and peak RSS of job_workload on a job of many short documents, and the plan's totals from it.
 
     LAYERBUS_MODEL_CACHE=... .venv/bin/python bench/bench_job_workload.py --items 200000 --folder /tmp/wl

@@ -1,4 +1,4 @@
-"""Batch-job overhead: 10,000 tiny items through submit -> run -> results (issue: batch jobs).
+"""Batch-job overhead: 10,000 tiny items through submit -> run -> results.
 
 A tiny random-weight model keeps the model's own time small, so what is measured is layerbus:
   * `layerbus submit` wall time for the whole file (parse, validate, render, one transaction);

@@ -1,4 +1,4 @@
-"""Weight formats on a model where they matter (issue 19): the 1.28B-parameter Llama of the tests (random
+"""Weight formats on a model where they matter: the 1.28B-parameter Llama of the tests (random
 weights, built here as bfloat16 shards by tests/large_model.py, 2.6 GB) on 2 local stages of one thread
 each, held in fp32, bf16, int8 and int4 one after the other in one run: tokens/s of the same requests,
 each stage's weight bytes and peak resident memory since its load (VmHWM), and whether the formats

@@ -1,4 +1,4 @@
-"""The read-only commands' whole-command times (issue 18: under 100 ms), wall clock and CPU, beside the
+"""The read-only commands' whole-command times (target: under 100 ms), wall clock and CPU, beside the
 interpreter's own start.
 
     .venv/bin/python bench/bench_light_commands.py [--db URL] [--runs 15] [--out PATH]

@@ -1,4 +1,4 @@
-"""Metrics cost nothing measurable (issue 20): tokens/s with the --metrics endpoint on and scraped, against
+"""Metrics cost nothing measurable: tokens/s with the --metrics endpoint on and scraped, against
 off, side by side on one local cluster (the same stages, the same placement), in alternating rounds
 (off, on, off, on, ...) so a drift of the machine's load falls on both alike.
 

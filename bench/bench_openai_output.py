@@ -1,5 +1,5 @@
 """`layerbus results JOB --format openai` on finished jobs of growing size: wall time, lines per
-second and the command's peak memory (issue 16: the files are streamed, so memory must not grow with
+second and the command's peak memory (the files are streamed, so memory must not grow with
 the job).
 
     .venv/bin/python bench/bench_openai_output.py [--items 10000,100000] [--out PATH]

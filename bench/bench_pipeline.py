@@ -1,4 +1,4 @@
-"""Throughput of layerbus against transformers `generate`, on one machine (issue: pipeline runtime).
+"""Throughput of layerbus against transformers `generate`, on one machine.
 
 Runs, on the same summarization corpus, greedy, float32:
   * transformers `generate` in static batches of --batch prompts (left-padded; the baseline users
@@ -148,7 +148,7 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=0, help="layerbus micro-batches (0 = its own choice)")
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--weights", nargs="*", default=["auto"],
-                        help="layerbus weight formats, each run on every --stages (e.g. auto native: issue 19's ratio)")
+                        help="layerbus weight formats, each run on every --stages (e.g. auto native: native's speed against float32's)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bench_pipeline.json")
     args = parser.parse_args()
     from layerbus.models.default_model import default_model_dir

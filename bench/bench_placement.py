@@ -1,4 +1,4 @@
-"""Placement on mismatched stages (issue 4): planned split against the equal split, on one machine
+"""Placement on mismatched stages: planned split against the equal split, on one machine
 with emulated devices.
 
 A. SmolLM2, 2 local stages with one thread each, emulated speeds 1.0 (stage-0) and 0.33 (stage-1).

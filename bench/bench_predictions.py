@@ -1,5 +1,5 @@
-"""How well the plan predicts what runs (issue 12): predicted against measured tokens/s, per case and
-per stage, on the cases the issue names.
+"""How well the plan predicts what runs: predicted against measured tokens/s, per case and per stage,
+on the README's command and the pipeline and placement benchmarks' cases.
 
   readme       `layerbus run examples/sample_corpus --task summarize` (3 local stages, all defaults),
                run through the CLI in this process, in a fresh LAYERBUS_HOME
@@ -76,7 +76,8 @@ class BrokerLog(logging.Handler):
             report = getattr(record, "prediction", None)
             if report is not None:
                 return report
-        # The broker before issue 12 logged the plan's table and one line per stage after the run.
+        # A broker without the report after the run (an older checkout under bench_checkouts) logs the plan's
+        # table and one line per stage after the run: read those.
         out: dict = {"tok_s": None, "stages": {}}
         for record in self.records:
             text = record.getMessage()
@@ -95,7 +96,7 @@ class BrokerLog(logging.Handler):
 
 def broker_config(model_dir: Path, stages: int, batching: BatchingConfig, partition: str, prompts,
                   max_new_tokens: int, as_first_job: bool) -> BrokerConfig:
-    """The config, telling the broker the workload where it can be told (the broker of issue 12).
+    """The config, telling the broker the workload where it can be told.
     `as_first_job`: told as `layerbus run` tells it for a job nothing like has run before (outputs assumed
     to end evenly up to their budgets, jobs.job_workload); else as bench_placement tells it (every item
     may run to its budget)."""

@@ -1,11 +1,11 @@
-"""The prefix cache on against off (issue 15), side by side in one run, on the default model:
+"""The prefix cache on against off, side by side in one run, on the default model:
 
   * a summarize job of --items short documents (500), rendered as `layerbus submit --task summarize`
     renders them (the chat template's system part and the instruction come first, so every item shares
-    them), --job-new-tokens new tokens each: prefill tokens computed against what the issue expects
+    them), --job-new-tokens new tokens each: prefill tokens computed against what the cache should copy
     (the prompt tokens minus each item's shared prefix, the first item's excepted, within one block per
     item), and the wall time with and without the cache;
-  * the README's pipeline corpus (bench/corpus.py, --prompts of them, up to 128 new tokens): wall time
+  * bench_pipeline's corpus (bench/corpus.py, --prompts of them, up to 128 new tokens): wall time
     and useful tokens/s with and without the cache (target: 1.3x faster).
 
 Each case runs off then on, then (with --rounds 2) on then off, on the same local stages' configuration;
@@ -59,7 +59,7 @@ def summarize_prompts(tokenizer, count: int) -> list[tuple[str, list[int]]]:
 
 
 def expected_restored(prompts: list[tuple[str, list[int]]], block: int) -> int:
-    """What the issue expects the cache to copy: each item's longest prefix shared with an earlier item, in
+    """What the cache should copy: each item's longest prefix shared with an earlier item, in
     whole blocks and short of its last token (which gives the first new token); the first item computes all."""
     seen: set[tuple[int, ...]] = set()
     total = 0

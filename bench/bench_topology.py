@@ -1,4 +1,4 @@
-"""Placement over hosts and links (issue 21): four stages on two "machines" joined by a slow link.
+"""Placement over hosts and links: four stages on two "machines" joined by a slow link.
 
 Two network namespaces (bench/netns.py) stand for two hosts, two stages in each (loopback between
 them), the namespaces joined by a veth pair that tbf limits to --rate-mbit each way. The broker runs

@@ -1,4 +1,4 @@
-"""Quantized weights (issue 19): the block kernel against the float32 matmul, and the default model end to end.
+"""Quantized weights: the block kernel against the float32 matmul, and the default model end to end.
 
   1. One Linear per SmolLM2-135M shape, 1 / 8 / 32 / 64 / 128 rows, 1 thread: the float32 matmul, the
      Q4_1 PackedLinear with the compiled kernel (one-pass dequantization of a tile, then torch's float32

@@ -1,4 +1,4 @@
-"""Wire codecs (issue: fewer bytes between machines): bytes per hop, quality, and speed on a slow link.
+"""Wire codecs, fewer bytes between machines: bytes per hop, quality, and speed on a slow link.
 
   1. Bytes per hop of each codec against float32 (SmolLM2's hidden size, scales and outliers counted).
   2. Quality on SmolLM2-135M-Instruct, teacher-forced over the sample corpus (as `layerbus
@@ -8,7 +8,7 @@
      limited by tbf to a rate that makes the float16 run network-bound (the rate is derived from the
      unlimited float16 run: its hop bytes/s times --compute-to-transfer), float16 against int8.
 
-  4. CurveZMQ (issue 13): the same two-stage runs with every link secured against unsecured, on the
+  4. CurveZMQ: the same two-stage runs with every link secured against unsecured, on the
      unlimited link and on the limited one (float16), and the handshake's time on loopback.
 
     flock /tmp/layerbus-heavy.lock .venv/bin/python bench/bench_wire.py          # about 5 minutes

@@ -1,5 +1,5 @@
 """Time the token mask of two grammar engines (llguidance, xgrammar) on CPU: per token, for a JSON schema,
-on the default model's tokenizer. Chose the engine layerbus uses (README, "Constrained decoding").
+on the default model's tokenizer. How layerbus chose its engine: docs/jobs.md, "Constrained decoding".
 
     .venv/bin/python bench/mask_engines.py [--model DIR] [--items 20]
 
