@@ -8,7 +8,7 @@ its only handicap is gone. `generate` gets prompts sorted by length and its best
 runs every system once, in turn, and the table shows medians over the rounds.
 
     .venv/bin/python bench/bench_dense.py                 # 128 prompts, 64 new tokens (about 10 min on 2 cores)
-    .venv/bin/python bench/bench_dense.py --prompts 64 --batches 32 64 --rounds 3   # the smaller case bench/README.md tables
+    .venv/bin/python bench/bench_dense.py --prompts 64 --batches 32 64 --rounds 3   # as bench/README.md tables it
 """
 
 from __future__ import annotations
