@@ -31,8 +31,8 @@ CLI_MD = repository_root() / "docs" / "cli.md"
 REGENERATE = "run `python -m tests.test_docs --write` from the repository root to write docs/cli.md again"
 # Every command has these; docs/cli.md describes them once, at the top.
 COMMON_OPTIONS = ("-h", "--help", "-v", "--verbose")
-# Work history in a tracked file: issue numbers, numbered sessions ("twelfth session", "12th session"),
-# and references to a task's own instructions. Pytest, tmux and database sessions are not numbered.
+# Work history in a tracked file: issue numbers, sessions counted by an ordinal (spelled out or in
+# digits), and references to a task's own instructions. Pytest, tmux and database sessions are not counted.
 HISTORY = r"issue [0-9]+|(first|second|third|[a-z]+th|[0-9]+(st|nd|rd|th)) session|the[ ]brief"
 HISTORY_ALLOWED_IN = ("CHANGELOG.md",)
 
