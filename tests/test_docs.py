@@ -130,9 +130,9 @@ def render() -> str:
     lines = [
         "# The `layerbus` command line",
         "",
-        "<!-- Generated from the parsers by `python -m tests.test_docs --write`; tests/test_docs.py fails when",
-        "     an option is missing. Edit the help texts in cli/ (and stages/__main__.py for `layerbus stage`),",
-        "     then write this file again. -->",
+        "This page is generated from the command's own parsers by `python -m tests.test_docs --write` (from the",
+        "repository root), and `tests/test_docs.py` fails when an option is missing from it: edit the help texts",
+        "in `cli/` (and `stages/__main__.py` for `layerbus stage`), then write it again.",
         "",
         "One console script, `layerbus`, one section per command below: what it does, then its arguments and",
         "options with their help text. The topic pages say how the pieces fit: [jobs](jobs.md),",
