@@ -76,7 +76,7 @@ def run_case(model_dir: Path, budget: int, batching: BatchingConfig, prompts: in
         results, _ = broker.generate(requests)
         wall = time.perf_counter() - began
         plan, report = broker.plan, broker.last_prediction
-        inputs = broker._plan_inputs(broker.chain)
+        inputs = broker.keeper.plan_inputs(broker.chain)
         chain = [p for name in plan.order for p in broker.profiles if p.name == name]
         # The same chain and split priced as before: every format at the full-precision profile's speed.
         unpriced = estimate_split([replace(p, format_layer_costs=()) for p in chain], plan.spans, inputs.memory,

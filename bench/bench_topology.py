@@ -121,7 +121,7 @@ def run_chain(model_dir: Path, prompts, max_new_tokens: int, rate_mbit: float, r
             "predicted_tokens_per_s": plan.tokens_per_s,
             "predicted_for_produced_lengths": (prediction or {}).get("tok_s_for_produced_lengths"),
             "profiles": profiles, "measured_links": links, "token_ids": [r.token_ids for r in results],
-            # per stage, busy ms per step predicted against measured (broker.plan_report.prediction_report)
+            # per stage, busy ms per step predicted against measured (planner.plan_report.prediction_report)
             "stages_predicted_measured": (prediction or {}).get("stages")}
 
 

@@ -1,5 +1,7 @@
 """The broker's control plane: a ROUTER socket where stages register, get their spans, heartbeat
-and report failures. It keeps one `StageInfo` per stage (what the stage is and how it is doing; which
+and report failures. The socket is served on a thread of its own (broker/control_io.py), so the broker
+answers and heartbeats whatever its main loop is doing; this class judges what arrived, on the main
+loop's thread, when it polls. It keeps one `StageInfo` per stage (what the stage is and how it is doing; which
 layers it serves is the broker's `Placement`), decides in one place when a stage is lost
 (`lost_reason`), and hands the pipeline loop the events it must act on. Where the broker started the
 stage processes itself (a LocalCluster), `children` tells it which of them ended, and why.
@@ -21,11 +23,11 @@ from typing import Callable, Protocol, Sequence
 
 import zmq
 
+from layerbus.broker.control_io import LINK_TIMED, Arrival, ControlIO
 from layerbus.planner.chain import Placement
 from layerbus.wire import protocol
 from layerbus.wire.curve import ClusterKeys, CurveGate
-from layerbus.wire.frames import WireError, decode, encode
-from layerbus.wire.protocol import HEARTBEAT_IDENTITY_SUFFIX
+from layerbus.wire.frames import WireError, encode
 from layerbus.wire.spans import LayerRange
 from layerbus.wire.weight_formats import WEIGHT_FORMATS
 
@@ -34,6 +36,11 @@ log = logging.getLogger("layerbus.broker")
 
 class ClusterError(RuntimeError):
     """The stages cannot serve: too few registered, a load failed, a stage went silent."""
+
+
+class StagesGone(ClusterError):
+    """Every stage process this broker was told of has ended, and none can come back (none is restarted):
+    waiting would be for ever. The job is left as it is, for a later run."""
 
 
 class StageLost(ClusterError):
@@ -122,31 +129,39 @@ class TraceSink(Protocol):
 
 
 class ChildWatch(Protocol):
-    """The stage processes this broker started (broker.stage_supervisor.StageSupervisor)."""
+    """The stage processes this broker started (launch.stage_supervisor.StageSupervisor)."""
 
     given_up: set[str]  # names of stages that ended and will not come back
     max_restarts: int  # restarts of each stage allowed while the cluster starts
+    watched: int  # the stage processes it watches: all of them in given_up, none can come back
 
     def check(self) -> list[StageExit]: ...
 
 
 class ControlPlane:
     def __init__(self, context: zmq.Context, bind: str = "tcp://127.0.0.1:*",
-                 clock: Callable[[], float] = time.monotonic, keys: ClusterKeys | None = None):
+                 clock: Callable[[], float] = time.monotonic, keys: ClusterKeys | None = None,
+                 heartbeat_interval_s: float = 0.5):
         self.clock = clock
         self.keys = keys
         # The broker's one ZAP authenticator and handshake monitors (the broker guards its results socket too).
         self.gate = CurveGate(context, keys.keypair, keys.allowed) if keys is not None else None
-        self.socket = context.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted stage may reuse its name
+        socket = context.socket(zmq.ROUTER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted stage may reuse its name
         if self.gate is not None:
-            self.gate.guard(self.socket)
-        self.socket.bind(bind)
-        self.address = self.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self.gate.guard(socket)
+        try:
+            socket.bind(bind)  # here, on the caller's thread, so a port in use is the caller's error
+        except zmq.ZMQError:
+            socket.close(linger=0)
+            raise
+        self.address = socket.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.stages: dict[bytes, StageInfo] = {}
         self.epoch = 0
-        self.last_heartbeat = 0.0
+        # What the broker is busy with while stages wait ("preparing the model", "planning"); None once it
+        # serves. The control thread says it to every registered stage when it changes, and in heartbeats.
+        self.phase: str | None = None
         # Set by a tracing broker: assignments then ask for step records, and heartbeats carry the clock.
         self.tracer: TraceSink | None = None
         # Set by a LocalCluster: its stage processes, looked at on every poll; `exits` is what they reported.
@@ -156,15 +171,39 @@ class ControlPlane:
         # that keeps retrying is logged and recorded once.
         self.refusals: list[str] = []
         self._refusals_seen: set[str] = set()
+        self._refusals_checked = 0.0
+        self.owns_context = False  # open_control made its context for it (a secured broker's own)
+        self._closed = False
+        # The socket is served on a thread of its own from here on (broker/control_io.py).
+        self.io = ControlIO(context, socket, clock, heartbeat_interval_s, self._heartbeat_fields,
+                            lambda: self.phase, secured=keys is not None)
+        self.io.start()
+
+    @property
+    def wake(self) -> zmq.Socket:
+        """Readable when control messages wait to be taken (poll them): for the pipeline loop's poller."""
+        return self.io.wake
+
+    def _heartbeat_fields(self) -> dict:
+        """Called on the control thread: a tracing broker's heartbeats carry its clock, for the offset."""
+        tracer = self.tracer
+        return {"sent_us": tracer.now_us()} if tracer is not None else {}
 
     # -- receiving -----------------------------------------------------------------------------
     def poll(self, timeout_ms: int = 0) -> list[ControlEvent]:
+        """The events of every control message that arrived (waiting up to `timeout_ms` for one), after
+        judging each: who registered, who is ready, failed or gone. The control thread has answered them."""
+        if timeout_ms > 0:
+            self.io.wake.poll(timeout_ms)
         events = []
-        if self.socket.poll(timeout_ms):
-            while self.socket.poll(0):
-                events.extend(self._handle(self.socket.recv_multipart(copy=False)))
+        for arrival in self.io.take():
+            events.extend(self._handle(arrival))
         if self.children is not None:
             events.extend(self._child_exited(ended) for ended in self.children.check())
+        now = self.clock()
+        if now - self._refusals_checked >= 1.0:
+            self._refusals_checked = now
+            self._note_refusals()
         return events
 
     def _child_exited(self, ended: StageExit) -> ControlEvent:
@@ -172,28 +211,25 @@ class ControlPlane:
         window, and says why. A later registration under its name (a restart) is a new stage."""
         self.exits.append(ended)
         stage = self.stages.get(ended.name.encode())
-        if stage is not None and stage.pid == ended.pid and stage.state.alive:
+        if stage is not None and ended.pid in (stage.pid, 0) and stage.state.alive:  # 0: the launcher knew no pid
             stage.state, stage.loaded, stage.error = StageState.GONE, None, f"its process {ended.why}"
         return ControlEvent("bye", ended.name, {"exited": ended.why})
 
-    def _handle(self, frames) -> list[ControlEvent]:
-        identity = bytes(frames[0].buffer)
-        try:
-            message = decode(frames[1:], 1 << 20)
-        except WireError as error:
-            log.error("malformed control message from stage %r: %s", identity.decode(errors="replace"), error)
+    def _handle(self, arrival: Arrival) -> list[ControlEvent]:
+        identity = arrival.identity
+        if arrival.message is None:
+            log.error("malformed control message from stage %r: %s", identity.decode(errors="replace"), arrival.error)
             return []
-        header, kind, now = message.header, message.kind, self.clock()
-        from_heartbeat_thread = identity.endswith(HEARTBEAT_IDENTITY_SUFFIX)
-        if from_heartbeat_thread:
-            identity = identity[:-len(HEARTBEAT_IDENTITY_SUFFIX)]
+        header, kind, now = arrival.message.header, arrival.kind, arrival.at
+        from_heartbeat_thread = arrival.from_heartbeat_thread
         if kind == protocol.REGISTER and not from_heartbeat_thread:
-            self._register(identity, header, now, _proven_key(frames[1]) if self.keys is not None else None)
+            self._register(identity, header, now, arrival.proven_key if self.keys is not None else None)
             return []
         stage = self.stages.get(identity)
-        if stage is None:
-            if not from_heartbeat_thread:  # heartbeats may arrive before the registration
-                log.warning("control message %r from unregistered stage %r ignored", kind, identity)
+        if kind == LINK_TIMED:  # the control thread's timing of a link, not a message of the stage
+            return [ControlEvent(kind, stage.name if stage is not None else identity.decode(errors="replace"), header)]
+        if stage is None:  # the control thread told it to register (its heartbeats may come first)
+            log.debug("control message %r from unregistered stage %r ignored", kind, identity)
             return []
         if stage.state is StageState.LOST:
             # Presumed dead and re-planned without, it speaks again (SIGCONT, a healed network). Its
@@ -202,7 +238,7 @@ class ControlPlane:
             stage.state = StageState.RESET
             self.send(stage, protocol.RESET)
             return []
-        stage.last_seen = now
+        stage.last_seen = max(stage.last_seen, now)
         if "stats" in header and isinstance(header["stats"], dict):
             stage.stats = header["stats"]
         if isinstance(header.get("busy_s"), (int, float)):
@@ -253,6 +289,13 @@ class ControlPlane:
         except WireError as error:
             log.error("registration from %r refused: %s", identity, error)
             return
+        known = self.stages.get(identity)
+        if (known is not None and known.state.alive and known.pid == int(_figure(header.get("pid")))
+                and known.data_address == header["data_address"]):
+            # The same process again (it registers anew on every connection, and until the broker first
+            # answers): nothing to change, whatever it was told since.
+            known.last_seen = max(known.last_seen, now)
+            return
         self.stages[identity] = StageInfo(
             identity=identity, name=header["name"], device=header["device"], dtype=header["dtype"],
             threads=header["threads"], memory_budget=header.get("memory_budget"),
@@ -279,26 +322,26 @@ class ControlPlane:
         taken, self.refusals = self.refusals, []
         return taken
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
-        self.socket.close(linger=0)
+        if self._closed:
+            return
+        self._closed = True
+        self.io.close()
         if self.gate is not None:
             self.gate.close()
 
     # -- sending -------------------------------------------------------------------------------
     def send(self, stage: StageInfo, kind: str, **fields) -> None:
-        self.socket.send_multipart([stage.identity, *encode(dict(fields, kind=kind))], copy=False)
+        self.io.send([stage.identity, *encode(dict(fields, kind=kind))])
 
-    def heartbeat(self, interval_s: float) -> None:
-        """Heartbeats to the live stages, every `interval_s`; refused handshakes are looked at as often."""
-        now = self.clock()
-        if now - self.last_heartbeat >= interval_s:
-            self._note_refusals()
-            for stage in self.live_stages():
-                if self.tracer is None:
-                    self.send(stage, protocol.HEARTBEAT)
-                else:  # stamped with our clock: the stage keeps the least delay, for the clock offset
-                    self.send(stage, protocol.HEARTBEAT, sent_us=self.tracer.now_us())
-            self.last_heartbeat = now
+    def time_link(self, stage: StageInfo, payload_bytes: int, rounds: int) -> int:
+        """Have the control thread time the link to `stage` (echoes without and with `payload_bytes`, `rounds`
+        of each); the outcome comes back as a LINK_TIMED event with the token returned."""
+        return self.io.time_link(stage.identity, payload_bytes, rounds)
 
     def live_stages(self) -> list[StageInfo]:
         return [s for s in self.stages.values() if s.state.alive]
@@ -329,6 +372,7 @@ class ControlPlane:
         profiled and grouped) and forget it: it is that broker's now, and hears nothing more from this one,
         not even the shutdown at close. `release`: the stage drops the span it holds first."""
         self.send(stage, protocol.REDIRECT, **protocol.redirect_header(endpoint, release=release))
+        self.io.forget(stage.identity)
         del self.stages[stage.identity]
 
     def release_all(self, endpoint: str) -> list[StageInfo]:
@@ -344,15 +388,15 @@ class ControlPlane:
             self.send(stage, protocol.SHUTDOWN)
 
     # -- orchestration -------------------------------------------------------------------------
-    def wait_for_stages(self, count: int, timeout_s: float, heartbeat_interval_s: float = 0.5) -> list[StageInfo]:
+    def wait_for_stages(self, count: int, timeout_s: float) -> list[StageInfo]:
         """The first `count` live stages once they have registered, less those `children` gave up on (their
-        process ended for good). The ones that registered hear heartbeats meanwhile, so they do not leave."""
+        process ended for good). The ones that registered hear heartbeats meanwhile (the control thread)."""
         deadline = self.clock() + timeout_s
         while True:
             expected = count - len(self.children.given_up) if self.children is not None else count
             live = self.live_stages()
             if expected < 1:
-                raise ClusterError(f"none of the {count} stages can serve: {self.stages_missing()}")
+                raise StagesGone(f"none of the {count} stages can serve: {self.stages_missing()}")
             if len(live) >= expected:
                 return live[:expected]
             if self.clock() > deadline:
@@ -361,7 +405,12 @@ class ControlPlane:
                                    f"at {self.address}{'; ' + missing if missing else ''}; start more with "
                                    f"`layerbus stage --broker {self.address}`")
             self.poll(100)
-            self.heartbeat(heartbeat_interval_s)
+
+    def none_can_come_back(self) -> bool:
+        """Every watched stage process has ended for good, and no stage is registered and alive."""
+        children = self.children
+        return (children is not None and children.watched > 0 and len(children.given_up) >= children.watched
+                and not self.live_stages())
 
     def stages_missing(self) -> str:
         """The stages that registered and left, and the stage processes that ended, each with why."""
@@ -399,8 +448,8 @@ class ControlPlane:
                       keep_caches=keep_caches,
                       **self._link_keys(chain, i), **traced, **hinted)
         deadline = self.clock() + timeout_s
-        # Take in what queued while the broker was busy (planning a large job takes seconds, during
-        # which heartbeats wait in the socket): judged before that, every stage would look silent.
+        # Take in what arrived while the broker was busy (planning a large job takes seconds): each
+        # message counts from when it arrived, so no stage looks silent for the broker's own delay.
         self.poll(0)
         while True:  # a failed load is checked first: it is a ClusterError (re-plan without it), not a loss
             failed = [(stage, span) for stage, span in zip(chain, placement.spans) if stage.state is StageState.FAILED]
@@ -415,7 +464,6 @@ class ControlPlane:
             if liveness_window_s is not None:
                 self.check_stages(chain, liveness_window_s, stuck_s=timeout_s)
             self.poll(100)
-            self.heartbeat(0.5)
 
     def _link_keys(self, chain: list[StageInfo], i: int) -> dict:
         """For a secured cluster: the server key of the hop stage i sends to (the next stage's, or the
@@ -425,14 +473,6 @@ class ControlPlane:
         own = self.keys.keypair.public.decode()
         return {"next_key": chain[i + 1].public_key if i + 1 < len(chain) else own,
                 "prev_key": chain[i - 1].public_key if i > 0 else own}
-
-
-def _proven_key(frame) -> str | None:
-    """The CURVE key (Z85) the sender's handshake proved: the ZAP User-Id of a message's frame."""
-    try:
-        return frame.get("User-Id")
-    except (zmq.ZMQError, AttributeError):
-        return None
 
 
 def lost_reason(stage: StageInfo, now: float, window_s: float, stuck_s: float) -> str | None:

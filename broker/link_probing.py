@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Mapping
 
-from layerbus.broker.control import ClusterError, ControlPlane, StageInfo
+from layerbus.broker.control import ControlPlane, StageInfo
+from layerbus.broker.waits import Liveness, Reply, Steps, run_blocking
 from layerbus.planner.network import Link
 from layerbus.wire import protocol
 
@@ -64,16 +65,17 @@ def missing_pairs(stages: list[StageInfo], measured: Mapping[Pair, MeasuredLink]
             if (peers := [peer for peer in stages if peer is not stage and (stage.name, peer.name) not in measured])}
 
 
-def probe_links(control: ControlPlane, stages: list[StageInfo], measured: Mapping[Pair, MeasuredLink],
-                step_bytes: int, rows: int, config: LinkProbeConfig) -> dict[Pair, MeasuredLink]:
-    """The pairs of `stages` not in `measured`, each timed by its sender; pairs that could not be timed
-    are logged and left out. ClusterError only when an asked stage leaves meanwhile (as profiling)."""
+def link_probe_steps(control: ControlPlane, stages: list[StageInfo], measured: Mapping[Pair, MeasuredLink],
+                     step_bytes: int, rows: int, config: LinkProbeConfig) -> Steps[dict[Pair, MeasuredLink]]:
+    """The conversation (broker/waits.py) that times the pairs of `stages` not in `measured`, each by its
+    sender, one stage at a time; pairs that could not be timed are logged and left out. A stage asked
+    that leaves or falls silent meanwhile ends it with StageLost (as profiling)."""
     wanted = missing_pairs(stages, measured)
     if not wanted:
         return {}
     started = time.monotonic()
     if control.keys is not None:
-        _admit(control, stages, config.connect_timeout_s)
+        yield from _admit(control, stages, config.connect_timeout_s)
     found: dict[Pair, MeasuredLink] = {}
     by_name = {stage.name: stage for stage in stages}
     for name, peers in wanted.items():
@@ -81,11 +83,20 @@ def probe_links(control: ControlPlane, stages: list[StageInfo], measured: Mappin
         control.send(stage, protocol.LINK_PROBE, step_bytes=step_bytes, rows=rows, echoes=config.echoes,
                      burst_s=float(config.burst_s), connect_timeout_s=float(config.connect_timeout_s),
                      peers=[_peer_entry(peer) for peer in peers])
-        answer = _await(control, stage, protocol.LINK_PROBE_RESULT, config.stage_timeout_s(len(peers)))
+        timeout_s = config.stage_timeout_s(len(peers))
+        answer = yield Reply(stage, protocol.LINK_PROBE_RESULT, timeout_s, required=False)
+        if answer is None:
+            log.warning("stage %s sent no %s within %.0f s", stage.name, protocol.LINK_PROBE_RESULT, timeout_s)
         found.update(read_answer(stage.name, [peer.name for peer in peers], answer))
     log.info("timed %d of %d link(s) between %d stages in %.2f s", len(found), sum(map(len, wanted.values())),
              len(stages), time.monotonic() - started)
     return found
+
+
+def probe_links(control: ControlPlane, stages: list[StageInfo], measured: Mapping[Pair, MeasuredLink],
+                step_bytes: int, rows: int, config: LinkProbeConfig, liveness: Liveness) -> dict[Pair, MeasuredLink]:
+    """link_probe_steps, run here (nothing else going on: the broker starts or re-plans)."""
+    return run_blocking(control, link_probe_steps(control, stages, measured, step_bytes, rows, config), liveness)
 
 
 def read_answer(sender: str, peers: list[str], answer: dict | None) -> dict[Pair, MeasuredLink]:
@@ -120,33 +131,18 @@ def _peer_entry(peer: StageInfo) -> dict:
     return entry
 
 
-def _admit(control: ControlPlane, stages: list[StageInfo], timeout_s: float) -> None:
+def _admit(control: ControlPlane, stages: list[StageInfo], timeout_s: float) -> Steps[None]:
     """Secured: every stage's data port admits the others' keys for the probes (its next assignment
     admits only its hop before again); each says so before any probe starts."""
     keys = sorted({stage.public_key for stage in stages if stage.public_key is not None})
     for stage in stages:
         control.send(stage, protocol.LINK_ADMIT, keys=keys)
-    waiting = {stage.name for stage in stages}
     deadline = time.monotonic() + timeout_s
-    while waiting and time.monotonic() < deadline:  # the answers come in any order
-        for event in control.poll(50):
-            if event.kind == protocol.LINK_ADMITTED:
-                waiting.discard(event.stage)
-        control.heartbeat(0.5)
-    if waiting:
+    silent = []
+    for stage in stages:  # the answers come in any order: one that came early waits for its turn
+        answer = yield Reply(stage, protocol.LINK_ADMITTED, max(0.0, deadline - time.monotonic()), required=False)
+        if answer is None:
+            silent.append(stage.name)
+    if silent:
         log.warning("stage(s) %s did not say within %.0f s that they admit the others' probes: theirs may fail",
-                    sorted(waiting), timeout_s)
-
-
-def _await(control: ControlPlane, stage: StageInfo, kind: str, timeout_s: float) -> dict | None:
-    """The stage's answer of `kind`, or None after `timeout_s` (probing never stops a run)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for event in control.poll(50):
-            if event.kind == kind and event.stage == stage.name:
-                return event.header
-            if event.kind == "bye" and event.stage == stage.name:
-                raise ClusterError(f"stage {stage.name} left while the broker waited for its {kind}")
-        control.heartbeat(0.5)
-    log.warning("stage %s sent no %s within %.0f s", stage.name, kind, timeout_s)
-    return None
+                    sorted(silent), timeout_s)

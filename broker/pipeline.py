@@ -28,7 +28,7 @@ import zmq
 from layerbus.planner.chain import Placement
 from layerbus.broker.control import ControlPlane, StageInfo, StageLost
 from layerbus.broker.detokenizer import IncrementalDetokenizer
-from layerbus.planner.drift import DriftConfig, DriftWatch, Expected, Work
+from layerbus.planner.drift import DriftConfig, DriftWatch, Work
 from layerbus.broker.prefix_cache import PrefixIndex
 from layerbus.planner.prefix_budget import prefix_positions
 from layerbus.broker.replay_window import StageCaches, replay_window
@@ -44,6 +44,7 @@ from layerbus.broker.run_state import (
 from layerbus.planner.batching import BatchingConfig
 from layerbus.broker.scheduler import Scheduler, StepPlan
 from layerbus.broker.trace_file import BrokerTrace
+from layerbus.broker.waits import Conversation, Liveness
 from layerbus.wire import protocol
 from layerbus.wire.curve import secure_client
 from layerbus.wire.frames import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode, encode
@@ -54,6 +55,7 @@ from layerbus.wire.spans import LayerRange
 
 if TYPE_CHECKING:
     from layerbus.broker.grammar import TokenGrammar
+    from layerbus.broker.replanning import Replanner
 from layerbus.wire.trace_events import APPLY, PLAN, RESULT, TRANSMIT
 
 log = logging.getLogger("layerbus.broker")
@@ -90,13 +92,16 @@ class PipelineConfig:
                              f"{self.stuck_step_s}")
 
 
-# recover(lost, should_stop, report) -> the new placement, loaded and ready, or None when asked to stop.
-Recover = Callable[[StageLost, Callable[[], bool], EventSink], "Placement | None"]
-# rebalance({stage: slowdown factor}, report) -> a new placement, loaded and ready, or None: no better plan.
-Rebalance = Callable[[dict, EventSink], "Placement | None"]
-# grow(report) -> a new placement with stages that registered mid-job, loaded and ready, or None: none joined,
-# or no plan with them is enough faster.
-Grow = Callable[[EventSink], "Placement | None"]
+@dataclass
+class Replan:
+    """A re-plan the loop runs beside its steps (a stage slowed, or joined): its conversation, and what for."""
+
+    kind: str  # "rebalanced" or "grown"
+    conversation: Conversation
+    started: float
+    stages: str  # the stages it is about, comma-separated
+    described: str  # "stage-1 2.1x slower", or the stages that joined
+    joined: list[StageInfo] = field(default_factory=list)
 
 
 class Pipeline:
@@ -104,8 +109,7 @@ class Pipeline:
                  results_socket: zmq.Socket, batching: BatchingConfig, eos_ids: set[int],
                  new_detokenizer: Callable[[], IncrementalDetokenizer] | None = None,
                  config: PipelineConfig = PipelineConfig(), clock: Callable[[], float] = time.monotonic,
-                 recover: Recover | None = None, rebalance: Rebalance | None = None, grow: Grow | None = None,
-                 expected: Expected | None = None, tracer: BrokerTrace | None = None,
+                 replanner: Replanner | None = None, tracer: BrokerTrace | None = None,
                  counts: BrokerCounts | None = None,
                  new_grammar: Callable[[Constraint], TokenGrammar] | None = None):
         self.control, self.config, self.clock = control, config, clock
@@ -115,10 +119,11 @@ class Pipeline:
         self.batching, self.eos_ids, self.new_detokenizer = batching, eos_ids, new_detokenizer
         self._prefixes: PrefixIndex | None = None  # the stages' prefix entries, kept from run to run
         self._prefixes_epoch = -1  # the placement epoch they were saved in (a re-plan empties every arena)
-        self.recover = recover  # None: a lost stage ends the run with ClusterError
-        self.rebalance = rebalance  # None: a slowed stage keeps its layers
-        self.grow = grow  # None: a stage that registers mid-run waits as a spare
-        self.drift = DriftWatch(config.drift, expected)  # expected: each stage's price of the work sent
+        # Re-plans (a lost stage, a slowed one, one that joined); None: a lost stage ends the run with
+        # ClusterError, a slowed one keeps its layers, one that registers mid-run waits as a spare.
+        self.replanner = replanner
+        self._replan: Replan | None = None  # the re-plan running beside the steps, if any
+        self.drift = DriftWatch(config.drift, replanner.expected_busy_s if replanner is not None else None)
         self.work = Work()  # what has been sent down the chain, for the drift watch
         self.results = results_socket
         self.context = context
@@ -173,7 +178,7 @@ class Pipeline:
         started, cpu_started = self.clock(), time.process_time()
         poller = zmq.Poller()
         poller.register(self.results, zmq.POLLIN)
-        poller.register(self.control.socket, zmq.POLLIN)
+        poller.register(self.control.wake, zmq.POLLIN)
         self.drift.restart(self.clock(), self._stage_stats(), self.work)
         while True:
             stopping = should_stop()
@@ -189,12 +194,14 @@ class Pipeline:
             try:
                 self._serve_once(run, poller)
             except StageLost as lost:
+                self._abandon_replan()
                 if not self._recover(run, lost):
                     break  # asked to stop while waiting for stages: the caller hands the items back
+        self._abandon_replan()
         run.stats.wall_s = self.clock() - started
         run.stats.broker_cpu_s = time.process_time() - cpu_started
         if self.tracer is not None:  # the stages' last records, with stats that count the same steps
-            self.tracer.collect(self.control, self.chain, heartbeat_interval_s=self.config.heartbeat_interval_s)
+            self.tracer.collect(self.control, self.chain)
         run.stats.stage_stats = {s.name: dict(s.stats) for s in self.chain}
         self._report_prefix_cache(run)
         return run.stats
@@ -229,17 +236,19 @@ class Pipeline:
     def _serve_once(self, run: RunState, poller: zmq.Poller) -> None:
         """Take in what arrived, keep heartbeats going, resend what is overdue, and raise StageLost
         for a stage of the chain that can serve no more (control.lost_reason decides)."""
-        for socket in dict(poller.poll(50)):
-            if socket is self.results:
-                self._receive_results(run)
-            else:
-                self._handle_control(run)
-        self.control.heartbeat(self.config.heartbeat_interval_s)
+        if self.results in dict(poller.poll(50)):
+            self._receive_results(run)
+        events = self.control.poll(0)  # what the control thread took in (it answered the stages already)
+        self._handle_control(run, events)
+        if self._replan is not None:
+            self._replan.conversation.offer(events)
+            self._replan.conversation.tick()
         if self.control.refusals:  # peers refused in a handshake, here or at a stage's data port
             for message in self.control.take_refusals():
                 run.report("refused", message)
         self._resend_overdue(run)
         self.control.check_stages(self.chain, self.config.liveness_window_s, self.config.stuck_step_s)
+        self._finish_replan(run)
         self._watch_speed(run)
         self._watch_joins(run)
 
@@ -371,10 +380,10 @@ class Pipeline:
             run.report("first_token", f"first new token {event['first_token_s']:.2f} s after the re-plan began "
                                       f"({event['stage']})", stage=event["stage"], duration_s=event["first_token_s"])
 
-    def _handle_control(self, run: RunState) -> None:
+    def _handle_control(self, run: RunState, events: list) -> None:
         """Failures of one step. A stage that left or failed as a whole is the control plane's to mark
         (its state); `control.check_stages` then raises StageLost for it."""
-        for event in self.control.poll(0):
+        for event in events:
             if event.kind != "failure" or not isinstance(event.header.get("mb"), int):
                 continue
             current = run.inflight.get(event.header["mb"])
@@ -398,46 +407,91 @@ class Pipeline:
         return {stage.name: stage.stats for stage in self.chain}
 
     def _watch_speed(self, run: RunState) -> None:
-        """Move layers off a stage that has slowed well below its measured normal (see planner.drift)."""
-        if self.rebalance is None or not self._drift_watched:
+        """Move layers off a stage that has slowed well below its measured normal (see planner.drift): the
+        plan with it slowed is computed beside the steps, and loaded if it is enough faster."""
+        if self.replanner is None or not self._drift_watched or self._replan is not None:
             return
         slowed = self.drift.observe(self.clock(), self._stage_stats(), self.work)
         if not slowed:
             return
-        started = self.clock()
         described = ", ".join(f"{name} {factor:.1f}x slower" for name, factor in slowed.items())
-        if self.rebalance(slowed, run.report) is None:
-            run.report("slowed", f"{described} than its normal, but no other placement is faster: layers stay")
-            self.drift.restart(self.clock(), self._stage_stats(), self.work)
-            return
-        event = self._resume_on(run, started, ",".join(slowed), described)
-        run.report("rebalanced", f"{described} than its normal: re-planned in {event['replan_s']:.2f} s: "
-                                 f"{event['chain']}; {_replay_text(event)}",
-                   duration_s=event["replan_s"], replay_layers=event["replay_layers"])
+        steps = self.replanner.rebalance_steps(slowed, run.report)
+        self._replan = Replan("rebalanced", Conversation(steps, self._liveness(), self.clock), self.clock(),
+                              ",".join(slowed), described)
 
     def _watch_joins(self, run: RunState) -> None:
-        """Stages that registered since the placement was made join the chain when the owner's plan with them
-        is faster (Broker.grow); every active sequence then replays what the stages did not keep."""
-        if self.grow is None:
+        """Stages that registered since the placement was made are measured beside the steps (profiled, their
+        links timed) and join the chain when the owner's plan with them is faster; every active sequence
+        then replays what the stages did not keep."""
+        if self.replanner is None or self._replan is not None:
             return
-        started, before = self.clock(), self.placement()
-        if self.grow(run.report) is None:
+        joined = self.replanner.keeper.joined_stages()
+        if not joined:
+            return
+        steps = self.replanner.grow_steps(joined, run.report)
+        names = ", ".join(stage.name for stage in joined)
+        self._replan = Replan("grown", Conversation(steps, self._liveness(), self.clock), self.clock(), names, names,
+                              joined)
+
+    def _liveness(self) -> Liveness:
+        return self.replanner.keeper.config.liveness
+
+    def _finish_replan(self, run: RunState) -> None:
+        """Act on a re-plan that has ended: load the placement it chose, or say why the chain stays as it is.
+        A stage of the chain lost meanwhile raises StageLost (the loop recovers); a newcomer that could not be
+        measured is left out, and the job goes on."""
+        replan = self._replan
+        if replan is None or not replan.conversation.done:
+            return
+        self._replan = None
+        conversation = replan.conversation
+        if conversation.error is not None:
+            stage = getattr(conversation.error, "stage", None)
+            if isinstance(conversation.error, StageLost) and stage is not None and stage.name in self.placement().stages:
+                raise conversation.error
+            if replan.kind == "grown":
+                self.replanner.left_out(replan.joined, conversation.error, run.report)
+            else:
+                log.warning("re-planning around %s failed: %s", replan.described, conversation.error)
+                self.drift.restart(self.clock(), self._stage_stats(), self.work)
+            return
+        if conversation.value is None:
+            if replan.kind == "rebalanced":
+                run.report("slowed", f"{replan.described} than its normal, but no other placement is faster: "
+                                     "layers stay")
+                self.drift.restart(self.clock(), self._stage_stats(), self.work)
+            return
+        before = self.placement()
+        self.replanner.load(conversation.value, replan.joined[0] if replan.joined else None)
+        if replan.kind == "rebalanced":
+            event = self._resume_on(run, replan.started, replan.stages, replan.described)
+            run.report("rebalanced", f"{replan.described} than its normal: re-planned in {event['replan_s']:.2f} s: "
+                                     f"{event['chain']}; {_replay_text(event)}",
+                       duration_s=event["replan_s"], replay_layers=event["replay_layers"])
             return
         joined = [name for name in self.placement().stages if name not in before.stages]
-        event = self._resume_on(run, started, ",".join(joined), "joined")
+        event = self._resume_on(run, replan.started, ",".join(joined), "joined")
         run.report("grown", f"{', '.join(joined) or 'a stage'} joined: re-planned in {event['replan_s']:.2f} s: "
                             f"{event['chain']}; {_replay_text(event)}",
                    duration_s=event["replan_s"], replay_layers=event["replay_layers"])
 
+    def _abandon_replan(self) -> None:
+        """The chain broke (or the run ends) while a re-plan ran beside it: the recovery plans anew, and stages
+        that joined are considered again (between runs, or in the next run)."""
+        if self._replan is not None:
+            self._replan.conversation.cancel()
+            self.replanner.keeper.placed_among.difference_update(stage.name for stage in self._replan.joined)
+            self._replan = None
+
     def _recover(self, run: RunState, lost: StageLost) -> bool:
         """Re-plan without the lost stage, then re-prefill every active sequence. False: stopping."""
-        if self.recover is None:
+        if self.replanner is None:
             raise lost
         started = self.clock()
         run.report("stage_lost", str(lost), stage=lost.stage.name)
         run.inflight.clear()  # whatever was in flight is dropped; the re-prefill redoes it
         before = self.placement()
-        if self.recover(lost, run.should_stop, run.report) is None:  # marks it lost, re-plans, reloads
+        if self.replanner.recover(lost, run.should_stop, run.report) is None:  # marks it lost, re-plans, reloads
             return False
         event = self._resume_on(run, started, lost.stage.name, lost.reason)
         if lost.stage.name in before.stages:

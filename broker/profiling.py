@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-from layerbus.broker.control import ClusterError, ControlPlane, StageInfo
+from layerbus.broker.control import ControlPlane, StageInfo
+from layerbus.broker.control_io import ECHO_TIMEOUT_S, LINK_TIMED
+from layerbus.broker.waits import Liveness, NoReply, Reply, Steps, run_blocking
 from layerbus.planner.placement import ModelMemory, StageProfile
 from layerbus.planner.step_cost import LinearCost, ProfilePoint, StepWork, decode_step, fit_costs, prefill_step
 from layerbus.models.home import profile_cache_dir
@@ -55,35 +57,52 @@ class ProfilingConfig:
     sharing_rounds: int = 3
 
 
+def profile_steps(control: ControlPlane, stage: StageInfo, request: dict, probe_bytes: int,
+                  config: ProfilingConfig) -> Steps[StageProfile]:
+    """The conversation that profiles one stage (broker/waits.py): it times itself at the request's shapes,
+    then the control thread times its link with echoes. NoReply when it cannot profile itself or answer."""
+    started = time.monotonic()
+    control.send(stage, protocol.PROFILE, **request)
+    result = yield Reply(stage, protocol.PROFILE_RESULT, config.timeout_s)
+    if "error" in result:
+        raise NoReply(stage, f"could not profile itself: {result['error']}")
+    token = control.time_link(stage, probe_bytes, config.probe_rounds)
+    timed = yield Reply(stage, LINK_TIMED, ECHO_TIMEOUT_S * (2 * config.probe_rounds + 1),
+                        accept=lambda header: header.get("token") == token)
+    if "error" in timed:
+        raise NoReply(stage, f"its link could not be timed: {timed['error']}")
+    bandwidth, latency = float(timed["bytes_per_s"]), float(timed["latency_s"])
+    profile = profile_from_result(result, stage.name, stage.device, stage.host, stage.threads, request["kv_length"],
+                                  bandwidth, latency)
+    log.info("stage %s profile (%s, %.1f s): layer %.2f ms/decode step, %.2f ms/prefill chunk, head %.2f ms, "
+             "budget %s, link %.0f MB/s + %.0f us", stage.name,
+             "cached" if result.get("cached") else "measured", time.monotonic() - started,
+             1000 * profile.layer_decode_s, 1000 * profile.layer_prefill_s, 1000 * profile.head_s,
+             budget_breakdown(result), bandwidth / 1e6, 1e6 * latency)
+    return profile
+
+
+def probe_bytes_of(model: ModelMemory, micro_batch_size: int, max_step_tokens: int) -> int:
+    """The payload of a link probe: one step's activations, within a control message's limit."""
+    return min(MAX_PROBE_BYTES, (micro_batch_size + max_step_tokens) * model.activation_bytes_per_token)
+
+
 def collect_profiles(control: ControlPlane, stages: list[StageInfo], model_dir: str, model: ModelMemory,
                      micro_batch_size: int, max_step_tokens: int, max_context: int,
-                     config: ProfilingConfig = ProfilingConfig(), weights: str = "auto") -> list[StageProfile]:
+                     config: ProfilingConfig = ProfilingConfig(), weights: str = "auto",
+                     liveness: Liveness = Liveness(5.0, 300.0)) -> list[StageProfile]:
     """One StageProfile per stage, in the order given, each timed in its weight format (its own
-    --weights, else `weights`, the broker's). With config.probe_s > 0 the stages that share a machine
-    are probed together (`measure_sharing`) among themselves: a broker adding stages to ones it profiled
-    before probes the whole group instead (Broker.profile)."""
+    --weights, else `weights`, the broker's), one stage after another. With config.probe_s > 0 the stages
+    that share a machine are probed together (`measure_sharing`) among themselves: a broker adding stages
+    to ones it profiled before probes the whole group instead (Broker.profile)."""
     request = profile_request(model_dir, micro_batch_size, max_step_tokens, max_context, config, weights)
-    kv_length = request["kv_length"]
-    probe_bytes = min(MAX_PROBE_BYTES, (micro_batch_size + max_step_tokens) * model.activation_bytes_per_token)
-    profiles = []
-    for stage in stages:
-        started = time.monotonic()
-        control.send(stage, protocol.PROFILE, **request)
-        result = _await(control, stage, protocol.PROFILE_RESULT, config.timeout_s, lambda header: True)
-        if "error" in result:
-            raise ClusterError(f"stage {stage.name} could not profile itself: {result['error']}")
-        bandwidth, latency = probe_link(control, stage, probe_bytes, config.probe_rounds)
-        profile = profile_from_result(result, stage.name, stage.device, stage.host, stage.threads, kv_length,
-                                      bandwidth, latency)
-        log.info("stage %s profile (%s, %.1f s): layer %.2f ms/decode step, %.2f ms/prefill chunk, head %.2f ms, "
-                 "budget %s, link %.0f MB/s + %.0f us", stage.name,
-                 "cached" if result.get("cached") else "measured", time.monotonic() - started,
-                 1000 * profile.layer_decode_s, 1000 * profile.layer_prefill_s, 1000 * profile.head_s,
-                 budget_breakdown(result), bandwidth / 1e6, 1e6 * latency)
-        profiles.append(profile)
+    probe_bytes = probe_bytes_of(model, micro_batch_size, max_step_tokens)
+    profiles = [run_blocking(control, profile_steps(control, stage, request, probe_bytes, config), liveness)
+                for stage in stages]
     if config.probe_s > 0:
         profiles = measure_sharing(control, stages, profiles, request, config.probe_s, config.timeout_s,
-                                   rounds=config.sharing_rounds, tick_layers=tick_layers_of(model, len(stages)))
+                                   rounds=config.sharing_rounds, tick_layers=tick_layers_of(model, len(stages)),
+                                   liveness=liveness)
     return profiles
 
 
@@ -121,7 +140,8 @@ def budget_breakdown(result: dict) -> str:
 
 def measure_sharing(control: ControlPlane, stages: list[StageInfo], profiles: list[StageProfile], request: dict,
                     probe_s: float, timeout_s: float, cache_dir: Path | None = None,
-                    rounds: int = ProfilingConfig.sharing_rounds, tick_layers: int = 0) -> list[StageProfile]:
+                    rounds: int = ProfilingConfig.sharing_rounds, tick_layers: int = 0,
+                    liveness: Liveness = Liveness(5.0, 300.0)) -> list[StageProfile]:
     """Each profile with its `corun_factor`: for the CPU stages of each machine that runs more than
     one, the decode step served by each alone, then by all at once; the ratio is what sharing the
     machine costs it (cores, memory bandwidth, whatever else runs there). In `rounds` rounds of
@@ -165,20 +185,21 @@ def measure_sharing(control: ControlPlane, stages: list[StageInfo], profiles: li
                 alone, ready = {}, []
                 for stage in group:
                     control.send(stage, protocol.PROFILE, **probe)
-                    result = _probe_results(control, [stage], timeout_s, field="probe_step_s", whole=True)[stage.name]
+                    result = _probe_results(control, [stage], timeout_s, liveness, field="probe_step_s",
+                                            whole=True)[stage.name]
                     alone[stage.name] = float(result["probe_step_s"]) if result else None
                     ready.append(result.get("probe_ready_s") if result else None)
                 lead = _lead_s(ready)
                 start = time.time() + lead  # all at once: each loads its layers first, at its own speed
                 for stage in group:
                     control.send(stage, protocol.PROFILE, **probe, probe_start=start, start_lead_s=lead)
-                together = _probe_results(control, group, timeout_s + lead)
+                together = _probe_results(control, group, timeout_s + lead, liveness)
                 for stage in group:
                     if alone[stage.name] and together.get(stage.name):
                         ratios[stage.name].append(together[stage.name] / alone[stage.name])
                 if tick_layers and all(alone.values()):
                     tick_rounds.append((alone, _ticks_round(control, group, [by_name[g.name] for g in group], probe,
-                                                            tick_layers, timeout_s, lead)))
+                                                            tick_layers, timeout_s, liveness, lead)))
             for name, measured in ratios.items():
                 if len(measured) == rounds:  # a stage that could not probe in some round: reckoned from threads
                     factors[name] = max(1.0, statistics.median(measured))
@@ -209,7 +230,8 @@ def _lead_s(ready: list) -> float:
 
 
 def _ticks_round(control: ControlPlane, group: list[StageInfo], profiles: list[StageProfile], probe: dict,
-                 tick_layers: int, timeout_s: float, lead_s: float = UNKNOWN_LEAD_S) -> dict[str, dict]:
+                 tick_layers: int, timeout_s: float, liveness: Liveness,
+                 lead_s: float = UNKNOWN_LEAD_S) -> dict[str, dict]:
     """The probe in step on every stage of one host: {stage: its result (its steps per tick, the held
     step's repeats)}. The ticks are far enough apart for every stage to finish before the next: the
     slowest step as the profiles price it, times what the host's cores could stretch it by."""
@@ -221,7 +243,7 @@ def _ticks_round(control: ControlPlane, group: list[StageInfo], profiles: list[S
     for stage in group:
         control.send(stage, protocol.PROFILE, **probe, tick_start=start, tick_period_s=period, tick_layers=tick_layers,
                      start_lead_s=lead_s)
-    return _probe_results(control, group, timeout_s + lead_s, field="probe_ticks", whole=True)
+    return _probe_results(control, group, timeout_s + lead_s, liveness, field="probe_ticks", whole=True)
 
 
 def lockstep_excess_s(rounds: list[tuple[dict[str, float], dict[str, dict | None]]], factors: dict[str, float]) -> float:
@@ -299,30 +321,24 @@ def _write_factors(path: Path, key: dict, factors: list[float], lockstep_excess:
         log.warning("could not cache the co-run factors in %s (%s); the next plan probes again", path, error)
 
 
-def _probe_results(control: ControlPlane, stages: list[StageInfo], timeout_s: float,
+def _probe_results(control: ControlPlane, stages: list[StageInfo], timeout_s: float, liveness: Liveness,
                    field: str = "probe_step_s", whole: bool = False) -> dict:
-    """Every stage's probe result, gathered as they come (one poll may bring several): its step time, or
-    (`whole`) the result with `field` in it; None where it could not run the probe."""
-    waiting = {stage.name for stage in stages}
-    results: dict = {}
-    deadline = time.monotonic() + timeout_s
-    while waiting and time.monotonic() < deadline:
-        for event in control.poll(50):
-            if event.kind == "bye" and event.stage in waiting:
-                raise ClusterError(f"stage {event.stage} left while the broker waited for its co-run probe")
-            if event.kind != protocol.PROFILE_RESULT or event.stage not in waiting:
-                continue
-            waiting.discard(event.stage)
-            if field in event.header:
-                results[event.stage] = event.header if whole else float(event.header[field])
+    """Every stage's probe result, gathered as they come: its step time, or (`whole`) the result with `field`
+    in it; None where it could not run the probe. A stage lost meanwhile raises StageLost."""
+    def gather() -> Steps[dict]:
+        results: dict = {}
+        deadline = time.monotonic() + timeout_s
+        for stage in stages:
+            header = yield Reply(stage, protocol.PROFILE_RESULT, max(0.1, deadline - time.monotonic()))
+            if field in header:
+                results[stage.name] = header if whole else float(header[field])
             else:
-                log.warning("stage %s could not run the co-run probe: %s", event.stage,
-                            event.header.get("error", "no step time"))
-                results[event.stage] = None
-        control.heartbeat(0.5)
-    if waiting:
-        raise ClusterError(f"stage(s) {sorted(waiting)} sent no co-run probe result within {timeout_s:.0f} s")
-    return results
+                log.warning("stage %s could not run the co-run probe: %s", stage.name,
+                            header.get("error", "no step time"))
+                results[stage.name] = None
+        return results
+
+    return run_blocking(control, gather(), liveness)
 
 
 def profile_from_result(result: dict, name: str, device: str, host: str, threads: int, kv_length: int,
@@ -396,37 +412,3 @@ def _part_scale(wanted_s: float, part_s: float, whole_ratio: float) -> float:
     if part_s <= 0 or wanted_s <= 0:
         return whole_ratio
     return max(wanted_s / part_s, whole_ratio / 10)
-
-
-def probe_link(control: ControlPlane, stage: StageInfo, payload_bytes: int, rounds: int) -> tuple[float, float]:
-    """(bytes/s, one-way latency s) from echo round trips of an empty probe and a payload probe."""
-    payload = torch.zeros(payload_bytes, dtype=torch.uint8)
-    empty, full = [], []
-    for seq in range(2 * rounds):
-        send_payload = seq % 2 == 1
-        started = time.perf_counter()
-        control.socket.send_multipart([stage.identity, *_probe_frames(seq, payload if send_payload else None)],
-                                      copy=False)
-        _await(control, stage, protocol.PROBE_ECHO, 10.0, lambda header, seq=seq: header.get("seq") == seq)
-        (full if send_payload else empty).append(time.perf_counter() - started)
-    small, large = statistics.median(empty), statistics.median(full)
-    # Loopback can time a payload no slower than nothing; 1 us keeps the estimate finite and huge.
-    return payload_bytes / max(large - small, 1e-6), small / 2
-
-
-def _probe_frames(seq: int, payload: torch.Tensor | None) -> list:
-    from layerbus.wire.frames import encode
-
-    return encode({"kind": protocol.PROBE, "seq": seq}, {"payload": payload} if payload is not None else None)
-
-
-def _await(control: ControlPlane, stage: StageInfo, kind: str, timeout_s: float, accept) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for event in control.poll(50):
-            if event.kind == kind and event.stage == stage.name and accept(event.header):
-                return event.header
-            if event.kind == "bye" and event.stage == stage.name:
-                raise ClusterError(f"stage {stage.name} left while the broker waited for its {kind}")
-        control.heartbeat(0.5)
-    raise ClusterError(f"stage {stage.name} sent no {kind} within {timeout_s:.0f} s")

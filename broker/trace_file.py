@@ -147,8 +147,7 @@ class BrokerTrace:
         if type(payload.get("final")) is int and type(payload.get("chunks")) is int:
             trace.finals[payload["final"]] = payload["chunks"]
 
-    def collect(self, control: ControlPlane, stages: list[StageInfo], timeout_s: float = 5.0,
-                heartbeat_interval_s: float = 0.5) -> list[str]:
+    def collect(self, control: ControlPlane, stages: list[StageInfo], timeout_s: float = 5.0) -> list[str]:
         """Ask `stages` for every record they have not shipped and wait for all of it (at most
         `timeout_s`). Each answer also carries the stage's stats, which the control plane keeps, so
         stage_stats read afterwards count the same steps as the trace. Returns the stages that did not
@@ -163,7 +162,6 @@ class BrokerTrace:
         deadline = self.clock() + timeout_s
         while waiting and self.clock() < deadline:
             control.poll(20)  # stage_message is called from here
-            control.heartbeat(heartbeat_interval_s)
             waiting = [name for name in waiting if not self.stages[name].flushed(self.flush_id)]
         if waiting:
             log.warning("trace: no answer from %s within %.0f s; their last steps may be missing", waiting, timeout_s)

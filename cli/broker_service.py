@@ -98,6 +98,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="how often to look for new jobs when idle (default: 2)")
     parser.add_argument("--register-timeout", metavar="SECONDS", type=float, default=600.0,
                         help="how long to wait for the stages to register (default: 600)")
+    parser.add_argument("--stage-exits", metavar="DIR", type=Path, default=None,
+                        help="a folder where the stages' launcher writes NAME.exit (\"NAME CODE [PID]\") for each "
+                             "stage that ended and is not restarted, as deploy/slurm/layerbus.sbatch does: the broker "
+                             "stops waiting for those, and exits at once, naming them, once every stage has ended")
     parser.add_argument("--chains", metavar="K", type=chains_count, default=1,
                         help="form K chains of the N stages (the first N // K stages to register, and so on; one "
                              "more for the first N %% K chains), all registering at --bind-control: each chain is a "
@@ -121,7 +125,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     import zmq
 
-    from layerbus.broker.broker import Broker
+    from layerbus.broker.broker import Broker, open_control
 
     if args.exit_when_idle and args.job:
         raise UsageError("--exit-when-idle and --job: --job already exits after its one job: drop one")
@@ -134,34 +138,60 @@ def main(args: argparse.Namespace) -> int:
         global _speaker
         _speaker = f"layerbus broker ({args.chain_label})"
     keys, control_bind, results_bind = _security(args)
-    model_dir = resolve_model(args.model)
-    model_for_stages(model_dir, args.stages)
-    config = _broker_config(args, model_dir, keys, control_bind, results_bind)
-    with open_store(args.db) as store:
-        if args.job:
-            store.job_status(args.job)  # StoreError names a job that does not exist
-        try:
-            broker = Broker(config)
-        except zmq.ZMQError as error:
-            raise UsageError(f"cannot bind {control_bind} / {results_bind}: {error}; another broker "
-                             "may hold the port: pick others with --bind-control/--bind-results") from None
-        if args.ready_file is not None:
-            args.ready_file.touch()
-        metrics = None
-        try:
-            metrics = start_metrics(args)  # /healthz says 503 while the stages register and load
-            if metrics is not None:
-                metrics.attach(broker)
-            with stop_on_signals():
-                return _serve(store, broker, model_dir, args, metrics)
-        except Interrupted as interrupted:
-            _say(f"{interrupted}: stopped; stages told to stop, items in flight requeued")
-            return interrupted.exit_code  # 130 / 143, as for `layerbus run`
-        finally:
-            broker.close()  # writes --trace's file with what it has
-            report_trace(args.trace)
-            if metrics is not None:
-                metrics.close()
+    pipeline = pipeline_from_args(args)
+    # Bound first, and answered from here on (the control thread): stages started before the model is ready
+    # hear "preparing the model" and wait, however long that takes, instead of leaving after --broker-timeout.
+    try:
+        control = open_control(keys, control_bind, pipeline.heartbeat_interval_s)
+    except zmq.ZMQError as error:
+        raise UsageError(f"cannot bind {control_bind}: {error}; another broker may hold the port: pick another "
+                         "with --bind-control") from None
+    broker = None
+    try:
+        control.phase = "preparing the model"
+        model_dir = resolve_model(args.model)
+        model_for_stages(model_dir, args.stages)
+        config = _broker_config(args, model_dir, keys, control_bind, results_bind)
+        control.phase = "opening the job store"
+        with open_store(args.db) as store:
+            if args.job:
+                store.job_status(args.job)  # StoreError names a job that does not exist
+            try:
+                broker = Broker(config, control=control)
+            except zmq.ZMQError as error:
+                raise UsageError(f"cannot bind {results_bind}: {error}; another broker may hold the port: pick "
+                                 "another with --bind-results") from None
+            if args.stage_exits is not None:
+                from layerbus.broker.stage_exits import ExitFolder
+
+                control.children = ExitFolder(args.stage_exits, args.stages)
+            return _serve_broker(store, broker, model_dir, args)
+    finally:
+        if broker is None and not control.closed:  # never started: the stages that registered wait for the next
+            control.close()
+            if control.owns_context:
+                control.io.context.term()
+
+
+def _serve_broker(store: JobStore, broker: Broker, model_dir: Path, args: argparse.Namespace) -> int:
+    """Serve with the broker until its work is done, a signal or a failure; close it on the way out."""
+    if args.ready_file is not None:
+        args.ready_file.touch()
+    metrics = None
+    try:
+        metrics = start_metrics(args)  # /healthz says 503 while the stages register and load
+        if metrics is not None:
+            metrics.attach(broker)
+        with stop_on_signals():
+            return _serve(store, broker, model_dir, args, metrics)
+    except Interrupted as interrupted:
+        _say(f"{interrupted}: stopped; stages told to stop, items in flight requeued")
+        return interrupted.exit_code  # 130 / 143, as for `layerbus run`
+    finally:
+        broker.close()  # writes --trace's file with what it has
+        report_trace(args.trace)
+        if metrics is not None:
+            metrics.close()
 
 
 def _broker_config(args: argparse.Namespace, model_dir: Path, keys, control_bind: str, results_bind: str) -> BrokerConfig:

@@ -26,8 +26,7 @@ def choose_local_chains(config: BrokerConfig, options: LocalStageOptions) -> Cha
         broker = cluster.spawn()
         print(f"layerbus: --chains auto: profiling {config.num_stages} local stage(s) to choose the chains...",
               file=sys.stderr, flush=True)
-        stages = broker.control.wait_for_stages(config.num_stages, config.register_timeout_s,
-                                                config.pipeline.heartbeat_interval_s)
+        stages = broker.control.wait_for_stages(config.num_stages, config.register_timeout_s)
         broker.profile(stages)
         plan_one = broker.chain_planner(stages)
         profiles = list(broker.profiles)

@@ -5,7 +5,7 @@ and its output budget, read from the store before the job runs.
 A job of more than SAMPLE_ITEMS items is read as an evenly spread sample of them (JobStore.sample_items),
 and its Workload says how many sequences the sample stands for: reading and tokenizing every item of a
 million-item job took minutes before planning, for a plan that simulates only a sample anyway
-(broker.workload.job_shape, MAX_SIMULATED_ROWS)."""
+(broker.job_simulation.job_shape, MAX_SIMULATED_ROWS)."""
 
 from __future__ import annotations
 

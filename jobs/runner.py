@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
-from layerbus.broker.control import ClusterError
+from layerbus.broker.control import ClusterError, StagesGone
 from layerbus.broker.requests import GenerationRequest, GenerationResult, ScoreRequest
 from layerbus.jobs.claim_share import fair_claim
 from layerbus.jobs.constraints import constraint_of
@@ -410,6 +410,10 @@ def run_job(store: JobStore, job_id: str, broker: Runner, results_dir: Path, pro
                     _snapshot_keeper(store, job_id, broker, worker_name, snapshots):
                 _run_rounds(store, job_id, broker, writer, settings, progress, poll_cancel_s, worker_name, leases)
         return finish_job(store, job_id, writer, settings, worker_name, leases, wait=_waiter(store, job_id, broker))
+    except StagesGone as gone:  # no stage left, none can come back: the job waits for a later run, as it is
+        _event_recorder(store, job_id)("worker_left", f"{worker_name} stopped: {gone}; the job stays "
+                                                      f"{store.job_status(job_id).status} for a later run")
+        raise
     except Exception as error:
         # A broken cluster is explained by its message (and the stage logs); anything else may be a bug.
         log.error("job %s failed: %s", job_id, error, exc_info=not isinstance(error, ClusterError))

@@ -169,8 +169,7 @@ def _planned_groups(broker: "Broker", stages: int) -> tuple[list[int], dict[str,
     from layerbus.planner.chain_plan import plan_chains
 
     _say(f"--chains auto: waiting for {stages} stage(s) at {broker.address} to profile them")
-    found = broker.control.wait_for_stages(stages, broker.config.register_timeout_s,
-                                           broker.config.pipeline.heartbeat_interval_s)
+    found = broker.control.wait_for_stages(stages, broker.config.register_timeout_s)
     broker.profile(found)
     plan = plan_chains(list(broker.profiles), broker.chain_planner(found))
     groups = [list(chain.order) + list(chain.left_out) for chain in plan.chosen.plans]

@@ -63,6 +63,7 @@ class StageSupervisor:
         self.log_offsets: list[int] = []
         self.restarts = [0] * count
         self.given_up: set[str] = set()  # stages that ended and will not come back
+        self.watched = count
         self.starting = True  # restarts only until the broker has placed the model
         self.last_check = float("-inf")
         for i in range(count):

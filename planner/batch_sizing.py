@@ -120,7 +120,7 @@ def choose_by_plan(requested, num_stages: int, profiles: Sequence[StageProfile],
                    plan_for: Callable[[object], object], items: int | None = None,
                    mean_context: float | None = None, reserve_fraction: float = 0.05) -> tuple[Sizing, object]:
     """`choose_batching` for each count of `micro_batch_counts`, each planned by `plan_for(batching)`
-    (a broker.plan_values.Plan); the sizing whose plan predicts the most tokens/s, and that plan."""
+    (a planner.plan_values.Plan); the sizing whose plan predicts the most tokens/s, and that plan."""
     counts = micro_batch_counts(requested.num_micro_batches, num_stages)
     tried = []
     for count in counts:

@@ -13,7 +13,7 @@ class BatchingConfig:
     """Budgets for the schedule."""
 
     num_slots: int = 0  # sequences in flight at once, over all micro-batches (0 = micro_batch_size x micro-batches)
-    num_micro_batches: int = 0  # 0 = chosen: planned (broker.batch_sizing.choose_by_plan), else default_micro_batches
+    num_micro_batches: int = 0  # 0 = chosen: planned (planner.batch_sizing.choose_by_plan), else default_micro_batches
     micro_batch_size: int = 32  # sequences per micro-batch when num_slots is 0: decode reads every weight
     # once per micro-batch step, so on a CPU tokens/s grows with this until compute-bound. 0 = chosen by
     # the broker from the stages' profiles and the job (planner.batch_sizing; 32 where it cannot choose)

@@ -436,7 +436,7 @@ def plan_placement(stages: Sequence[StageProfile], model: ModelMemory, batching,
 
     `stages` is any set of profiles (their order is the chain order when `allow_reorder` is off,
     and the equal split's order); `batching` is a BatchingConfig (resolved for len(stages) if it is
-    not); `job` is the job's windows (broker.workload.job_shape; None: a steady mix of decode and
+    not); `job` is the job's windows (broker.job_simulation.job_shape; None: a steady mix of decode and
     `options.prompt_tokens_per_new_token`); `network` the links between the stages (None: each
     stage sends at its own `link_bandwidth`, whoever follows it); `neighbours` other chains' stages
     working beside this chain (window_s). Raises PlacementError when no placement fits."""

@@ -54,7 +54,7 @@ def format_plan(plan: Plan) -> str:
 
 
 def format_chains(plan) -> str:
-    """The grouping of the stages into chains (a broker.chain_plan.ChainsPlan) beside one chain of all:
+    """The grouping of the stages into chains (a planner.chain_plan.ChainsPlan) beside one chain of all:
     the best grouping found for each number of chains, its predicted tokens/s, and the choice."""
     lines = ["chains (each holds the whole model; chains work the job side by side):"]
     for grouping in plan.best_by_count:

@@ -200,7 +200,7 @@ class PlanOptions:
     """Choices the planner does not measure."""
 
     prompt_tokens_per_new_token: float = 1.0  # workload mix: prompt tokens prefilled per generated token
-    # Under --weights auto, how far down int8, int4 a plan may go (broker.weight_choice.AUTO_FALLBACKS; 0:
+    # Under --weights auto, how far down int8, int4 a plan may go (planner.weight_choice.AUTO_FALLBACKS; 0:
     # full precision only). The broker lowers it to the first placement's level for its re-plans: a job
     # whose stages held full precision must not switch to int8 after a lost stage, which would change the
     # outputs of the items still to come; it waits for a stage to join instead.
@@ -352,8 +352,8 @@ class Plan:
     equal: SplitEstimate | None  # equal layer counts over all stages in the given order (None: more stages than layers)
     shapes: Shapes
     options: PlanOptions = field(default_factory=PlanOptions)
-    job: object = None  # the job's windows it was planned for (broker.workload.JobShape; None: a steady mix)
-    network: object = None  # the link matrix it was planned on (broker.network.LinkMatrix; None: each stage's own link)
+    job: object = None  # the job's windows it was planned for (planner.workload.JobShape; None: a steady mix)
+    network: object = None  # the link matrix it was planned on (planner.network.LinkMatrix; None: each stage's own link)
     search: str = "exact"  # how the order was found: "exact", or the heuristic used, in words
     # With a network: the chain the planner would choose ignoring it (each stage's own link), priced on it
     blind: SplitEstimate | None = None

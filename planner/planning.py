@@ -35,8 +35,8 @@ class PlanInputs:
     memory: ModelMemory  # the model's exact memory needs in the stages' dtype
     batching: object  # a resolved BatchingConfig (or placement.Shapes)
     options: PlanOptions = PlanOptions()
-    job: object = None  # the job's windows (broker.workload.JobShape), None: a steady mix of decode and prefill
-    # The links between stages (broker.network.LinkMatrix), for the first plan and every re-plan
+    job: object = None  # the job's windows (planner.workload.JobShape), None: a steady mix of decode and prefill
+    # The links between stages (planner.network.LinkMatrix), for the first plan and every re-plan
     # alike; None: each stage's own measured link
     network: object = None
 

@@ -1,6 +1,6 @@
 """Where an evenly spread sample of a job's items sits: one place in each of `count` equal stretches of
 the job's `total` items, in queue order (JobStore.sample_items reads the items there; a sampled
-broker.workload.Workload takes the outputs there). Standard library only: the broker imports it.
+planner.workload.Workload takes the outputs there). Standard library only: the broker imports it.
 
 Each place is the start of its stretch moved on by a golden-ratio share of it, a different share for
 each stretch. One fixed place per stretch (its middle, say) aliases with a job that repeats itself at

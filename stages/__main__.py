@@ -62,6 +62,19 @@ def slowdown(text: str) -> tuple[int, float]:
     return parsed
 
 
+def wait_seconds(text: str) -> float | None:
+    """--wait-for-broker: seconds >= 0, or "inf" / "none" for no limit."""
+    if text.strip().lower() in ("inf", "none", "unlimited"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: --wait-for-broker is seconds (>= 0), or inf for no limit")
+    return None if value == float("inf") else value
+
+
 def add_stage_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--broker", required=True, help="the broker's control endpoint, e.g. tcp://10.0.0.5:5555")
     parser.add_argument("--name", default="", help="unique stage name (default: host-pid)")
@@ -90,8 +103,12 @@ def add_stage_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--emulate-slowdown", type=slowdown, default=None, metavar="STEPS:F",
                         help="emulation: after serving STEPS steps, run at F of the --emulate-speed pace, as a "
                              "throttling card would (its profile, taken before, does not see it)")
-    parser.add_argument("--broker-timeout", type=float, default=15.0,
-                        help="exit when the broker is silent this many seconds (default: 15)")
+    parser.add_argument("--broker-timeout", type=float, default=15.0, metavar="SECONDS",
+                        help="once the broker has answered: exit when it is silent this many seconds (default: 15)")
+    parser.add_argument("--wait-for-broker", type=wait_seconds, default=None, metavar="SECONDS",
+                        help="before the broker has answered: keep registering (with back-off, a log line every "
+                             "~10 s) for this many seconds, then exit; a broker started later, or busy preparing "
+                             "its model, is waited for (default: no limit)")
     parser.add_argument("--max-message-bytes", type=byte_size, default=DEFAULT_MAX_MESSAGE_BYTES, metavar="SIZE",
                         help="reject data messages larger than this, in bytes or with a unit (default: 1GiB)")
     parser.add_argument("--keys", metavar="DIR", type=Path, default=None,
@@ -110,7 +127,7 @@ def config_from_args(args: argparse.Namespace) -> StageConfig:
     return StageConfig(broker=args.broker, name=args.name, bind=args.bind, advertise=args.advertise,
                        device=args.device, dtype=args.dtype, weights=args.weights, threads=args.threads,
                        memory_budget=args.memory_budget, emulate_memory=args.emulate_memory,
-                       broker_timeout_s=args.broker_timeout,
+                       broker_timeout_s=args.broker_timeout, wait_for_broker_s=args.wait_for_broker,
                        emulate_speed=args.emulate_speed, emulate_slowdown=args.emulate_slowdown,
                        max_message_bytes=args.max_message_bytes, keys=stage_keys(args))
 

@@ -49,7 +49,7 @@ PROFILE_VERSION = 4  # bump when what is measured changes: older cache files are
 # "<shape>_per_layer_s" what each further layer adds. decode: the requested rows at the requested KV
 # length; few_rows: a quarter of the rows; long_kv: a longer KV length; prefill: one chunk from
 # position 0; late_prefill: the same chunk after `late_start` cached positions. The broker fits a
-# fixed + per-row + per-position cost from them (broker.step_cost.fit_costs).
+# fixed + per-row + per-position cost from them (planner.step_cost.fit_costs).
 PROFILE_LAYERS = 4  # timed with one layer and with this many: the difference is the per-layer cost
 SHAPES = ("decode", "few_rows", "long_kv", "prefill", "late_prefill")
 TIMING_FIELDS = ("layer_decode_s", "layer_prefill_s", "embed_s", "head_s", "step_overhead_s", "head_few_rows_s",

@@ -41,8 +41,9 @@ class AnsweringControl:
         self.pending = []
         return events
 
-    def heartbeat(self, interval_s: float) -> None:
-        pass
+    def clock(self) -> float:
+        """The stages' time stands still: each answer comes at once, and no stage looks silent."""
+        return 0.0
 
 
 def stage(name: str, threads: int = 1) -> StageInfo:
@@ -185,24 +186,25 @@ def test_a_cache_written_before_the_evening_is_read_evened(tmp_path):
 def test_a_stage_that_joins_is_probed_beside_every_stage_already_on_its_machine(tiny_models, monkeypatch):
     """Broker.profile times only the stage it has no profile of, but probes the sharing over the whole
     machine again: the factors its host-mates had were measured without it. Nothing new: no probe."""
-    from layerbus.broker import broker as broker_module
+    from layerbus.broker import chain_keeper
     from layerbus.broker.broker import Broker, BrokerConfig
     from layerbus.broker.link_probing import LinkProbeConfig
 
     timed, probed, tick_shares = [], [], []
 
-    def collect(control, stages, *args):
-        timed.append([s.name for s in stages])
-        assert args[-2].probe_s == 0, "timed alone; the co-run probe comes after, over the whole machine"
-        return [profile(s.name) for s in stages]
+    def profile_steps(control, stage, request, probe_bytes, config):
+        timed.append(stage.name)
+        assert config.probe_s == 0, "timed alone; the co-run probe comes after, over the whole machine"
+        return profile(stage.name)
+        yield  # a conversation that needs no answer
 
-    def measure(control, stages, profiles, request, probe_s, timeout_s, rounds, tick_layers):
+    def measure(control, stages, profiles, request, probe_s, timeout_s, rounds, tick_layers, liveness):
         probed.append(sorted(s.name for s in stages))
         tick_shares.append(tick_layers)
         return [replace(p, corun_factor=1.5) for p in profiles]
 
-    monkeypatch.setattr(broker_module, "collect_profiles", collect)
-    monkeypatch.setattr(broker_module, "measure_sharing", measure)
+    monkeypatch.setattr(chain_keeper, "profile_steps", profile_steps)
+    monkeypatch.setattr(chain_keeper, "measure_sharing", measure)
     broker = Broker(BrokerConfig(str(tiny_models("llama")), 2, link_probe=LinkProbeConfig(enabled=False)))
     try:
         assert broker.profile([stage("a"), stage("b")])
@@ -210,7 +212,7 @@ def test_a_stage_that_joins_is_probed_beside_every_stage_already_on_its_machine(
         assert not broker.profile([stage("a"), stage("b"), stage("c")])
     finally:
         broker.close()
-    assert timed == [["a", "b"], ["c"]]
+    assert timed == ["a", "b", "c"], "only a stage without a profile is timed"
     assert probed == [["a", "b"], ["a", "b", "c"]]
     layers = json.loads((tiny_models("llama") / "config.json").read_text())["num_hidden_layers"]
     assert tick_shares == [round(layers / 2), round(layers / 3)], "the probe in step runs a stage's share of the layers"

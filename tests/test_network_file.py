@@ -1,5 +1,5 @@
 """`layerbus broker --network FILE`: the links between hosts for a live broker, whose stages' hosts
-are what they register with unless the file's [hosts] names them (broker.cluster_file.read_network_file)."""
+are what they register with unless the file's [hosts] names them (planner.cluster_file.read_network_file)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-import layerbus.broker.broker as broker_module
+import layerbus.broker.chain_keeper as keeper_module
 from layerbus.broker.broker import BrokerConfig
 from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.requests import GenerationRequest
@@ -20,13 +20,13 @@ STAGE_BROKER_TIMEOUT_S = 2
 
 @pytest.mark.cluster
 def test_stages_keep_hearing_the_broker_while_it_plans(tiny_models, monkeypatch):
-    real_plan_chain = broker_module.plan_chain
+    real_plan_chain = keeper_module.plan_chain
 
     def slow_plan_chain(*args, **kwargs):
         time.sleep(SLOW_PLAN_S)
         return real_plan_chain(*args, **kwargs)
 
-    monkeypatch.setattr(broker_module, "plan_chain", slow_plan_chain)
+    monkeypatch.setattr(keeper_module, "plan_chain", slow_plan_chain)
     model_dir = tiny_models("llama", num_hidden_layers=4)
     config = BrokerConfig(str(model_dir), 2, batching=BatchingConfig(micro_batch_size=0, max_step_tokens=0))
     timeout = ("--broker-timeout", str(STAGE_BROKER_TIMEOUT_S))

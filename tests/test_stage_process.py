@@ -36,7 +36,8 @@ REGISTER_TIMEOUT_S = 90  # the first import of torch + transformers on a busy ma
 # -- the broker's side, played by the test --------------------------------------------------------
 
 class FakeBroker:
-    """A ROUTER socket where one stage registers; `expect` waits for a kind, skipping heartbeats."""
+    """A ROUTER socket where one stage registers; `expect` waits for a kind, skipping heartbeats and the
+    registrations a stage sends again until it hears the broker (`registered` answers the first)."""
 
     def __init__(self, context: zmq.Context):
         self.router = context.socket(zmq.ROUTER)
@@ -64,7 +65,7 @@ class FakeBroker:
                 break
             if message.kind == kind:
                 return message.header
-            if message.kind != protocol.HEARTBEAT:
+            if message.kind not in (protocol.HEARTBEAT, protocol.REGISTER):
                 raise AssertionError(f"expected {kind!r}, got {message.kind!r}: {message.header}")
         raise AssertionError(f"no {kind!r} within {timeout_s} s (received: {self.seen[-10:]})")
 
@@ -95,6 +96,7 @@ class StageProcess:
     def registered(self) -> dict:
         if self.registration is None:
             self.registration = self.broker.expect(protocol.REGISTER, REGISTER_TIMEOUT_S)
+            self.broker.send(protocol.HEARTBEAT)  # heard: a real broker's control thread answers at once
             self.push = self.context.socket(zmq.PUSH)
             self.push.setsockopt(zmq.LINGER, 0)
             self.push.setsockopt(zmq.SNDTIMEO, 5000)

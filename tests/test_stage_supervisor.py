@@ -120,9 +120,8 @@ def test_the_broker_waits_only_for_stages_that_can_still_come_and_heartbeats_the
     plane = ControlPlane(context)
     plane.children = GivenUp("stage-1")
     first, last = registered_stage(context, plane, "stage-0"), registered_stage(context, plane, "stage-2")
-    stages = plane.wait_for_stages(3, timeout_s=60, heartbeat_interval_s=0.0)
+    stages = plane.wait_for_stages(3, timeout_s=60)
     assert sorted(stage.name for stage in stages) == ["stage-0", "stage-2"]
-    plane.heartbeat(0.0)
     for dealer in (first, last):  # registered stages hear from the broker while it waits: they stay
         assert dealer.poll(5000) and decode(dealer.recv_multipart(), 1 << 20).kind == protocol.HEARTBEAT
 

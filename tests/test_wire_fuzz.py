@@ -215,14 +215,15 @@ def test_the_broker_survives_any_control_message_from_a_registered_stage(kind, d
             fields.pop(name, None)
 
     from layerbus.broker.control import ControlPlane
+    from layerbus.broker.control_io import read_arrival
 
     context = zmq.Context.instance()
     control = ControlPlane(context, "tcp://127.0.0.1:*")
     try:
-        control._handle(_control_frames(b"stage-x", dict(REGISTER, kind=protocol.REGISTER)))
+        control._handle(read_arrival(_control_frames(b"stage-x", dict(REGISTER, kind=protocol.REGISTER)), 0.0))
         assert b"stage-x" in control.stages
         identity = b"stage-x" + (protocol.HEARTBEAT_IDENTITY_SUFFIX if heartbeat else b"")
-        control._handle(_control_frames(identity, dict(fields, kind=kind)))
-        control._handle(_control_frames(b"stage-x", {"kind": protocol.HEARTBEAT}))  # still serving
+        control._handle(read_arrival(_control_frames(identity, dict(fields, kind=kind)), 1.0))
+        control._handle(read_arrival(_control_frames(b"stage-x", {"kind": protocol.HEARTBEAT}), 2.0))  # still serving
     finally:
-        control.socket.close(linger=0)
+        control.close()

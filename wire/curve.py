@@ -269,32 +269,50 @@ class CurveGate:
 
 
 def watch_handshakes(socket: zmq.Socket) -> zmq.Socket:
-    """A monitor on a client socket (before it connects) that hears of every failed handshake: a
-    client refused by its server, or one that cannot agree with it, should say so and stop."""
+    """A monitor on a client socket (before it connects) that hears of every handshake: a client refused by
+    its server, or one that cannot agree with it, should say so and stop; one that completes a handshake
+    (its first connection, or again after the server restarted) may have to introduce itself again."""
     address = f"inproc://layerbus-client-{os.getpid()}-{next(_monitor_names)}"
-    socket.monitor(address, _NO_ZAP_FAILURES | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    socket.monitor(address, _NO_ZAP_FAILURES | zmq.EVENT_HANDSHAKE_FAILED_AUTH | _LINK_EVENTS)
     monitor = socket.context.socket(zmq.PAIR)
     monitor.setsockopt(zmq.LINGER, 0)
     monitor.connect(address)
     return monitor
 
 
-def handshake_failure(monitor: zmq.Socket, settle_s: float = 0.2) -> tuple[str, bool] | None:
-    """Why the watched client's handshake failed, and whether for good (None: no failure was reported).
-    For good: the server refused our key, or one side has no keys (libzmq never retries either). Otherwise
-    (a wrong server key, or a connection broken mid-handshake, as by a broker restarting) libzmq retries.
-    A failure may come as a vague event first (a closed pipe) and the telling one just after: each is
-    waited for briefly."""
+_LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+
+
+@dataclass(frozen=True)
+class Handshakes:
+    """What a watched client's monitor reported since it was last read."""
+
+    connected: bool | None  # linked after the last event (a handshake completed), unlinked, or None: no news
+    succeeded: int  # handshakes completed (connections made, or made again)
+    failure: tuple[str, bool] | None  # why one failed, and whether for good (see handshake_events)
+
+
+def handshake_events(monitor: zmq.Socket, settle_s: float = 0.2) -> Handshakes:
+    """Read the watched client's handshakes. A failure is for good when the server refused our key, or one
+    side has no keys (libzmq never retries either); otherwise (a wrong server key, or a connection broken
+    mid-handshake, as by a broker restarting) libzmq retries. A failure may come as a vague event first (a
+    closed pipe) and the telling one just after: after a failure, more are waited for briefly."""
     events = []
-    while monitor.poll(0 if not events else int(settle_s * 1000)):
+    while monitor.poll(0 if not any(not e["event"] & _LINK_EVENTS for e in events) else int(settle_s * 1000)):
         events.append(recv_monitor_message(monitor))
-    if not events:
-        return None
-    if any(event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH for event in events):
-        return "the server refused this side's key (it is not in the server's allowed keys)", True
-    if any(event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH for event in events):
-        return "one side has CURVE keys and the other has none", True
-    return "the handshake did not complete (is the server's public key the right one?); retrying", False
+    succeeded = sum(event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED for event in events)
+    links = [event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED for event in events if event["event"] & _LINK_EVENTS]
+    connected = links[-1] if links else None
+    failures = [event for event in events if not event["event"] & _LINK_EVENTS]
+    if not failures:
+        return Handshakes(connected, succeeded, None)
+    if any(event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH for event in failures):
+        why = ("the server refused this side's key (it is not in the server's allowed keys)", True)
+    elif any(event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH for event in failures):
+        why = ("one side has CURVE keys and the other has none", True)
+    else:
+        why = ("the handshake did not complete (is the server's public key the right one?); retrying", False)
+    return Handshakes(connected, succeeded, why)
 
 
 # -- which binds need keys ---------------------------------------------------------------------

@@ -41,8 +41,12 @@ Control plane (DEALER at each stage, ROUTER at the broker), headers only:
                    made that long at once, instead of doubling mid-job; 0 or absent: grown as needed),
                    next_key, prev_key (secured clusters: the Z85 CURVE key of the hop it sends to,
                    and the one client key its data port admits; see wire/curve.py)}
-                   heartbeat {sent_us?}     shutdown {}
-                   reset {} (you were presumed dead: drop your span and register again)
+                   heartbeat {sent_us?, phase?}     shutdown {}
+                   wait {phase, next_s} (the answer to register while the broker is busy: what it is
+                   doing, such as "preparing the model" or "planning", and within how many seconds it
+                   speaks again; sent again whenever the phase changes; heartbeats carry the phase too)
+                   reset {why?} (you were presumed dead, or this broker does not know you (it started
+                   after you registered with another on its address): drop your span and register again)
                    redirect {port, endpoint} (from the front door of `layerbus broker --chains K`, in
                    answer to register: register with this chain's broker instead; the stage keeps the
                    host it reached the front door at and takes `port`, or takes `endpoint` where its
@@ -74,6 +78,8 @@ from layerbus.wire.frames import WireError
 # Control-plane kinds.
 REGISTER, ASSIGN, READY, HEARTBEAT, FAILURE, REJECTED, SHUTDOWN, BYE, RESET = (
     "register", "assign", "ready", "heartbeat", "failure", "rejected", "shutdown", "bye", "reset")
+# The broker is busy (preparing the model, planning, ...): stay, it speaks again within next_s.
+WAIT = "wait"
 # Several chains behind one address (`layerbus broker --chains K`): go register with this chain's broker.
 REDIRECT = "redirect"
 # Placement: the broker asks each stage to measure itself, and times its link with echoed probes.
