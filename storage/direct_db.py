@@ -13,9 +13,11 @@ the caller to answer from the full store, whose messages and migrations apply.
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Callable, Sequence
+from contextlib import closing
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any, TypeVar
 from urllib.parse import unquote
 
 from layerbus.storage.errors import StoreError, mask_url
@@ -27,6 +29,8 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 POSTGRES_CONNECT_TIMEOUT_S = 10
 # The one driver a PostgreSQL URL may name for this path: SQLAlchemy's plain postgresql:// means psycopg2.
 _POSTGRES_PREFIX = "postgresql+psycopg://"
+# What a read made through this path answers.
+Answer = TypeVar("Answer")
 
 
 def sqlite_file(url: str) -> Path | None:
@@ -110,13 +114,9 @@ class DirectDb:
             query = "SELECT 1 FROM information_schema.tables WHERE table_schema = current_schema() AND table_name = ?"
         return conn.execute(self.sql(query), (name,)).fetchone() is not None
 
-    def timestamp(self, value: datetime) -> datetime | str:
-        """An aware datetime as a timestamp column stores it: naive UTC text on SQLite (as storage.schema's
-        UtcDateTime writes it through SQLAlchemy, microseconds always shown), timestamptz on PostgreSQL."""
-        value = value.astimezone(timezone.utc)
-        if self.kind == "sqlite":
-            return value.replace(tzinfo=None).strftime("%Y-%m-%d %H:%M:%S.%f")
-        return value
+    def statements(self, conn):  # type: ignore[no-untyped-def]
+        """How storage/light_sql.py runs its statements (`?` marks) on `conn`, a connection of this store."""
+        return lambda query, params: conn.execute(self.sql(query), tuple(params))
 
 
 def direct_db(url: str) -> DirectDb | None:
@@ -139,6 +139,22 @@ def direct_db(url: str) -> DirectDb | None:
     return DirectDb(url, "postgresql", target, driver="psycopg")
 
 
+def read_directly(url: str, read: Callable[[Callable[[str, Sequence[object]], Any]], Answer],
+                  table: str | None = None) -> Answer | list | None:
+    """What `read` answers on a read-only connection to `url`'s store; [] when the store has no `table` yet
+    (a store older than it: a broker's JobStore.open adds it); None when this path cannot answer."""
+    db = direct_db(url)
+    if db is None:
+        return None
+    try:
+        with closing(db.connect()) as conn:
+            if table is not None and not db.has_table(conn, table):
+                return []
+            return read(db.statements(conn))
+    except db.error:  # locked beyond the timeout, another schema, not a database: the full store decides
+        return None
+
+
 def postgres_connect_message(url: str, reason: object) -> str:
     """What a failed PostgreSQL connection says, on either path; `reason` is the driver's error (its first line
     is shown)."""
@@ -146,13 +162,3 @@ def postgres_connect_message(url: str, reason: object) -> str:
     reason = lines[0] if lines else "the driver gave no reason"
     return (f"cannot connect to {mask_url(url)!r}: {reason}; check that the server is running and reachable "
             "at that host and port, and that the user, password and database exist")
-
-
-def utc_from_db(value: str | datetime | None) -> datetime | None:
-    """An aware UTC datetime from a timestamp column as the driver returns it: text on SQLite
-    ("YYYY-MM-DD HH:MM:SS[.ffffff]", naive UTC, as storage.schema.UtcDateTime stores it), a datetime on
-    PostgreSQL."""
-    if value is None:
-        return None
-    parsed = datetime.fromisoformat(value) if isinstance(value, str) else value
-    return parsed.replace(tzinfo=timezone.utc) if parsed.tzinfo is None else parsed.astimezone(timezone.utc)

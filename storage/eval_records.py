@@ -80,7 +80,8 @@ class EvalMetric:
 def metric_from_row(row: Sequence[Any]) -> EvalMetric:
     """An EvalMetric from (task, metric, filter, value, stderr, n); a NULL value reads back as NaN.
 
-    Here rather than in eval_store so the standard-library read path (sqlite_evals) converts rows the same way."""
+    Here, apart from the SQLAlchemy modules, because light_sql.eval_history converts rows with it on both
+    store paths."""
     task, metric, filter_name, value, stderr, n = row
     return EvalMetric(
         task, metric, filter_name, math.nan if value is None else float(value),

@@ -1,7 +1,6 @@
-"""The eval queries of the job store: recording eval runs and their metrics, and finding them again.
-
-JobStore's eval methods are thin: each opens its one transaction and calls one method here with the
-connection, so this module holds the SQL and the row conversions and never opens a transaction itself.
+"""Eval runs in the job store: recording a run and its metrics, and finding them again (storage/eval_records.py
+holds the values). eval_history runs light_sql's statements, which `layerbus eval history` also runs without
+SQLAlchemy.
 """
 
 from __future__ import annotations
@@ -17,6 +16,8 @@ from typing import Any
 from sqlalchemy import Connection, and_, delete, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
+from layerbus.storage import light_sql
+from layerbus.storage.clock import utc_now
 from layerbus.storage.errors import StoreError
 from layerbus.storage.eval_records import (
     EvalMetric,
@@ -25,144 +26,151 @@ from layerbus.storage.eval_records import (
     metric_from_row,
     metric_order,
 )
+from layerbus.storage.light_sql import EVAL_METRIC_COLUMNS, EVAL_RUN_COLUMNS, check_limit
 from layerbus.storage.schema import eval_metrics as metrics_table
 from layerbus.storage.schema import eval_runs as runs_table
 from layerbus.storage.schema import jobs as jobs_table
+from layerbus.storage.store_db import StoreDb
 
 RUN = runs_table.c
 METRIC = metrics_table.c
 # Where a user finds the recorded runs, for messages.
 _LIST_RUNS = "`SELECT job_id, suite, created_at FROM eval_runs ORDER BY created_at DESC` lists the recorded runs"
-_RUN_COLUMNS = (RUN.job_id, RUN.suite, RUN.model, RUN.fingerprint_hash, RUN.fingerprint_json, RUN.settings_json,
-                RUN.created_at, RUN.samples_path, RUN.results_path, RUN.finished_at)  # fmt: skip
-_METRIC_COLUMNS = (METRIC.task, METRIC.metric, METRIC.filter, METRIC.value, METRIC.stderr, METRIC.n)
+_RUN_COLUMNS = tuple(RUN[name] for name in EVAL_RUN_COLUMNS)
+_METRIC_COLUMNS = tuple(METRIC[name] for name in EVAL_METRIC_COLUMNS)
 
 
-class EvalTables:
-    """Reads and writes of eval_runs and eval_metrics on a connection the caller's transaction holds."""
+class EvalStore:
+    """JobStore's record_eval_run, finish_eval_run, eval_run, eval_runs, previous_eval_run, eval_metrics and
+    eval_history."""
 
-    def __init__(self, url: str, row_locks: bool) -> None:
-        # The store's URL with its password masked, for messages.
-        self.url = url
-        # Whether to lock rows with FOR UPDATE (PostgreSQL); SQLite's BEGIN IMMEDIATE locks the database.
-        self._row_locks = row_locks
+    def __init__(self, db: StoreDb) -> None:
+        self._db = db
 
     # --- writing ----------------------------------------------------------------------------------
 
-    def record(self, conn: Connection, run: EvalRun) -> None:
-        """Insert `run`; StoreError when its job does not exist or already has a run."""
-        row = run_row(run)
-        if conn.execute(select(jobs_table.c.id).where(jobs_table.c.id == run.job_id)).one_or_none() is None:
-            raise StoreError(
-                f"cannot record an eval run for job {run.job_id!r}: no such job in {self.url}; create the eval "
-                "job first (its items are the documents), `layerbus status` lists the jobs"
-            )
-        if self._run_exists(conn, run.job_id):
-            raise self._already_recorded(run.job_id)
-        try:
-            conn.execute(insert(runs_table), row)
-        except IntegrityError as exc:  # a concurrent recorder of the same job won (PostgreSQL)
-            raise self._already_recorded(run.job_id) from exc
+    def record_eval_run(self, run: EvalRun) -> None:
+        """Record that job `run.job_id` is an eval run; StoreError if the job is missing or already has a run.
 
-    def finish(
-        self,
-        conn: Connection,
-        job_id: str,
-        samples_path: str | Path | None,
-        results_path: str | Path | None,
-        metrics: Sequence[EvalMetric],
-        now: datetime,
-    ) -> None:
-        """Set the run's paths and finished_at and replace all its metric rows with `metrics`."""
+        ValueError when fingerprint_hash is not the sha256 of fingerprint_json (see canonical_fingerprint),
+        a JSON field is not JSON, or a time is naive.
+        """
+        row = run_row(run)
+        with self._db.write() as conn:
+            if conn.execute(select(jobs_table.c.id).where(jobs_table.c.id == run.job_id)).one_or_none() is None:
+                raise StoreError(
+                    f"cannot record an eval run for job {run.job_id!r}: no such job in {self._db.url}; create the "
+                    "eval job first (its items are the documents), `layerbus status` lists the jobs"
+                )
+            if _run_exists(conn, run.job_id):
+                raise self._already_recorded(run.job_id)
+            try:
+                conn.execute(insert(runs_table), row)
+            except IntegrityError as exc:  # a concurrent recorder of the same job won (PostgreSQL)
+                raise self._already_recorded(run.job_id) from exc
+
+    def finish_eval_run(self, job_id: str, samples_path: str | Path | None, results_path: str | Path | None,
+                        metrics: Sequence[EvalMetric], now: datetime | None) -> None:
+        """Set the run's samples and results paths and finished_at, and replace all its metric rows with `metrics`.
+
+        Atomic: finishing again (a re-finalize after a crash) leaves exactly `metrics`, nothing lost or doubled.
+        NaN values are stored as NULL. StoreError when the job has no recorded eval run.
+        """
+        now = utc_now(now)
         rows = metric_rows(job_id, metrics)
-        query = select(RUN.job_id).where(RUN.job_id == job_id)
-        if self._row_locks:
-            query = query.with_for_update()
-        if conn.execute(query).one_or_none() is None:
-            raise self.no_run(job_id)
-        conn.execute(
-            update(runs_table)
-            .where(RUN.job_id == job_id)
-            .values(samples_path=_path(samples_path), results_path=_path(results_path), finished_at=now)
-        )
-        conn.execute(delete(metrics_table).where(METRIC.job_id == job_id))
-        if rows:
-            conn.execute(insert(metrics_table), rows)
+        with self._db.write() as conn:
+            if conn.execute(self._db.locking(select(RUN.job_id).where(RUN.job_id == job_id))).one_or_none() is None:
+                raise self._no_run(job_id)
+            conn.execute(
+                update(runs_table)
+                .where(RUN.job_id == job_id)
+                .values(samples_path=_path(samples_path), results_path=_path(results_path), finished_at=now)
+            )
+            conn.execute(delete(metrics_table).where(METRIC.job_id == job_id))
+            if rows:
+                conn.execute(insert(metrics_table), rows)
 
     # --- reading ----------------------------------------------------------------------------------
 
-    def run(self, conn: Connection, job_id: str) -> EvalRun:
-        row = conn.execute(select(*_RUN_COLUMNS).where(RUN.job_id == job_id)).one_or_none()
-        if row is None:
-            raise self.no_run(job_id)
-        return EvalRun(*row)
+    def eval_run(self, job_id: str) -> EvalRun:
+        """The eval run of job `job_id`; StoreError naming the job when it has none."""
+        with self._db.read() as conn:
+            return self._run(conn, job_id)
 
-    def runs(self, conn: Connection, suite: str | None, limit: int, include_unfinished: bool) -> list[EvalRun]:
-        """Runs newest first (created_at, then job_id); of one suite unless `suite` is None."""
-        _check_limit("eval_runs", limit)
+    def eval_runs(self, suite: str | None, limit: int, include_unfinished: bool) -> list[EvalRun]:
+        """The `limit` newest finished runs (created_at, then job_id, descending), of one suite unless None.
+
+        suite "" selects the ad-hoc runs; include_unfinished adds runs not finished (running or crashed).
+        """
+        check_limit("eval_runs", limit)
         query = select(*_RUN_COLUMNS)
         if suite is not None:
             query = query.where(RUN.suite == suite)
         if not include_unfinished:
             query = query.where(RUN.finished_at.is_not(None))
         query = query.order_by(RUN.created_at.desc(), RUN.job_id.desc()).limit(limit)
-        return [EvalRun(*row) for row in conn.execute(query)]
+        with self._db.read() as conn:
+            return [EvalRun(*row) for row in conn.execute(query)]
 
-    def previous(self, conn: Connection, suite: str, before_job_id: str) -> EvalRun | None:
-        """The suite's latest finished run that comes before run `before_job_id` in (created_at, job_id) order."""
-        before = self.run(conn, before_job_id)
-        earlier = or_(
-            RUN.created_at < before.created_at,
-            and_(RUN.created_at == before.created_at, RUN.job_id < before.job_id),
-        )
-        query = (
-            select(*_RUN_COLUMNS)
-            .where(RUN.suite == suite, RUN.finished_at.is_not(None), earlier)
-            .order_by(RUN.created_at.desc(), RUN.job_id.desc())
-            .limit(1)
-        )
-        row = conn.execute(query).one_or_none()
+    def previous_eval_run(self, suite: str, before_job_id: str) -> EvalRun | None:
+        """The latest finished run of `suite` created before run `before_job_id` (ties: lower job id), or None.
+
+        StoreError when `before_job_id` has no recorded eval run.
+        """
+        with self._db.read() as conn:
+            before = self._run(conn, before_job_id)
+            earlier = or_(
+                RUN.created_at < before.created_at,
+                and_(RUN.created_at == before.created_at, RUN.job_id < before.job_id),
+            )
+            query = (
+                select(*_RUN_COLUMNS)
+                .where(RUN.suite == suite, RUN.finished_at.is_not(None), earlier)
+                .order_by(RUN.created_at.desc(), RUN.job_id.desc())
+                .limit(1)
+            )
+            row = conn.execute(query).one_or_none()
         return None if row is None else EvalRun(*row)
 
-    def metrics(self, conn: Connection, job_id: str) -> list[EvalMetric]:
-        """The run's metrics ordered by task, metric, filter; StoreError when there is no such run."""
-        if not self._run_exists(conn, job_id):
-            raise self.no_run(job_id)
-        rows = conn.execute(select(*_METRIC_COLUMNS).where(METRIC.job_id == job_id))
+    def eval_metrics(self, job_id: str) -> list[EvalMetric]:
+        """The run's metrics ordered by task, metric, filter ([] until finished); StoreError when there is no run."""
+        with self._db.read() as conn:
+            if not _run_exists(conn, job_id):
+                raise self._no_run(job_id)
+            rows = conn.execute(select(*_METRIC_COLUMNS).where(METRIC.job_id == job_id)).all()
         return sorted((metric_from_row(row) for row in rows), key=metric_order)
 
-    def history(
-        self, conn: Connection, suite: str, metric: str | None, limit: int
-    ) -> list[tuple[EvalRun, list[EvalMetric]]]:
-        """The suite's last `limit` finished runs, oldest first, each with its metrics (only `metric`'s, if given)."""
-        _check_limit("eval_history", limit)
-        runs = self.runs(conn, suite, limit, include_unfinished=False)
-        runs.reverse()
-        query = select(METRIC.job_id, *_METRIC_COLUMNS).where(METRIC.job_id.in_([r.job_id for r in runs]))
-        if metric is not None:
-            query = query.where(METRIC.metric == metric)
-        per_run: dict[str, list[EvalMetric]] = {r.job_id: [] for r in runs}
-        if runs:
-            for job_id, *values in conn.execute(query):
-                per_run[job_id].append(metric_from_row(values))
-        return [(r, sorted(per_run[r.job_id], key=metric_order)) for r in runs]
+    def eval_history(self, suite: str, metric: str | None, limit: int) -> list[tuple[EvalRun, list[EvalMetric]]]:
+        """The suite's last `limit` finished runs, oldest first, each with its metrics (only `metric`'s, if given).
+
+        Two queries: the runs, then their metrics.
+        """
+        with self._db.read() as conn:
+            return light_sql.eval_history(self._db.statements(conn), suite, metric, limit)
 
     # --- messages and helpers ---------------------------------------------------------------------
 
-    def no_run(self, job_id: str) -> StoreError:
+    def _run(self, conn: Connection, job_id: str) -> EvalRun:
+        row = conn.execute(select(*_RUN_COLUMNS).where(RUN.job_id == job_id)).one_or_none()
+        if row is None:
+            raise self._no_run(job_id)
+        return EvalRun(*row)
+
+    def _no_run(self, job_id: str) -> StoreError:
         return StoreError(
-            f"no eval run {job_id} in {self.url}: that job has no recorded eval run (it is not an eval, or its "
+            f"no eval run {job_id} in {self._db.url}: that job has no recorded eval run (it is not an eval, or its "
             f"run was never recorded); {_LIST_RUNS}"
         )
 
     def _already_recorded(self, job_id: str) -> StoreError:
         return StoreError(
-            f"an eval run of job {job_id} is already recorded in {self.url}; set its paths and metrics with "
+            f"an eval run of job {job_id} is already recorded in {self._db.url}; set its paths and metrics with "
             "finish_eval_run(), or record a new run under a new job"
         )
 
-    def _run_exists(self, conn: Connection, job_id: str) -> bool:
-        return conn.execute(select(RUN.job_id).where(RUN.job_id == job_id)).one_or_none() is not None
+
+def _run_exists(conn: Connection, job_id: str) -> bool:
+    return conn.execute(select(RUN.job_id).where(RUN.job_id == job_id)).one_or_none() is not None
 
 
 def run_row(run: EvalRun) -> dict[str, Any]:
@@ -227,8 +235,3 @@ def _finite_or_null(value: float | None) -> float | None:
 
 def _path(path: str | Path | None) -> str | None:
     return None if path is None else str(path)
-
-
-def _check_limit(method: str, limit: int) -> None:
-    if limit < 1:
-        raise ValueError(f"{method} needs limit >= 1, got {limit=}")

@@ -10,10 +10,10 @@ The counters count items by their stored status, nothing else, so each writer ch
 the rows it changed and concurrent writers cannot make them drift. A cancel leaves the job's queued
 items' rows untouched (rewriting a million wide rows took 15 s) and touches no counter: the job's
 cancelling_at marks them, no claim hands them out, and status and results report them as cancelled
-(storage.status.reported_aggregates for counters, JobStore's result pages for rows). An earlier version
-moved the queued counter into cancelled at the cancel; a claim committing right after it (its item
-rows changed, its counter change waiting on the cancel's row locks) then left the queued counter
-negative on PostgreSQL, which the two-writer contract test found.
+(storage.status.reported_aggregates for counters, storage/item_reads.py's result pages for rows). Moving
+the queued counter into cancelled at the cancel would race a claim committing right after it (its item
+rows changed, its counter change waiting on the cancel's row locks), leaving the queued counter negative
+on PostgreSQL; the two-writer contract test checks the counters against a full count.
 """
 
 from __future__ import annotations
@@ -97,16 +97,6 @@ def read_counts(conn: Connection, job_ids: list[str]) -> dict[str, list[StateAgg
     for job_id, status, *totals in conn.execute(query):
         out.setdefault(job_id, []).append(StateAggregate(status, *(int(t) for t in totals)))
     return out
-
-
-def lock_counts(conn: Connection, job_id: str, row_locks: bool) -> dict[str, StateAggregate]:
-    """The job's counters by state, their rows locked in state order on PostgreSQL (SQLite's write lock
-    already covers them): what a cancel reads before moving the queued ones."""
-    query = select(COUNT.status, *(COUNT[name] for name in _TOTALS)).where(COUNT.job_id == job_id).order_by(
-        COUNT.status)
-    if row_locks:
-        query = query.with_for_update()
-    return {status: StateAggregate(status, *(int(t) for t in totals)) for status, *totals in conn.execute(query)}
 
 
 def recount(conn: Connection, job_ids: list[str] | None = None) -> dict[str, list[StateAggregate]]:

@@ -2,8 +2,10 @@
 each of its completions (in the completion's transaction), by each lease renewal, and when it stops.
 
 Several brokers may work one job (storage/leases.py); `layerbus status JOB` lists them from these few
-rows instead of grouping the job's items by holder (a million rows). The functions here run inside a
-JobStore transaction; JobStore's methods are the interface.
+rows instead of grouping the job's items by holder (a million rows). JobWorkers holds JobStore's worker
+calls; count_done and stamp also run inside the transactions of completions, lease renewals and
+finalization renewals (storage/lease_store.py, storage/finalization.py). The rows are read back with
+light_sql.job_workers, which `layerbus status` also runs without SQLAlchemy.
 """
 
 from __future__ import annotations
@@ -11,15 +13,48 @@ from __future__ import annotations
 from collections.abc import Mapping
 from datetime import datetime
 
-from sqlalchemy import Connection, insert, select, update
+from sqlalchemy import Connection, insert, update
 
+from layerbus.storage import light_sql
+from layerbus.storage.clock import utc_now
 from layerbus.storage.schema import job_workers as workers_table
-from layerbus.storage.status_records import WORKER_FIELDS, JobWorker, worker_from_row
+from layerbus.storage.schema import jobs as jobs_table
+from layerbus.storage.status_records import JobWorker
+from layerbus.storage.store_db import StoreDb
 
+JOB = jobs_table.c
 WORKER = workers_table.c
 # A worker's states: `working` from its start, `finalizing` while it builds the final results file,
 # `stopped` once its run of the job ended (a killed one stays as it was; readers show it `lost`).
 WORKER_STATES = ("working", "finalizing", "stopped")
+
+
+class JobWorkers:
+    """JobStore's register_worker, set_worker_state and job_workers."""
+
+    def __init__(self, db: StoreDb) -> None:
+        self._db = db
+
+    def register_worker(self, job_id: str, worker: str, host: str, chain: str | None, lease_s: float,
+                        now: datetime | None) -> None:
+        """Record that `worker` ("host:pid:token") works the job, on `host`, with `chain` (its stages in
+        text form), renewing every lease within `lease_s`; `layerbus status JOB` lists it."""
+        now = utc_now(now)
+        with self._db.write() as conn:
+            self._db.job_field(conn, job_id, JOB.id)
+            register(conn, job_id, worker, host, chain, lease_s, now)
+
+    def set_worker_state(self, job_id: str, worker: str, state: str, now: datetime | None) -> None:
+        """Set `worker`'s state on the job (working, finalizing, stopped) and stamp its last renewal."""
+        now = utc_now(now)
+        with self._db.write() as conn:
+            stamp(conn, job_id, worker, now, state)
+
+    def job_workers(self, job_id: str) -> list[JobWorker]:
+        """The brokers that worked the job, in the order they started."""
+        with self._db.read() as conn:
+            self._db.job_field(conn, job_id, JOB.id)
+            return light_sql.job_workers(self._db.statements(conn), job_id)
 
 
 def register(conn: Connection, job_id: str, worker: str, host: str, chain: str | None, lease_s: float,
@@ -52,11 +87,3 @@ def stamp(conn: Connection, job_id: str, worker: str, now: datetime, state: str 
     if state is not None:
         values["state"] = state
     conn.execute(update(workers_table).where(WORKER.job_id == job_id, WORKER.worker == worker).values(**values))
-
-
-def job_workers(conn: Connection, job_id: str) -> list[JobWorker]:
-    """The job's workers in the order they started."""
-    query = (select(*(WORKER[name] for name in WORKER_FIELDS)).where(WORKER.job_id == job_id)
-             .order_by(WORKER.started_at, WORKER.worker))
-    return [worker_from_row(dict(zip(WORKER_FIELDS, row))) for row in conn.execute(query)]
-

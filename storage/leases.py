@@ -1,8 +1,9 @@
 """Item leases: a claimed item is held by one worker until a time the worker keeps pushing forward.
 
 A broker that dies stops renewing; once its leases run out any other broker may requeue its items
-(rq's lease-expiry sweep). The queries here run inside a JobStore transaction; JobStore's methods
-are the interface.
+(rq's lease-expiry sweep). These are the lease's terms: how long one lasts, which items a holder holds
+and which nobody does any more; storage/lease_store.py uses them in its transactions, and
+storage/finalization.py for the finalizer's hold, a lease too.
 """
 
 from __future__ import annotations

@@ -45,11 +45,11 @@ def test_an_interrupt_raises_where_the_program_is_and_the_handlers_are_restored(
 
 def test_a_signal_that_lands_as_a_store_write_closes_is_raised_once_it_committed(tmp_path, monkeypatch) -> None:
     """A stopped run hands its items back in a `finally`, while the interrupt propagates. Raised inside a
-    store method, at the first instruction of `_write`'s context-manager `__exit__` (before it resumes
-    the generator that commits), the interrupt left that transaction open and its write lock held by the
-    exception's own traceback: the hand-back then waited on its own process's lock for the whole busy
-    timeout and failed, "database is locked", with every item left in progress (seen in
-    test_cli_chains' SIGTERM test). A signal inside a store transaction is raised once it has closed."""
+    store method, at the first instruction of the write transaction's context-manager `__exit__` (StoreDb.write,
+    before it resumes the generator that commits), an unguarded interrupt would leave that transaction open
+    and its write lock held by the exception's own traceback: the hand-back would then wait on its own
+    process's lock for the whole busy timeout and fail, "database is locked", with every item left in
+    progress. A signal inside a store transaction is raised once it has closed."""
     monkeypatch.setattr("layerbus.storage.engine.SQLITE_BUSY_TIMEOUT_MS", 500)  # fail in 0.5 s, not 30
     with JobStore.open(f"sqlite:///{tmp_path / 'jobs.db'}") as store:
         job_id = store.create_job(JobSettings(task="generate", model="tiny"), [NewItem("a", "a", "a", {}, 0)])
@@ -59,7 +59,8 @@ def test_a_signal_that_lands_as_a_store_write_closes_is_raised_once_it_committed
             if (event == "call" and not landed and frame.f_code.co_name == "__exit__"
                     and frame.f_code.co_filename == contextlib.__file__
                     and getattr(frame.f_locals["self"], "gen", None) is not None
-                    and frame.f_locals["self"].gen.gi_code.co_name == "_write"):
+                    and frame.f_locals["self"].gen.gi_code.co_name == "write"
+                    and frame.f_locals["self"].gen.gi_code.co_filename.endswith("store_db.py")):
                 landed.append("SIGTERM")
                 os.kill(os.getpid(), signal.SIGTERM)
 

@@ -1,4 +1,7 @@
-"""The JobStore contract: every test runs against a SQLite file and a real PostgreSQL database."""
+"""The JobStore contract: every test runs against a SQLite file and a real PostgreSQL database.
+
+The reads the light commands also make through the store's driver alone are made through both paths and
+compared on every call (tests/fixtures_stores.py's TwinPathStore), and the cancel tests cancel through each."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from layerbus.planner.sample_places import sample_places
 from layerbus.storage.schema import items as items_table
 from layerbus.storage.schema import jobs as jobs_table
 from layerbus.storage.store import JobStore
-from tests.fixtures_stores import store, store_url  # noqa: F401 - fixtures
+from tests.fixtures_stores import CANCEL_PATHS, TwinPathStore, store, store_url  # noqa: F401 - fixtures
 
 T0 = datetime(2030, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc)
 SETTINGS = JobSettings(task="generate", model="tiny-model", max_new_tokens=16, name="demo", input_path="in.jsonl")
@@ -137,6 +140,7 @@ def test_create_job_is_all_or_nothing(store: JobStore, store_url: str) -> None:
     engine.dispose()
 
 
+@CANCEL_PATHS
 def test_cancel_with_nothing_in_flight_is_immediate_and_keeps_finished_outputs(store: JobStore) -> None:
     job_id = store.create_job(SETTINGS, new_items(3), now=T0)
     (item,) = store.claim_items(job_id, "w", 1)
@@ -150,6 +154,7 @@ def test_cancel_with_nothing_in_flight_is_immediate_and_keeps_finished_outputs(s
     assert store.cancel_job(job_id) == "cancelled"  # twice is harmless
 
 
+@CANCEL_PATHS
 def test_cancel_with_items_in_flight_waits_for_them(store: JobStore) -> None:
     job_id = store.create_job(SETTINGS, new_items(4))
     first, second = store.claim_items(job_id, "w", 2)
@@ -162,6 +167,7 @@ def test_cancel_with_items_in_flight_waits_for_them(store: JobStore) -> None:
     assert (status.status, status.completed, status.cancelled) == ("cancelled", 1, 3)
 
 
+@CANCEL_PATHS
 def test_cancel_of_a_finished_job_is_refused(store: JobStore) -> None:
     job_id = store.create_job(SETTINGS, new_items(1))
     store.complete_items([ok(i.item_id) for i in store.claim_items(job_id, "w", 1)])
@@ -248,6 +254,7 @@ def test_naive_datetimes_are_refused(store: JobStore) -> None:
         store.job_status(job_id, now=datetime(2030, 1, 1))
 
 
+@CANCEL_PATHS
 def test_listing_latest_and_next_runnable(store: JobStore) -> None:
     older = store.create_job(SETTINGS, new_items(1), now=T0)
     newer = store.create_job(SETTINGS, new_items(2), now=T0 + timedelta(minutes=1))
@@ -492,13 +499,14 @@ def _counters_and_recount(url: str) -> tuple[dict, dict]:
     return flat(stored), flat(counted)
 
 
-def _random_writer(url: str, seed: int, steps: int, shared_jobs: list[str], errors: list) -> None:
-    """One writer: `steps` random claims, completions, failures, requeues, lease expiries, cancels and new
-    jobs, over the shared jobs and its own, on its own connection; what it raises lands in `errors`."""
+def _random_writer(url: str, cancel_path: str, seed: int, steps: int, shared_jobs: list[str], errors: list) -> None:
+    """One writer: `steps` random claims, completions, failures, requeues, lease expiries, cancels (through
+    `cancel_path`) and new jobs, over the shared jobs and its own, on its own connection; what it raises lands
+    in `errors`."""
     rng = random.Random(seed)
     jobs, held, clock = list(shared_jobs), [], T0
     try:
-        with JobStore.open(url) as store:
+        with TwinPathStore.open_twin(url, cancel_path) as store:
             for _ in range(steps):
                 clock += timedelta(seconds=rng.random())
                 job_id, op = rng.choice(jobs), rng.random()
@@ -535,11 +543,13 @@ def _random_writer(url: str, seed: int, steps: int, shared_jobs: list[str], erro
         errors.append(exc)
 
 
+@CANCEL_PATHS
 def test_item_counters_equal_a_full_count_after_two_random_writers(store: JobStore, store_url: str) -> None:
     shared = [store.create_job(SETTINGS, new_items(n), [InvalidItem("bad", "x", "refused", 99)], now=T0)
               for n in (20, 40, 60)]
     errors: list = []
-    writers = [threading.Thread(target=_random_writer, args=(store_url, seed, 250, shared, errors)) for seed in (1, 2)]
+    writers = [threading.Thread(target=_random_writer, args=(store_url, store.cancel_path, seed, 250, shared, errors))
+               for seed in (1, 2)]
     for writer in writers:
         writer.start()
     for writer in writers:
@@ -575,6 +585,7 @@ def test_a_store_from_before_the_counters_gains_them_counted_from_its_items(stor
     assert stored == counted
 
 
+@CANCEL_PATHS
 def test_a_cancel_leaves_queued_rows_alone_and_they_read_back_cancelled(store: JobStore, store_url: str) -> None:
     job_id = store.create_job(SETTINGS, new_items(4), now=T0)
     (first,) = store.claim_items(job_id, "w", 1)

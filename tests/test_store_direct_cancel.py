@@ -1,6 +1,8 @@
 """The light commands' direct path (storage/direct_db.py: sqlite3, libpq or psycopg, no SQLAlchemy) agrees
 with JobStore, on a SQLite file and on a real PostgreSQL database (through libpq, and through psycopg where
-libpq cannot be loaded): cancel statement for statement, status field for field."""
+libpq cannot be loaded): a cancel through each leaves twin jobs alike, every read answers alike
+(tests/fixtures_stores.py's TwinPathStore compares them), and what the direct path declines is left to the
+full store."""
 
 from __future__ import annotations
 
@@ -12,10 +14,11 @@ import pytest
 
 from layerbus.storage.direct_cancel import cancel_job_directly
 from layerbus.storage.direct_db import direct_db
-from layerbus.storage.direct_status import read_job_events, read_job_status, read_recent_jobs, read_stage_snapshots
+from layerbus.storage.direct_status import read_job_status
 from layerbus.storage.errors import StoreError
 from layerbus.storage.records import ItemResult, JobSettings, NewItem
 from layerbus.storage.store import JobStore
+from tests.fixtures_stores import TwinPathStore
 
 T0 = datetime(2030, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc)
 SETTINGS = JobSettings(task="generate", model="tiny-model", max_new_tokens=16, name="twin")
@@ -89,8 +92,10 @@ def test_direct_cancel_stores_sqlite_timestamps_as_the_full_store_does(tmp_path:
         cancel_job_directly(url, direct, now=T0)
         store.cancel_job(full, now=T0)
     with sqlite3.connect(tmp_path / "store.db") as conn:
-        rows = dict(conn.execute("SELECT id, cancelling_at || '|' || cancelled_at FROM jobs").fetchall())
-    assert rows[direct] == rows[full] == "2030-01-02 03:04:05.678901|2030-01-02 03:04:05.678901"
+        rows = {job_id: stamps for job_id, *stamps in conn.execute(
+            "SELECT id, created_at, cancelling_at, cancelled_at FROM jobs")}
+    # created_at went through SQLAlchemy's UtcDateTime; the cancel's stamps through the driver, as text.
+    assert rows[direct] == rows[full] == ["2030-01-02 03:04:05.678901"] * 3
 
 
 def test_direct_cancel_declines_what_the_full_store_must_word(store_url: str) -> None:
@@ -111,17 +116,21 @@ def test_direct_cancel_declines_urls_it_does_not_take(tmp_path: Path) -> None:
 
 
 def test_direct_reads_match_the_store(store_url: str) -> None:
-    with JobStore.open(store_url) as store:
+    with TwinPathStore.open_twin(store_url) as store:  # each read below is made through both paths and compared
         ids = [twin_jobs(store, scenario)[0] for scenario in ("queued", "in_flight", "completed", "cancelled_before")]
         store.add_job_event(ids[1], "stage_lost", "stage stage-1 lost", now=T0 + timedelta(seconds=5))
         store.add_job_event(ids[1], "recovered", "decoding again", 2.5, now=T0 + timedelta(seconds=7))
+        store.register_worker(ids[1], "box-a:11:aa", "box-a", "stage-0 [0, 2)", now=T0)
+        store.renew_leases(ids[1], "box-a:11:aa", now=T0 + timedelta(seconds=3))
         now = T0 + timedelta(minutes=3)
         for job_id in ids:
-            assert read_job_status(store_url, job_id, now) == store.job_status(job_id, now)
-            assert read_job_events(store_url, job_id) == store.job_events(job_id)
-            assert read_stage_snapshots(store_url, job_id) == store.stage_snapshots(job_id)
-        assert len(read_job_events(store_url, ids[1])) == 2
-        assert read_recent_jobs(store_url, 5, now) == store.list_jobs(5, now)
+            store.job_status(job_id, now)
+            store.job_events(job_id)
+            store.job_workers(job_id)
+            store.stage_snapshots(job_id)
+        assert len(store.job_events(ids[1])) == 2 and len(store.job_workers(ids[1])) == 1
+        assert len(store.list_jobs(5, now)) == 5
+        assert store.latest_job_id("cancelled") is not None
     assert read_job_status(store_url, "job_missing", now) is None  # the full store words the error
 
 

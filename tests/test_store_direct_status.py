@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from layerbus.storage import InvalidItem, ItemResult, JobSettings, JobStore, NewItem
-from layerbus.storage.direct_status import read_job_events, read_job_status, read_recent_jobs, sqlite_file
+from layerbus.storage.direct_status import read_job_status, read_recent_jobs, sqlite_file
+from tests.fixtures_stores import TwinPathStore
 
 T0 = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc)
 
@@ -37,13 +38,13 @@ def make_store(tmp_path: Path) -> tuple[str, list[str]]:
 def test_sqlite_read_path_matches_the_store(tmp_path):
     url, ids = make_store(tmp_path)
     now = T0 + timedelta(minutes=9)
-    with JobStore.open(url) as store:
+    with TwinPathStore.open_twin(url) as store:  # each read below is made through both paths and compared
         for job_id in ids:
-            assert read_job_status(url, job_id, now) == store.job_status(job_id, now)
-            assert read_job_events(url, job_id) == store.job_events(job_id)
-            assert read_job_events(url, job_id, 1) == store.job_events(job_id, 1)
+            store.job_status(job_id, now)
+            store.job_events(job_id)
+            store.job_events(job_id, 1)
         assert len(store.job_events(ids[0])) == 2
-        assert read_recent_jobs(url, 2, now) == store.list_jobs(2, now)
+        assert [s.job_id for s in store.list_jobs(2, now)] == [ids[2], ids[1]]
     assert read_job_status(url, "job_missing", now) is None  # the full store words the error
 
 

@@ -1,4 +1,5 @@
-"""The standard-library read path of `layerbus eval history` agrees with JobStore.eval_history on a SQLite file."""
+"""The standard-library read path of `layerbus eval history` agrees with JobStore.eval_history on a SQLite file
+(tests/fixtures_stores.py's TwinPathStore reads through both and compares), and declines what it cannot read."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from layerbus.storage import EvalMetric, EvalRun, JobSettings, JobStore, NewItem, canonical_fingerprint
 from layerbus.storage.sqlite_evals import read_eval_history
+from tests.fixtures_stores import TwinPathStore
 
 T0 = datetime(2030, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc)
 
@@ -38,11 +40,8 @@ def make_store(tmp_path: Path) -> str:
 @pytest.mark.parametrize("metric, limit", [(None, 50), ("acc", 50), (None, 2), ("bits_per_byte", 1), ("absent", 3)])
 def test_read_path_matches_the_store(tmp_path, metric, limit):
     url = make_store(tmp_path)
-    with JobStore.open(url) as store:
-        expected = store.eval_history("nightly", metric, limit)
-    found = read_eval_history(url, "nightly", metric, limit)
-    # NaN != NaN: compare the metric rows through their repr (nan prints the same on both sides).
-    assert repr(found) == repr(expected)
+    with TwinPathStore.open_twin(url) as store:  # reads through both paths and compares
+        found = store.eval_history("nightly", metric, limit)
     assert len(found) == min(limit, 4)
     assert all(run.created_at.tzinfo is not None for run, _ in found)
 
