@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from layerbus.planner.placement import Neighbour, window_s
+from layerbus.planner.window_pricing import Neighbour, window_s
 from layerbus.planner.plan_values import StageProfile
 from layerbus.planner.step_cost import StepWork
 from layerbus.planner.workload import Window
