@@ -20,10 +20,10 @@ from layerbus.planner.plan_values import PlanOptions, StageProfile
 from layerbus.wire.spans import LayerRange
 
 Candidate = tuple[list[StageProfile], list[LayerRange]]  # the stages in order, and each one's layers
+Searched = tuple[list[StageProfile], list[LayerRange], str]  # a candidate, and how it was searched ("exact", ...)
 
 
-def search_chain(costs: CostModel, options: PlanOptions, exact_limit: int) -> tuple[list[StageProfile],
-                                                                                  list[LayerRange], str]:
+def search_chain(costs: CostModel, options: PlanOptions, exact_limit: int) -> Searched:
     """The chain and split with the smallest slowest-stage time per step, each stage sending at its own
     link's bandwidth, and how it was searched: exact over every order and subset while the subset DP
     takes at most `exact_limit` inner steps, else the heuristic `_end_pairs`."""
@@ -50,7 +50,7 @@ def _price_table(costs: CostModel, price) -> list[list[list[float]]]:
     return table
 
 
-def _end_pairs(costs: CostModel, step, options: PlanOptions) -> tuple[list[StageProfile], list[LayerRange], str]:
+def _end_pairs(costs: CostModel, step, options: PlanOptions) -> Searched:
     """Too many stages for every order: which stage embeds and which runs the head are what order
     changes most, so every (first, last) pair is tried with the others in the given order."""
     p = len(costs.stages)
@@ -72,8 +72,7 @@ def _end_pairs(costs: CostModel, step, options: PlanOptions) -> tuple[list[Stage
     return (best[2], best[3], search) if best else ([], [], search)
 
 
-def search_over_links(costs: CostModel, options: PlanOptions, exact_limit: int) -> tuple[list[StageProfile],
-                                                                                       list[LayerRange], str]:
+def search_over_links(costs: CostModel, options: PlanOptions, exact_limit: int) -> Searched:
     """The search with a link matrix: each stage's send priced by the link to its successor
     (planner.link_search); exact while the pair DP's subsets x first stages x spans are at most
     `exact_limit`, else stages grouped by host (`_host_grouped`)."""
@@ -87,8 +86,7 @@ def search_over_links(costs: CostModel, options: PlanOptions, exact_limit: int) 
     return _host_grouped(costs, compute, send, options)
 
 
-def _host_grouped(costs: CostModel, compute, send, options: PlanOptions) -> tuple[list[StageProfile],
-                                                                                 list[LayerRange], str]:
+def _host_grouped(costs: CostModel, compute, send, options: PlanOptions) -> Searched:
     """Too many stages for the pair DP: the stages of a host kept together, hosts chained by their
     fastest links (planner.link_search), the layers split exactly in each such order."""
     stages, n = costs.stages, costs.num_layers
