@@ -32,7 +32,7 @@ from layerbus.models.attention_shape import attention_shape  # noqa: E402
 from layerbus.models.model_files import open_model_dir  # noqa: E402
 from layerbus.stages.forward import run_step  # noqa: E402
 from layerbus.stages.kv_cache import KVArena  # noqa: E402
-from layerbus.stages.profile import synchronizer  # noqa: E402
+from layerbus.stages.profile_timing import synchronizer  # noqa: E402
 from layerbus.stages.sampling import last_stage_outputs  # noqa: E402
 from layerbus.stages.shard import ShardSpec, load_shard  # noqa: E402
 from layerbus.wire.protocol import StepRow  # noqa: E402

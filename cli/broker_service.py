@@ -13,26 +13,26 @@ from typing import TYPE_CHECKING
 from layerbus.cli.errors import EXIT_CHAIN_LEFT, EXIT_FAILED, EXIT_OK, UsageError
 from layerbus.cli.options import (
     AUTO_CHAINS,
-    chains_count,
     add_cluster_options,
-    add_metrics,
-    add_weights,
-    add_trace,
-    batching_from_args,
     add_db,
+    add_metrics,
     add_model,
-    add_verbose,
-    model_for_stages,
-    link_probe_from_args,
-    wire_from_args,
-    open_store,
+    add_trace,
+    add_weights,
+    batching_from_args,
+    chains_count,
+    command_parser,
     leases_from_args,
+    link_probe_from_args,
+    model_for_stages,
+    open_store,
     pipeline_from_args,
     positive_int,
     report_trace,
     resolve_model,
     results_dir,
     start_metrics,
+    wire_from_args,
 )
 from layerbus.launch.signals import Interrupted, stop_on_signals
 
@@ -55,71 +55,71 @@ def _say(text: str) -> None:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("broker", help="run a broker for stages started elsewhere",
-                                   description="Wait for N stages (`layerbus stage --broker ADDRESS`), split the "
-                                               "model over them, then run the store's queued jobs for this model, "
-                                               "oldest first, polling for new ones, until Ctrl-C or SIGTERM.")
-    add_model(parser, "Hugging Face model directory every stage can read at this path (default: the default model)")
-    parser.add_argument("--stages", metavar="N", type=positive_int, required=True, help="stages to wait for")
-    parser.add_argument("--bind-control", metavar="ENDPOINT", default=None,
-                        help="where stages register (default: tcp://0.0.0.0:5555 with --keys, tcp://127.0.0.1:5555 "
-                             "without)")
-    parser.add_argument("--bind-results", metavar="ENDPOINT", default=None,
-                        help="where the last stage returns tokens (default: tcp://0.0.0.0:5556 with --keys, "
-                             "tcp://127.0.0.1:5556 without)")
-    parser.add_argument("--keys", metavar="DIR", type=Path, default=None,
-                        help="the broker's CurveZMQ keypair (`layerbus keys new DIR --name broker`: a folder holding "
-                             "one NAME.key_secret, or the file): every link authenticated and encrypted; stages "
-                             "need its NAME.key (--broker-key)")
-    parser.add_argument("--allow", metavar="DIR", type=Path, action="append", default=[],
-                        help="a folder of the stages' public keys (their NAME.key files) that may join, with "
-                             "--keys; repeatable (default: only stages holding the broker's own keypair)")
-    parser.add_argument("--insecure", action="store_true",
-                        help="allow binds other machines can reach without --keys (unauthenticated, unencrypted)")
-    parser.add_argument("--advertise", metavar="HOST", default=None,
-                        help="host name or address stages on other machines use to reach this broker")
-    parser.add_argument("--network", metavar="FILE", type=Path, default=None,
-                        help="the links between the stages' hosts (TOML/JSON: [network] defaults, [[links]] between "
-                             "two host names, optional [hosts] stage = host; as in a cluster file, see "
-                             "examples/network.toml): the plan then keeps stages that share a fast link together "
-                             "(default: each stage's own measured link)")
-    add_db(parser)
-    parser.add_argument("--job", metavar="JOB", default=None,
-                        help="run this one job, then exit (0 iff it completed); default: run jobs as they come")
-    parser.add_argument("--exit-when-idle", action="store_true",
-                        help="once the stages are placed, serve the queued and running jobs of this model, then "
-                             "exit when none is left (0 iff every job it ran completed) instead of polling for "
-                             "more: for a batch scheduler (`sbatch --wait`, deploy/slurm/layerbus.sbatch)")
-    add_cluster_options(parser)
-    add_weights(parser)
-    add_trace(parser)
-    add_metrics(parser)
-    parser.add_argument("--poll", metavar="SECONDS", type=float, default=2.0,
-                        help="how often to look for new jobs when idle (default: 2)")
-    parser.add_argument("--register-timeout", metavar="SECONDS", type=float, default=600.0,
-                        help="how long to wait for the stages to register (default: 600)")
-    parser.add_argument("--stage-exits", metavar="DIR", type=Path, default=None,
-                        help="a folder where the stages' launcher writes NAME.exit (\"NAME CODE [PID]\") for each "
-                             "stage that ended and is not restarted, as deploy/slurm/layerbus.sbatch does: the broker "
-                             "stops waiting for those, and exits at once, naming them, once every stage has ended")
-    parser.add_argument("--chains", metavar="K", type=chains_count, default=1,
-                        help="form K chains of the N stages (the first N // K stages to register, and so on; one "
-                             "more for the first N %% K chains), all registering at --bind-control: each chain is a "
-                             "broker process of its own, and the chains serve the jobs side by side; auto: profile "
-                             "the stages and let the planner group them (default: 1, one pipeline over every stage)")
-    parser.add_argument("--chain-ports", metavar="PORT", type=positive_int, default=None,
-                        help="with --chains K: chain i's broker binds ports PORT + 2i (its stages' control) and "
-                             "PORT + 2i + 1 (its results) on the hosts of --bind-control / --bind-results; "
-                             "stages on other machines must reach them too (default: the --bind-control port + 2)")
-    # Set by the front door of --chains K on each chain's broker: brokers working the jobs beside it.
-    parser.add_argument("--peer-brokers", type=positive_int, default=1, help=argparse.SUPPRESS)
-    # ... and a file this broker creates once it listens, so the front door sends it its stages.
-    parser.add_argument("--ready-file", type=Path, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--chain-label", default=None, help=argparse.SUPPRESS)  # "chain 2": said in its messages
-    # ... and the front door's own bind, where this chain sends its surviving stages if it gives up.
-    parser.add_argument("--front-door", default=None, help=argparse.SUPPRESS)
-    add_verbose(parser)
-    parser.set_defaults(handler=main)
+    with command_parser(subparsers, "broker", main, help="run a broker for stages started elsewhere",
+                        description="Wait for N stages (`layerbus stage --broker ADDRESS`), split the "
+                                    "model over them, then run the store's queued jobs for this model, "
+                                    "oldest first, polling for new ones, until Ctrl-C or SIGTERM.") as parser:
+        add_model(parser, "Hugging Face model directory every stage can read at this path (default: the default model)")
+        parser.add_argument("--stages", metavar="N", type=positive_int, required=True, help="stages to wait for")
+        parser.add_argument("--bind-control", metavar="ENDPOINT", default=None,
+                            help="where stages register (default: tcp://0.0.0.0:5555 with --keys, tcp://127.0.0.1:5555 "
+                                 "without)")
+        parser.add_argument("--bind-results", metavar="ENDPOINT", default=None,
+                            help="where the last stage returns tokens (default: tcp://0.0.0.0:5556 with --keys, "
+                                 "tcp://127.0.0.1:5556 without)")
+        parser.add_argument("--keys", metavar="DIR", type=Path, default=None,
+                            help="the broker's CurveZMQ keypair (`layerbus keys new DIR --name broker`: a folder "
+                                 "holding one NAME.key_secret, or the file): every link authenticated and encrypted; "
+                                 "stages need its NAME.key (--broker-key)")
+        parser.add_argument("--allow", metavar="DIR", type=Path, action="append", default=[],
+                            help="a folder of the stages' public keys (their NAME.key files) that may join, with "
+                                 "--keys; repeatable (default: only stages holding the broker's own keypair)")
+        parser.add_argument("--insecure", action="store_true",
+                            help="allow binds other machines can reach without --keys (unauthenticated, unencrypted)")
+        parser.add_argument("--advertise", metavar="HOST", default=None,
+                            help="host name or address stages on other machines use to reach this broker")
+        parser.add_argument("--network", metavar="FILE", type=Path, default=None,
+                            help="the links between the stages' hosts (TOML/JSON: [network] defaults, [[links]] "
+                                 "between two host names, optional [hosts] stage = host; as in a cluster file, see "
+                                 "examples/network.toml): the plan then keeps stages that share a fast link together "
+                                 "(default: each stage's own measured link)")
+        add_db(parser)
+        parser.add_argument("--job", metavar="JOB", default=None,
+                            help="run this one job, then exit (0 iff it completed); default: run jobs as they come")
+        parser.add_argument("--exit-when-idle", action="store_true",
+                            help="once the stages are placed, serve the queued and running jobs of this model, then "
+                                 "exit when none is left (0 iff every job it ran completed) instead of polling for "
+                                 "more: for a batch scheduler (`sbatch --wait`, deploy/slurm/layerbus.sbatch)")
+        add_cluster_options(parser)
+        add_weights(parser)
+        add_trace(parser)
+        add_metrics(parser)
+        parser.add_argument("--poll", metavar="SECONDS", type=float, default=2.0,
+                            help="how often to look for new jobs when idle (default: 2)")
+        parser.add_argument("--register-timeout", metavar="SECONDS", type=float, default=600.0,
+                            help="how long to wait for the stages to register (default: 600)")
+        parser.add_argument("--stage-exits", metavar="DIR", type=Path, default=None,
+                            help="a folder where the stages' launcher writes NAME.exit (\"NAME CODE [PID]\") for each "
+                                 "stage that ended and is not restarted, as deploy/slurm/layerbus.sbatch does: the "
+                                 "broker stops waiting for those, and exits at once, naming them, once every stage "
+                                 "has ended")
+        parser.add_argument("--chains", metavar="K", type=chains_count, default=1,
+                            help="form K chains of the N stages (the first N // K stages to register, and so on; one "
+                                 "more for the first N %% K chains), all registering at --bind-control: each chain is "
+                                 "a broker process of its own, and the chains serve the jobs side by side; auto: "
+                                 "profile the stages and let the planner group them (default: 1, one pipeline over "
+                                 "every stage)")
+        parser.add_argument("--chain-ports", metavar="PORT", type=positive_int, default=None,
+                            help="with --chains K: chain i's broker binds ports PORT + 2i (its stages' control) and "
+                                 "PORT + 2i + 1 (its results) on the hosts of --bind-control / --bind-results; "
+                                 "stages on other machines must reach them too (default: the --bind-control port + 2)")
+        # Set by the front door of --chains K on each chain's broker: brokers working the jobs beside it.
+        parser.add_argument("--peer-brokers", type=positive_int, default=1, help=argparse.SUPPRESS)
+        # ... and a file this broker creates once it listens, so the front door sends it its stages.
+        parser.add_argument("--ready-file", type=Path, default=None, help=argparse.SUPPRESS)
+        parser.add_argument("--chain-label", default=None, help=argparse.SUPPRESS)  # "chain 2": said in its messages
+        # ... and the front door's own bind, where this chain sends its surviving stages if it gives up.
+        parser.add_argument("--front-door", default=None, help=argparse.SUPPRESS)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -6,18 +6,16 @@ import argparse
 import sys
 
 from layerbus.cli.errors import EXIT_OK
-from layerbus.cli.options import add_db, add_verbose, open_store
+from layerbus.cli.options import add_db, command_parser, open_store
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("cancel", help="cancel a job (prints its new status)",
-                                   description="Cancel JOB: queued items become cancelled, items in flight "
-                                               "finish, completed outputs are kept. Prints the new status: "
-                                               "cancelling (items still in flight) or cancelled.")
-    parser.add_argument("job", metavar="JOB", help="job id (job_...)")
-    add_db(parser)
-    add_verbose(parser)
-    parser.set_defaults(handler=main)
+    with command_parser(subparsers, "cancel", main, help="cancel a job (prints its new status)",
+                        description="Cancel JOB: queued items become cancelled, items in flight "
+                                    "finish, completed outputs are kept. Prints the new status: "
+                                    "cancelling (items still in flight) or cancelled.") as parser:
+        parser.add_argument("job", metavar="JOB", help="job id (job_...)")
+        add_db(parser)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ import json
 from typing import TYPE_CHECKING
 
 from layerbus.cli.errors import EXIT_OK, EXIT_REGRESSION, UsageError
-from layerbus.cli.options import add_db, add_verbose, non_negative_float, open_store, positive_int
+from layerbus.cli.options import add_db, command_parser, non_negative_float, open_store, positive_int
 
 if TYPE_CHECKING:
     from layerbus.storage import EvalRun, JobStore
@@ -18,31 +18,31 @@ DEFAULT_BOOTSTRAP_ITERS = 10_000
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "compare", help="compare two eval runs document by document",
-        description="Compare the candidate run CAND with the base run BASE on the documents both scored: per task "
-                    "and metric the two values, the difference with its paired 95% interval, a p-value (McNemar "
-                    "for 0/1 metrics, paired bootstrap for perplexity and bits per byte), Holm's correction across "
-                    "the suite, a verdict, and the documents whose answer flipped. CAND defaults to the latest "
-                    "finished run (of --suite, or of BASE's suite); BASE to the run of CAND's suite before it.",
-        epilog="Exit codes: 0 compared (whatever the verdicts, unless --fail-on-regression), 2 the runs cannot be "
-               "compared as given (the message says why), 3 a metric is significantly worse and "
-               "--fail-on-regression was given.")
-    parser.add_argument("base", metavar="BASE", nargs="?", help="base run (job id; default: CAND's previous run)")
-    parser.add_argument("cand", metavar="CAND", nargs="?", help="candidate run (job id; default: the latest)")
-    parser.add_argument("--suite", metavar="NAME", default=None,
-                        help="take the runs from this suite (e.g. nightly); without it, the latest run of any suite")
-    parser.add_argument("--json", action="store_true", help="print the comparison as JSON, every flipped document")
-    parser.add_argument("--fail-on-regression", action="store_true",
-                        help="exit 3 when any metric is significantly worse after Holm's correction")
-    parser.add_argument("--min-effect", metavar="X", type=non_negative_float, default=0.0,
-                        help="a significant difference smaller than X (in the metric's units: 0.01 is one point of "
-                             "acc) is not called better or worse (default: 0)")
-    parser.add_argument("--bootstrap-iters", metavar="N", type=positive_int, default=DEFAULT_BOOTSTRAP_ITERS,
-                        help=f"paired bootstrap resamples for corpus metrics (default: {DEFAULT_BOOTSTRAP_ITERS})")
-    add_db(parser)
-    add_verbose(parser)
-    parser.set_defaults(handler=main)
+    with command_parser(subparsers, "compare", main, help="compare two eval runs document by document",
+                        description="Compare the candidate run CAND with the base run BASE on the documents both "
+                                    "scored: per task and metric the two values, the difference with its paired 95% "
+                                    "interval, a p-value (McNemar for 0/1 metrics, paired bootstrap for perplexity "
+                                    "and bits per byte), Holm's correction across the suite, a verdict, and the "
+                                    "documents whose answer flipped. CAND defaults to the latest finished run (of "
+                                    "--suite, or of BASE's suite); BASE to the run of CAND's suite before it.",
+                        epilog="Exit codes: 0 compared (whatever the verdicts, unless "
+                               "--fail-on-regression), 2 the runs cannot be compared as given (the message "
+                               "says why), 3 a metric is significantly worse and --fail-on-regression was "
+                               "given.") as parser:
+        parser.add_argument("base", metavar="BASE", nargs="?", help="base run (job id; default: CAND's previous run)")
+        parser.add_argument("cand", metavar="CAND", nargs="?", help="candidate run (job id; default: the latest)")
+        parser.add_argument("--suite", metavar="NAME", default=None,
+                            help="take the runs from this suite (e.g. nightly); without it, the latest run of any "
+                                 "suite")
+        parser.add_argument("--json", action="store_true", help="print the comparison as JSON, every flipped document")
+        parser.add_argument("--fail-on-regression", action="store_true",
+                            help="exit 3 when any metric is significantly worse after Holm's correction")
+        parser.add_argument("--min-effect", metavar="X", type=non_negative_float, default=0.0,
+                            help="a significant difference smaller than X (in the metric's units: 0.01 is one point of "
+                                 "acc) is not called better or worse (default: 0)")
+        parser.add_argument("--bootstrap-iters", metavar="N", type=positive_int, default=DEFAULT_BOOTSTRAP_ITERS,
+                            help=f"paired bootstrap resamples for corpus metrics (default: {DEFAULT_BOOTSTRAP_ITERS})")
+        add_db(parser)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from layerbus.cli.errors import EXIT_OK
-from layerbus.cli.options import add_db, add_verbose, open_store, positive_int
+from layerbus.cli.options import add_db, command_parser, open_store, positive_int
 
 if TYPE_CHECKING:
     from layerbus.evals.history_table import History, HistoryLine
@@ -26,20 +26,18 @@ FALLBACK_WIDTH = 120
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "history", help="a suite's metrics run after run",
-        description="Each finished run of SUITE, oldest first: date (UTC), job id, fingerprint, and per task and "
-                    "metric the value ± its standard error, with the change from the run before (* beyond 1.96 "
-                    "combined standard errors) and a trend line. `layerbus eval compare` tests two runs "
-                    "document by document.")
-    parser.add_argument("suite", metavar="SUITE", help="suite name (as in `layerbus eval run --suite NAME`)")
-    parser.add_argument("--metric", metavar="M", default=None, help="only this metric (e.g. acc, bits_per_byte)")
-    parser.add_argument("--limit", metavar="N", type=positive_int, default=DEFAULT_LIMIT,
-                        help=f"the last N runs (default: {DEFAULT_LIMIT})")
-    parser.add_argument("--json", action="store_true", help="print the runs and their metrics as JSON")
-    add_db(parser)
-    add_verbose(parser)
-    parser.set_defaults(handler=main)
+    with command_parser(subparsers, "history", main, help="a suite's metrics run after run",
+                        description="Each finished run of SUITE, oldest first: date (UTC), job id, "
+                                    "fingerprint, and per task and metric the value ± its standard error, "
+                                    "with the change from the run before (* beyond 1.96 combined standard "
+                                    "errors) and a trend line. `layerbus eval compare` tests two runs "
+                                    "document by document.") as parser:
+        parser.add_argument("suite", metavar="SUITE", help="suite name (as in `layerbus eval run --suite NAME`)")
+        parser.add_argument("--metric", metavar="M", default=None, help="only this metric (e.g. acc, bits_per_byte)")
+        parser.add_argument("--limit", metavar="N", type=positive_int, default=DEFAULT_LIMIT,
+                            help=f"the last N runs (default: {DEFAULT_LIMIT})")
+        parser.add_argument("--json", action="store_true", help="print the runs and their metrics as JSON")
+        add_db(parser)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -12,10 +12,10 @@ from pathlib import Path
 from layerbus.cli.errors import EXIT_FAILED, EXIT_OK, UsageError
 from layerbus.cli.options import (
     add_cluster_options,
-    add_weights,
     add_db,
     add_model,
-    add_verbose,
+    add_weights,
+    command_parser,
     model_for_stages,
     non_negative_int,
     open_store,
@@ -31,36 +31,34 @@ BUNDLED_SUITES = Path(__file__).resolve().parent.parent / "examples" / "evals"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "run", help="score tasks or a suite on local stages",
-        description="Queue every document of the tasks (task files, folders of .txt files, lm-eval task YAML) or "
-                    "of --suite as one job, run it on a broker here and N local stage processes, and print each "
-                    "task's metrics with standard errors. The run is resumable with --job and its metrics are "
-                    "stored for `layerbus eval compare` and `layerbus eval history`.")
-    parser.add_argument("tasks", metavar="TASK", nargs="*", help="task file (.jsonl, .parquet), folder of .txt "
-                        "files (bits per byte), or lm-eval task YAML")
-    parser.add_argument("--suite", metavar="NAME|FILE", default=None,
-                        help=f"a suite file (TOML), or the name of a bundled one ({', '.join(bundled_suites())})")
-    parser.add_argument("--job", metavar="JOB", default=None, help="resume or finalize this eval run")
-    add_model(parser, "Hugging Face model directory (default: SmolLM2-135M-Instruct, prepared on first use)")
-    parser.add_argument("--stages", metavar="N", type=positive_int, default=1, help="stage processes (default: 1)")
-    parser.add_argument("--threads-per-stage", metavar="N", type=non_negative_int, default=0,
-                        help="torch threads per stage (default: this machine's cores shared evenly)")
-    parser.add_argument("--limit", metavar="N", type=positive_int, default=None,
-                        help="score the first N documents of each task (a smoke run; results say so)")
-    parser.add_argument("--num-fewshot", metavar="K", type=non_negative_int, default=None,
-                        help="few-shot examples for task YAML (default: the suite's, else 0)")
-    parser.add_argument("--seed", metavar="S", type=seed, default=None,
-                        help="few-shot sampler seed (default: the suite's, else 1234 as lm-eval)")
-    parser.add_argument("--queue", action="store_true",
-                        help="only queue the run and print its job id, for a cluster started with run_cluster.sh "
-                             "to score; `layerbus eval run --job JOB` then reports it")
-    parser.add_argument("--json", action="store_true", help="print the outcome as JSON")
-    add_db(parser)
-    add_cluster_options(parser)
-    add_weights(parser)
-    add_verbose(parser)
-    parser.set_defaults(handler=main)
+    with command_parser(subparsers, "run", main, help="score tasks or a suite on local stages",
+                        description="Queue every document of the tasks (task files, folders of .txt files, "
+                                    "lm-eval task YAML) or of --suite as one job, run it on a broker here "
+                                    "and N local stage processes, and print each task's metrics with "
+                                    "standard errors. The run is resumable with --job and its metrics are "
+                                    "stored for `layerbus eval compare` and `layerbus eval history`.") as parser:
+        parser.add_argument("tasks", metavar="TASK", nargs="*", help="task file (.jsonl, .parquet), folder of .txt "
+                            "files (bits per byte), or lm-eval task YAML")
+        parser.add_argument("--suite", metavar="NAME|FILE", default=None,
+                            help=f"a suite file (TOML), or the name of a bundled one ({', '.join(bundled_suites())})")
+        parser.add_argument("--job", metavar="JOB", default=None, help="resume or finalize this eval run")
+        add_model(parser, "Hugging Face model directory (default: SmolLM2-135M-Instruct, prepared on first use)")
+        parser.add_argument("--stages", metavar="N", type=positive_int, default=1, help="stage processes (default: 1)")
+        parser.add_argument("--threads-per-stage", metavar="N", type=non_negative_int, default=0,
+                            help="torch threads per stage (default: this machine's cores shared evenly)")
+        parser.add_argument("--limit", metavar="N", type=positive_int, default=None,
+                            help="score the first N documents of each task (a smoke run; results say so)")
+        parser.add_argument("--num-fewshot", metavar="K", type=non_negative_int, default=None,
+                            help="few-shot examples for task YAML (default: the suite's, else 0)")
+        parser.add_argument("--seed", metavar="S", type=seed, default=None,
+                            help="few-shot sampler seed (default: the suite's, else 1234 as lm-eval)")
+        parser.add_argument("--queue", action="store_true",
+                            help="only queue the run and print its job id, for a cluster started with run_cluster.sh "
+                                 "to score; `layerbus eval run --job JOB` then reports it")
+        parser.add_argument("--json", action="store_true", help="print the outcome as JSON")
+        add_db(parser)
+        add_cluster_options(parser)
+        add_weights(parser)
 
 
 def bundled_suites() -> list[str]:

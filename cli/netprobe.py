@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from layerbus.cli.errors import EXIT_OK, RunFailed, UsageError
-from layerbus.cli.options import add_verbose, positive_float, positive_int
+from layerbus.cli.options import command_parser, positive_float, positive_int
 from layerbus.wire.codec_sizes import CODEC_ALIASES, CODEC_NAMES, codec_name, codec_part_bytes
 from layerbus.wire.link_cost import LinkCost, link_cost, mbit_per_s, micro_batches_in_flight, round_trips
 
@@ -31,43 +31,45 @@ FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "netprobe", help="measure round trips and bandwidth to another machine, and what they cost per token",
-        description="Measure the link to `layerbus netprobe serve` on another machine: round trips (min, median, "
-                    "p99), bandwidth for messages the size of one decode step of the model at this micro-batch and "
-                    "wire codec, what the link adds per token, and the micro-batches in flight a chain needs to "
-                    "hide it. `layerbus netprobe serve` answers probes; answers come back on a connection it opens "
-                    "to this machine, as a chain's last stage connects to the broker.")
-    parser.add_argument("target", metavar="serve|tcp://HOST:PORT",
-                        help="'serve' to answer probes here, or the address of a `layerbus netprobe serve` to probe")
-    parser.add_argument("--bind", metavar="ADDRESS", default=None,
-                        help=f"serve: where to listen (default: {DEFAULT_BIND}, this machine only; "
-                             "tcp://0.0.0.0:7690 for others, tcp://127.0.0.1:* for any free port)")
-    parser.add_argument("--model", metavar="DIR_OR_NAME", default=None,
-                        help="model whose hidden size sets the step size (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--micro-batch", metavar="N", type=positive_int, default=32,
-                        help="sequences per micro-batch: rows of one decode step (default: 32, the broker's)")
-    parser.add_argument("--codec", metavar="CODEC", nargs="+", type=_codec, default=["float32"],
-                        help=f"wire codecs to measure: {', '.join(CODEC_NAMES)} (or {', '.join(CODEC_ALIASES)}); "
-                             "several give one row each (default: float32)")
-    parser.add_argument("--dtype", choices=tuple(FLOAT_BYTES), default="float32",
-                        help="the stages' dtype: the float32 codec sends their values as they are (default: float32)")
-    parser.add_argument("--echoes", metavar="N", type=positive_int, default=200,
-                        help="round trips to time (default: 200)")
-    parser.add_argument("--seconds", metavar="S", type=positive_float, default=0.5,
-                        help="each bandwidth figure comes from a burst at least this long (default: 0.5)")
-    parser.add_argument("--step-ms", metavar="MS", type=positive_float, default=None,
-                        help="a stage's compute per decode step (`layerbus plan` shows it per stage), for the "
-                             "micro-batches in flight (default: not shown)")
-    parser.add_argument("--stages", metavar="N", type=positive_int, default=2,
-                        help="stages of the chain the micro-batches in flight are for (default: 2)")
-    parser.add_argument("--wait", metavar="S", type=positive_float, default=5.0,
-                        help="seconds to wait for the first answer, which opens the connections (default: 5)")
-    parser.add_argument("--reply-address", metavar="HOST", default=None,
-                        help="this machine's address as the peer reaches it (default: the one on the route to it)")
-    parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
-    add_verbose(parser)
-    parser.set_defaults(handler=main)
+    with command_parser(subparsers, "netprobe", main,
+                        help="measure round trips and bandwidth to another machine, and what they cost per token",
+                        description="Measure the link to `layerbus netprobe serve` on another machine: "
+                                    "round trips (min, median, p99), bandwidth for messages the size of "
+                                    "one decode step of the model at this micro-batch and wire codec, what "
+                                    "the link adds per token, and the micro-batches in flight a chain "
+                                    "needs to hide it. `layerbus netprobe serve` answers probes; answers "
+                                    "come back on a connection it opens to this machine, as a chain's last "
+                                    "stage connects to the broker.") as parser:
+        parser.add_argument("target", metavar="serve|tcp://HOST:PORT",
+                            help="'serve' to answer probes here, or the address of a `layerbus netprobe serve` to "
+                                 "probe")
+        parser.add_argument("--bind", metavar="ADDRESS", default=None,
+                            help=f"serve: where to listen (default: {DEFAULT_BIND}, this machine only; "
+                                 "tcp://0.0.0.0:7690 for others, tcp://127.0.0.1:* for any free port)")
+        parser.add_argument("--model", metavar="DIR_OR_NAME", default=None,
+                            help="model whose hidden size sets the step size (default: SmolLM2-135M-Instruct)")
+        parser.add_argument("--micro-batch", metavar="N", type=positive_int, default=32,
+                            help="sequences per micro-batch: rows of one decode step (default: 32, the broker's)")
+        parser.add_argument("--codec", metavar="CODEC", nargs="+", type=_codec, default=["float32"],
+                            help=f"wire codecs to measure: {', '.join(CODEC_NAMES)} (or {', '.join(CODEC_ALIASES)}); "
+                                 "several give one row each (default: float32)")
+        parser.add_argument("--dtype", choices=tuple(FLOAT_BYTES), default="float32",
+                            help="the stages' dtype: the float32 codec sends their values as they are (default: "
+                                 "float32)")
+        parser.add_argument("--echoes", metavar="N", type=positive_int, default=200,
+                            help="round trips to time (default: 200)")
+        parser.add_argument("--seconds", metavar="S", type=positive_float, default=0.5,
+                            help="each bandwidth figure comes from a burst at least this long (default: 0.5)")
+        parser.add_argument("--step-ms", metavar="MS", type=positive_float, default=None,
+                            help="a stage's compute per decode step (`layerbus plan` shows it per stage), for the "
+                                 "micro-batches in flight (default: not shown)")
+        parser.add_argument("--stages", metavar="N", type=positive_int, default=2,
+                            help="stages of the chain the micro-batches in flight are for (default: 2)")
+        parser.add_argument("--wait", metavar="S", type=positive_float, default=5.0,
+                            help="seconds to wait for the first answer, which opens the connections (default: 5)")
+        parser.add_argument("--reply-address", metavar="HOST", default=None,
+                            help="this machine's address as the peer reaches it (default: the one on the route to it)")
+        parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
 
 
 def _codec(text: str) -> str:

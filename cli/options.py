@@ -1,11 +1,16 @@
-"""Options several subcommands share, and the few steps they share: opening the store, finding the model."""
+"""Options several subcommands share, and the few steps they share: opening a subcommand's parser, opening the
+store, finding the model."""
 
 from __future__ import annotations
 
 import argparse
+import functools
+import math
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from layerbus.cli.errors import UsageError
 
@@ -16,47 +21,61 @@ if TYPE_CHECKING:
 TASKS = ("summarize", "translate", "generate")  # as jobs.tasks.TASKS, without importing it for --help
 
 
+def must_be(wanted: str, accepts: Callable[[Any], bool]):
+    """An argparse type from a conversion: a converted value that `accepts` refuses is a usage error,
+    "must be `wanted`, got TEXT". The conversion keeps its name, which argparse says when it fails."""
+    def checked_type(convert: Callable[[str], Any]) -> Callable[[str], Any]:
+        @functools.wraps(convert)
+        def checked(text: str) -> Any:
+            value = convert(text)
+            if not accepts(value):
+                raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
+            return value
+        return checked
+    return checked_type
+
+
+@must_be("a positive integer", lambda value: value >= 1)
 def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
+    return int(text)
 
 
+@must_be("an integer >= 0", lambda value: value >= 0)
 def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
-    return value
+    return int(text)
 
 
+@must_be("a number >= 0", lambda value: value >= 0)  # NaN too is refused
 def non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
-    return value
+    return float(text)
 
 
+@must_be("a number > 0", lambda value: 0 < value < math.inf)
 def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
-    return value
+    return float(text)
 
 
+@must_be("an integer in [0, 2**63)", lambda value: 0 <= value < 2**63)
 def seed(text: str) -> int:
-    value = int(text)
-    if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**63), got {text}")
-    return value
+    return int(text)
 
 
+@must_be("an integer from 1 to 128 (samples per item)", lambda value: 1 <= value <= 128)
 def sample_count(text: str) -> int:
     """--n: samples per item, 1 to 128 (as jobs.item_checks.MAX_SAMPLES, without importing it for --help)."""
-    value = int(text)
-    if not 1 <= value <= 128:
-        raise argparse.ArgumentTypeError(f"must be an integer from 1 to 128 (samples per item), got {text}")
-    return value
+    return int(text)
+
+
+@contextmanager
+def command_parser(subparsers: argparse._SubParsersAction, name: str, handler: Callable[[argparse.Namespace], int],
+                   *, help: str, description: str, epilog: str | None = None) -> Iterator[argparse.ArgumentParser]:
+    """A subcommand's parser: opened with its line in the list of commands and its description, its own
+    options added in the `with` block, then -v, which ends every command's options, and the handler
+    that runs the command."""
+    parser = subparsers.add_parser(name, help=help, description=description, epilog=epilog)
+    yield parser
+    add_verbose(parser)
+    parser.set_defaults(handler=handler)
 
 
 def add_verbose(parser: argparse.ArgumentParser) -> None:
@@ -311,6 +330,19 @@ def leases_from_args(args: argparse.Namespace):
         return LeaseConfig(lease_s=args.lease)
     except ValueError as error:
         raise UsageError(f"--lease {args.lease}: {error}; use a few seconds or more, e.g. the default 60") from None
+
+
+def checked_stage_flag(option: str, text: str) -> tuple[str, str]:
+    """(`option`, `text`) for a local stage's command line, `text` checked as the stage checks it
+    (--emulate-speed, --memory-budget): a usage error now, not a stage that fails to start."""
+    from layerbus.stages.__main__ import byte_size, speed_fraction
+
+    check = {"--emulate-speed": speed_fraction, "--memory-budget": byte_size}[option]
+    try:
+        check(text)
+    except argparse.ArgumentTypeError as error:
+        raise UsageError(f"{option}: {error}") from None
+    return option, text
 
 
 def open_store(url: str | None) -> JobStore:

@@ -12,9 +12,10 @@ from layerbus.cli.errors import EXIT_OK, UsageError
 from layerbus.cli.options import (
     add_cluster_options,
     add_model,
-    add_verbose,
     add_weights,
     batching_from_args,
+    checked_stage_flag,
+    command_parser,
     non_negative_float,
     non_negative_int,
     positive_int,
@@ -23,43 +24,41 @@ from layerbus.cli.options import (
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "plan", help="show how the model's layers would be placed on a cluster",
-        description="Plan the placement of the model's layers: per stage its layers, weight and KV bytes and "
-                    "predicted ms per step; the predicted tokens/s and bubble, beside the equal split's. For a "
-                    "cluster described in a file (--cluster, JSON or TOML, see the README) or for N local stages "
-                    "that profile themselves (--stages N).")
-    add_model(parser, "Hugging Face model directory (default: SmolLM2-135M-Instruct)")
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--cluster", metavar="FILE", help="cluster description (.json or .toml)")
-    source.add_argument("--stages", metavar="N", type=positive_int, help="start N local stages and profile them")
-    parser.add_argument("--threads-per-stage", metavar="N", type=non_negative_int, default=0,
-                        help="local stages: torch threads each (default: the cores shared evenly)")
-    parser.add_argument("--emulate-speed", metavar="F", nargs="+", default=[],
-                        help="local stages: emulated speed of stage 0, 1, ... (0 < F <= 1; missing = 1)")
-    parser.add_argument("--memory-budget", metavar="SIZE", nargs="+", default=[],
-                        help="local stages: memory budget of stage 0, 1, ..., each its whole memory, runtime included "
-                             "(300MB, 1.5GiB; '-' = free memory)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="the stages' dtype (default: float32)")
-    parser.add_argument("--prompt-ratio", metavar="R", type=non_negative_float, default=1.0,
-                        help="prompt tokens per generated token in the workload (default: 1)")
-    parser.add_argument("--keep-order", action="store_true", help="keep the stages in the given order")
-    parser.add_argument("--keep-all", action="store_true", help="give every stage layers, even a slow one")
-    parser.add_argument("--chains", metavar="K", type=non_negative_int, default=0,
-                        help="chains the stages form, each holding the whole model and working the job beside the "
-                             "others (default: 0 = the number predicted fastest, shown beside one chain of all)")
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    parser.add_argument("--explain", action="store_true",
-                        help="show per stage why it does not use all its memory (weights, KV, workspace, reserve), "
-                             "and the chain's hosts and the links it crosses")
-    parser.add_argument("--quality", metavar="FILE", type=Path, default=None,
-                        help="a `layerbus quality --json` report of this model: --explain and --json then give each "
-                             "quantized stage's cost in quality from it (default: SmolLM2-135M's, built in)")
-    add_cluster_options(parser, partition=False)
-    add_weights(parser, stage_files=True)
-    add_verbose(parser)
-    parser.set_defaults(handler=main)
+    with command_parser(subparsers, "plan", main, help="show how the model's layers would be placed on a cluster",
+                        description="Plan the placement of the model's layers: per stage its layers, "
+                                    "weight and KV bytes and predicted ms per step; the predicted tokens/s "
+                                    "and bubble, beside the equal split's. For a cluster described in a "
+                                    "file (--cluster, JSON or TOML, see the README) or for N local stages "
+                                    "that profile themselves (--stages N).") as parser:
+        add_model(parser, "Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+        source = parser.add_mutually_exclusive_group(required=True)
+        source.add_argument("--cluster", metavar="FILE", help="cluster description (.json or .toml)")
+        source.add_argument("--stages", metavar="N", type=positive_int, help="start N local stages and profile them")
+        parser.add_argument("--threads-per-stage", metavar="N", type=non_negative_int, default=0,
+                            help="local stages: torch threads each (default: the cores shared evenly)")
+        parser.add_argument("--emulate-speed", metavar="F", nargs="+", default=[],
+                            help="local stages: emulated speed of stage 0, 1, ... (0 < F <= 1; missing = 1)")
+        parser.add_argument("--memory-budget", metavar="SIZE", nargs="+", default=[],
+                            help="local stages: memory budget of stage 0, 1, ..., each its whole memory, runtime "
+                                 "included (300MB, 1.5GiB; '-' = free memory)")
+        parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                            help="the stages' dtype (default: float32)")
+        parser.add_argument("--prompt-ratio", metavar="R", type=non_negative_float, default=1.0,
+                            help="prompt tokens per generated token in the workload (default: 1)")
+        parser.add_argument("--keep-order", action="store_true", help="keep the stages in the given order")
+        parser.add_argument("--keep-all", action="store_true", help="give every stage layers, even a slow one")
+        parser.add_argument("--chains", metavar="K", type=non_negative_int, default=0,
+                            help="chains the stages form, each holding the whole model and working the job beside the "
+                                 "others (default: 0 = the number predicted fastest, shown beside one chain of all)")
+        parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+        parser.add_argument("--explain", action="store_true",
+                            help="show per stage why it does not use all its memory (weights, KV, workspace, reserve), "
+                                 "and the chain's hosts and the links it crosses")
+        parser.add_argument("--quality", metavar="FILE", type=Path, default=None,
+                            help="a `layerbus quality --json` report of this model: --explain and --json then give "
+                                 "each quantized stage's cost in quality from it (default: SmolLM2-135M's, built in)")
+        add_cluster_options(parser, partition=False)
+        add_weights(parser, stage_files=True)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -171,7 +170,6 @@ def _count_stages(path: str) -> int:
 def _local_profiles(model_dir, memory, batching, args):
     from layerbus.broker.broker import BrokerConfig
     from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions
-    from layerbus.planner.placement import Shapes
     from layerbus.broker.profiling import collect_profiles
 
     if len(args.emulate_speed) > args.stages or len(args.memory_budget) > args.stages:
@@ -180,9 +178,9 @@ def _local_profiles(model_dir, memory, batching, args):
     for i in range(args.stages):
         extra = ["--dtype", args.dtype]
         if i < len(args.emulate_speed):
-            extra += ["--emulate-speed", _check_speed(args.emulate_speed[i])]
+            extra += checked_stage_flag("--emulate-speed", args.emulate_speed[i])
         if i < len(args.memory_budget) and args.memory_budget[i] != "-":
-            extra += ["--memory-budget", check_size(args.memory_budget[i])]
+            extra += checked_stage_flag("--memory-budget", args.memory_budget[i])
         stage_args.append(tuple(extra))
     config = BrokerConfig(str(model_dir), args.stages, batching=batching)
     cluster = LocalCluster(config, LocalStageOptions(threads_per_stage=args.threads_per_stage,
@@ -200,23 +198,3 @@ def _local_profiles(model_dir, memory, batching, args):
         return profiles, broker.link_matrix(stages)
     finally:
         cluster.close()
-
-
-def _check_speed(text: str) -> str:
-    from layerbus.stages.__main__ import speed_fraction
-
-    try:
-        speed_fraction(text)
-    except argparse.ArgumentTypeError as error:
-        raise UsageError(f"--emulate-speed: {error}") from None
-    return text
-
-
-def check_size(text: str) -> str:
-    from layerbus.stages.__main__ import byte_size
-
-    try:
-        byte_size(text)
-    except argparse.ArgumentTypeError as error:
-        raise UsageError(f"--memory-budget: {error}") from None
-    return text

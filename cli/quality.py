@@ -10,37 +10,36 @@ import sys
 from pathlib import Path
 
 from layerbus.cli.errors import EXIT_OK, UsageError
-from layerbus.cli.options import add_model, add_verbose, non_negative_int, positive_int, resolve_model
+from layerbus.cli.options import add_model, command_parser, non_negative_int, positive_int, resolve_model
 
 FORMATS = ("fp32", "bf16", "fp16", "int8", "int4", "native")
 WIRES = ("float32", "float16", "bfloat16", "int8", "int4")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "quality", help="measure what each weight format and wire codec costs in quality",
-        description="Teacher-forced over CORPUS, the model split at the cuts of a plan, once per weight format "
-                    "(loaded as a stage loads it) and wire codec (round-tripping the hidden states at every cut); "
-                    "each pair against float32 weights on the float32 wire: mean KL divergence, same top token, "
-                    "top-5 overlap, perplexity change.")
-    parser.add_argument("corpus", metavar="CORPUS", nargs="?", type=Path, default=None,
-                        help="a folder of .txt documents (rendered as summarize prompts) or a plain-text file "
-                             "(default: the bundled sample corpus)")
-    add_model(parser, "Hugging Face model directory (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--weights", metavar="F[,F...]", default=",".join(FORMATS),
-                        help=f"weight formats to measure (default: {','.join(FORMATS)})")
-    parser.add_argument("--wire", metavar="C[,C...]", default=",".join(WIRES),
-                        help=f"wire codecs to measure (default: {','.join(WIRES)})")
-    parser.add_argument("--cuts", metavar="L[,L...]", default=None,
-                        help="layer indices where one stage hands over to the next (default: the balanced plan's "
-                             "for --stages)")
-    parser.add_argument("--stages", metavar="N", type=positive_int, default=3,
-                        help="plan whose boundaries are the default cuts (default: 3)")
-    parser.add_argument("--documents", metavar="N", type=non_negative_int, default=0,
-                        help="score only the first N documents (default: 0 = all)")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    add_verbose(parser)
-    parser.set_defaults(handler=main)
+    with command_parser(subparsers, "quality", main,
+                        help="measure what each weight format and wire codec costs in quality",
+                        description="Teacher-forced over CORPUS, the model split at the cuts of a plan, "
+                                    "once per weight format (loaded as a stage loads it) and wire codec "
+                                    "(round-tripping the hidden states at every cut); each pair against "
+                                    "float32 weights on the float32 wire: mean KL divergence, same top "
+                                    "token, top-5 overlap, perplexity change.") as parser:
+        parser.add_argument("corpus", metavar="CORPUS", nargs="?", type=Path, default=None,
+                            help="a folder of .txt documents (rendered as summarize prompts) or a plain-text file "
+                                 "(default: the bundled sample corpus)")
+        add_model(parser, "Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+        parser.add_argument("--weights", metavar="F[,F...]", default=",".join(FORMATS),
+                            help=f"weight formats to measure (default: {','.join(FORMATS)})")
+        parser.add_argument("--wire", metavar="C[,C...]", default=",".join(WIRES),
+                            help=f"wire codecs to measure (default: {','.join(WIRES)})")
+        parser.add_argument("--cuts", metavar="L[,L...]", default=None,
+                            help="layer indices where one stage hands over to the next (default: the balanced plan's "
+                                 "for --stages)")
+        parser.add_argument("--stages", metavar="N", type=positive_int, default=3,
+                            help="plan whose boundaries are the default cuts (default: 3)")
+        parser.add_argument("--documents", metavar="N", type=non_negative_int, default=0,
+                            help="score only the first N documents (default: 0 = all)")
+        parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
 def main(args: argparse.Namespace) -> int:

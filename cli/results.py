@@ -11,7 +11,7 @@ from pathlib import Path, PurePath
 from typing import TYPE_CHECKING
 
 from layerbus.cli.errors import EXIT_OK, RunFailed, UsageError
-from layerbus.cli.options import add_db, add_verbose, non_negative_int, open_store
+from layerbus.cli.options import add_db, command_parser, non_negative_int, open_store
 
 if TYPE_CHECKING:
     from layerbus.storage import JobStatus
@@ -21,22 +21,21 @@ HEAD_COLUMNS = ("custom_id", "status", "finish_reason", "completion_tokens", "ou
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("results", help="print the path of a job's Parquet results",
-                                   description="Print the path of JOB's Parquet file (one row per custom_id); "
-                                               "with --head N, also its first N rows. With --format openai, "
-                                               "write the job's OpenAI Batch output and error JSONL instead.")
-    parser.add_argument("job", metavar="JOB", help="job id (job_...)")
-    parser.add_argument("--head", metavar="N", type=non_negative_int, default=0, help="show the first N rows")
-    parser.add_argument("--format", choices=("parquet", "openai"), default="parquet",
-                        help="parquet (default): print the Parquet file's path; openai: write the OpenAI Batch "
-                             "output JSONL (completed items) and error JSONL (failed and cancelled items)")
-    parser.add_argument("--output", metavar="FILE", default="-",
-                        help="with --format openai: where the output JSONL goes (default: standard output)")
-    parser.add_argument("--errors", metavar="FILE", default=None,
-                        help="with --format openai: where the error JSONL goes (default: not written, only counted)")
-    add_db(parser)
-    add_verbose(parser)
-    parser.set_defaults(handler=main)
+    with command_parser(subparsers, "results", main, help="print the path of a job's Parquet results",
+                        description="Print the path of JOB's Parquet file (one row per custom_id); "
+                                    "with --head N, also its first N rows. With --format openai, "
+                                    "write the job's OpenAI Batch output and error JSONL instead.") as parser:
+        parser.add_argument("job", metavar="JOB", help="job id (job_...)")
+        parser.add_argument("--head", metavar="N", type=non_negative_int, default=0, help="show the first N rows")
+        parser.add_argument("--format", choices=("parquet", "openai"), default="parquet",
+                            help="parquet (default): print the Parquet file's path; openai: write the OpenAI Batch "
+                                 "output JSONL (completed items) and error JSONL (failed and cancelled items)")
+        parser.add_argument("--output", metavar="FILE", default="-",
+                            help="with --format openai: where the output JSONL goes (default: standard output)")
+        parser.add_argument("--errors", metavar="FILE", default=None,
+                            help="with --format openai: where the error JSONL goes (default: not written, only "
+                                 "counted)")
+        add_db(parser)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -12,24 +12,25 @@ from layerbus.cli.errors import EXIT_FAILED, EXIT_OK, RunFailed, UsageError
 from layerbus.cli.options import (
     AUTO_CHAINS,
     add_cluster_options,
-    add_metrics,
-    add_weights,
-    add_trace,
-    batching_from_args,
     add_job_options,
-    add_verbose,
+    add_metrics,
+    add_trace,
+    add_weights,
+    batching_from_args,
     chains_count,
-    model_for_stages,
+    checked_stage_flag,
+    command_parser,
+    leases_from_args,
     link_probe_from_args,
-    wire_from_args,
+    model_for_stages,
     non_negative_int,
     open_store,
-    leases_from_args,
     pipeline_from_args,
     positive_int,
     report_trace,
     results_dir,
     start_metrics,
+    wire_from_args,
 )
 from layerbus.launch.signals import Interrupted, stop_on_signals
 from layerbus.cli.status import job_report
@@ -43,37 +44,35 @@ if TYPE_CHECKING:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("run", help="submit and run a job on local stage processes",
-                                   description="Submit INPUT as a job (or resume --job JOB) and run it on a broker "
-                                               "in this process and N stage processes on this machine (with --chains "
-                                               "K: K chains of them, each with a broker process of its own). Ctrl-C "
-                                               "stops cleanly; `layerbus run --job JOB` resumes.")
-    parser.add_argument("input", metavar="INPUT", nargs="?", help="as for `layerbus submit` (omit with --job)")
-    parser.add_argument("--job", metavar="JOB", default=None, help="run (or resume) this queued or interrupted job")
-    add_job_options(parser)
-    parser.add_argument("--stages", metavar="N", type=positive_int, default=3, help="stage processes (default: 3)")
-    parser.add_argument("--chains", metavar="K", type=chains_count, default=1,
-                        help="pipelines working the job side by side: the N stages are dealt into K chains in order "
-                             "(N/K stages each, the first chains take the remainder), each driven by a broker process "
-                             "of its own; items are leased, so each is done once, and a chain that loses a stage "
-                             "re-plans or leaves its items to the others. Each chain's broker logs to "
-                             "chain-1.log, chain-2.log, ... beside the stage logs. 1 to N, or 'auto': the stages "
-                             "are profiled first and the planner chooses K and each chain's size, as `layerbus plan "
-                             "--stages N` shows (default: 1: one chain of all N stages)")
-    parser.add_argument("--threads-per-stage", metavar="N", type=non_negative_int, default=0,
-                        help="torch threads per stage (default: this machine's cores shared evenly)")
-    add_cluster_options(parser)
-    add_weights(parser)
-    parser.add_argument("--memory-budget", metavar="SIZE", nargs="+", default=[],
-                        help="memory budget of the local stages, each its whole resident memory, runtime included "
-                             "(300MB, 1.5GiB): one SIZE for every stage, or one per stage ('-' = free memory); "
-                             "with --chains, the i-th SIZE is stage-i's in whichever chain it lands (chain 1 holds "
-                             "stages 0 to N/K-1, and so on); with --weights auto the planner quantizes a stage's "
-                             "span only where full precision does not fit")
-    add_trace(parser)
-    add_metrics(parser)
-    add_verbose(parser)
-    parser.set_defaults(handler=main)
+    with command_parser(subparsers, "run", main, help="submit and run a job on local stage processes",
+                        description="Submit INPUT as a job (or resume --job JOB) and run it on a broker "
+                                    "in this process and N stage processes on this machine (with --chains "
+                                    "K: K chains of them, each with a broker process of its own). Ctrl-C "
+                                    "stops cleanly; `layerbus run --job JOB` resumes.") as parser:
+        parser.add_argument("input", metavar="INPUT", nargs="?", help="as for `layerbus submit` (omit with --job)")
+        parser.add_argument("--job", metavar="JOB", default=None, help="run (or resume) this queued or interrupted job")
+        add_job_options(parser)
+        parser.add_argument("--stages", metavar="N", type=positive_int, default=3, help="stage processes (default: 3)")
+        parser.add_argument("--chains", metavar="K", type=chains_count, default=1,
+                            help="pipelines working the job side by side: the N stages are dealt into K chains in "
+                                 "order (N/K stages each, the first chains take the remainder), each driven by a "
+                                 "broker process of its own; items are leased, so each is done once, and a chain that "
+                                 "loses a stage re-plans or leaves its items to the others. Each chain's broker logs "
+                                 "to chain-1.log, chain-2.log, ... beside the stage logs. 1 to N, or 'auto': the "
+                                 "stages are profiled first and the planner chooses K and each chain's size, as "
+                                 "`layerbus plan --stages N` shows (default: 1: one chain of all N stages)")
+        parser.add_argument("--threads-per-stage", metavar="N", type=non_negative_int, default=0,
+                            help="torch threads per stage (default: this machine's cores shared evenly)")
+        add_cluster_options(parser)
+        add_weights(parser)
+        parser.add_argument("--memory-budget", metavar="SIZE", nargs="+", default=[],
+                            help="memory budget of the local stages, each its whole resident memory, runtime included "
+                                 "(300MB, 1.5GiB): one SIZE for every stage, or one per stage ('-' = free memory); "
+                                 "with --chains, the i-th SIZE is stage-i's in whichever chain it lands (chain 1 holds "
+                                 "stages 0 to N/K-1, and so on); with --weights auto the planner quantizes a stage's "
+                                 "span only where full precision does not fit")
+        add_trace(parser)
+        add_metrics(parser)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -257,8 +256,6 @@ def _run_chains(job_id: str, chains: list, config: BrokerConfig, options: LocalS
 def stage_budgets(args: argparse.Namespace) -> tuple[tuple[str, ...], ...]:
     """Each local stage's `--memory-budget SIZE` arguments from `run --memory-budget` (one size for all,
     or one per stage; '-' leaves a stage on its free memory)."""
-    from layerbus.cli.plan import check_size
-
     sizes = list(getattr(args, "memory_budget", None) or [])  # `eval run` shares run_locally and has none
     if not sizes:
         return ()
@@ -266,4 +263,4 @@ def stage_budgets(args: argparse.Namespace) -> tuple[tuple[str, ...], ...]:
         raise UsageError(f"--memory-budget takes one SIZE for every stage or one per stage (--stages {args.stages}), "
                          f"got {len(sizes)}")
     sizes = sizes * args.stages if len(sizes) == 1 else sizes
-    return tuple(() if size == "-" else ("--memory-budget", check_size(size)) for size in sizes)
+    return tuple(() if size == "-" else checked_stage_flag("--memory-budget", size) for size in sizes)

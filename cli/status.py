@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from layerbus.cli.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
-from layerbus.cli.options import add_db, add_verbose, open_store, positive_int
+from layerbus.cli.options import add_db, command_parser, open_store, positive_int
 from layerbus.storage.states import FINAL_JOB_STATES
 
 if TYPE_CHECKING:
@@ -21,21 +21,20 @@ WATCH_INTERVAL_S = 2.0
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("status", help="show recent jobs, or one job's progress",
-                                   description="Without JOB: a table of recent jobs. With JOB: counts by state, "
-                                               "tokens, tokens/s, ETA, timestamps, the results path, the "
-                                               "brokers working it (host, chain, items done, tokens/s, last "
-                                               "lease renewal) and the job's events (stages lost, re-plans, "
-                                               "recoveries and how long they took).")
-    parser.add_argument("job", metavar="JOB", nargs="?", help="job id (job_...)")
-    parser.add_argument("--json", action="store_true", help="print JSON (one object per refresh with --watch)")
-    parser.add_argument("--watch", action="store_true",
-                        help=f"refresh every {WATCH_INTERVAL_S:.0f} s until the job (default: the latest) is "
-                             "finished; exit 0 if it completed, 1 otherwise")
-    parser.add_argument("--limit", metavar="N", type=positive_int, default=20, help="jobs in the table (default: 20)")
-    add_db(parser)
-    add_verbose(parser)
-    parser.set_defaults(handler=main)
+    with command_parser(subparsers, "status", main, help="show recent jobs, or one job's progress",
+                        description="Without JOB: a table of recent jobs. With JOB: counts by state, "
+                                    "tokens, tokens/s, ETA, timestamps, the results path, the "
+                                    "brokers working it (host, chain, items done, tokens/s, last "
+                                    "lease renewal) and the job's events (stages lost, re-plans, "
+                                    "recoveries and how long they took).") as parser:
+        parser.add_argument("job", metavar="JOB", nargs="?", help="job id (job_...)")
+        parser.add_argument("--json", action="store_true", help="print JSON (one object per refresh with --watch)")
+        parser.add_argument("--watch", action="store_true",
+                            help=f"refresh every {WATCH_INTERVAL_S:.0f} s until the job (default: the latest) is "
+                                 "finished; exit 0 if it completed, 1 otherwise")
+        parser.add_argument("--limit", metavar="N", type=positive_int, default=20, help="jobs in the table (default: "
+                                                                                        "20)")
+        add_db(parser)
 
 
 def main(args: argparse.Namespace) -> int:

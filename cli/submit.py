@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from layerbus.cli.errors import EXIT_OK, UsageError
-from layerbus.cli.options import add_job_options, add_verbose, open_store, resolve_model
+from layerbus.cli.options import add_job_options, command_parser, open_store, resolve_model
 
 if TYPE_CHECKING:
     from layerbus.jobs.prompts import PromptRenderer
@@ -20,13 +20,11 @@ if TYPE_CHECKING:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("submit", help="queue a job (prints its id)",
-                                   description="Check INPUT, render its prompts and queue a job. Prints the job id "
-                                               "on stdout; run it with `layerbus broker` or `layerbus run --job`.")
-    parser.add_argument("input", metavar="INPUT", help=".jsonl/.json, .csv, .parquet, or a folder of .txt files")
-    add_job_options(parser)
-    add_verbose(parser)
-    parser.set_defaults(handler=main)
+    with command_parser(subparsers, "submit", main, help="queue a job (prints its id)",
+                        description="Check INPUT, render its prompts and queue a job. Prints the job id "
+                                    "on stdout; run it with `layerbus broker` or `layerbus run --job`.") as parser:
+        parser.add_argument("input", metavar="INPUT", help=".jsonl/.json, .csv, .parquet, or a folder of .txt files")
+        add_job_options(parser)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
 from layerbus.cli.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, UsageError
-from layerbus.cli.options import add_db, add_verbose, open_store, positive_float
+from layerbus.cli.options import add_db, command_parser, open_store, positive_float
 from layerbus.cli.top_frame import DEFAULT_STALE_AFTER_S, top_frame
 from layerbus.storage.states import FINAL_JOB_STATES
 
@@ -32,24 +32,25 @@ _HOME, _CLEAR_LINE, _CLEAR_BELOW = "\x1b[H", "\x1b[K", "\x1b[J"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "top", help="watch a job's stages as they work (host, layers, busy %%, step time, memory, links)",
-        description="A job's progress and ETA, and for each stage its host, layer span, weight format, wire codec, "
-                    "state, busy %%, step time, steps, memory against its budget, link MB/s and seconds since its "
-                    "broker last heard from it, refreshed in place; q or Ctrl-C quits. Read from the store, where "
-                    "the broker writes a snapshot of its stages every few seconds: works from any machine that "
-                    "reaches the store. Not on a terminal, it prints a frame per refresh until the job ends.")
-    parser.add_argument("job", metavar="JOB", nargs="?",
-                        help="job id (default: the newest running job, followed as jobs start; else the newest job)")
-    parser.add_argument("--once", action="store_true", help="print one frame and exit")
-    parser.add_argument("--interval", metavar="S", type=positive_float, default=REFRESH_S,
-                        help=f"seconds between refreshes (default: {REFRESH_S:g})")
-    parser.add_argument("--stale-after", metavar="S", type=positive_float, default=DEFAULT_STALE_AFTER_S,
-                        help="show a broker's stages as stale when its snapshot is older than this "
-                             f"(default: {DEFAULT_STALE_AFTER_S:g} s)")
-    add_db(parser)
-    add_verbose(parser)
-    parser.set_defaults(handler=main)
+    with command_parser(subparsers, "top", main,
+                        help="watch a job's stages as they work (host, layers, busy %%, step time, memory, links)",
+                        description="A job's progress and ETA, and for each stage its host, layer span, "
+                                    "weight format, wire codec, state, busy %%, step time, steps, memory "
+                                    "against its budget, link MB/s and seconds since its broker last heard "
+                                    "from it, refreshed in place; q or Ctrl-C quits. Read from the store, "
+                                    "where the broker writes a snapshot of its stages every few seconds: "
+                                    "works from any machine that reaches the store. Not on a terminal, it "
+                                    "prints a frame per refresh until the job ends.") as parser:
+        parser.add_argument("job", metavar="JOB", nargs="?",
+                            help="job id (default: the newest running job, followed as jobs start; else the newest "
+                                 "job)")
+        parser.add_argument("--once", action="store_true", help="print one frame and exit")
+        parser.add_argument("--interval", metavar="S", type=positive_float, default=REFRESH_S,
+                            help=f"seconds between refreshes (default: {REFRESH_S:g})")
+        parser.add_argument("--stale-after", metavar="S", type=positive_float, default=DEFAULT_STALE_AFTER_S,
+                            help="show a broker's stages as stale when its snapshot is older than this "
+                                 f"(default: {DEFAULT_STALE_AFTER_S:g} s)")
+        add_db(parser)
 
 
 def main(args: argparse.Namespace) -> int:

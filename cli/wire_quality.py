@@ -10,35 +10,33 @@ import sys
 from pathlib import Path
 
 from layerbus.cli.errors import EXIT_OK, UsageError
-from layerbus.cli.options import add_model, add_verbose, non_negative_int, positive_int, resolve_model
+from layerbus.cli.options import add_model, command_parser, non_negative_int, positive_int, resolve_model
 
 CODECS = ("float16", "bfloat16", "int8", "int4")  # each against float32, the reference
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("wire-quality", help="measure what each wire codec costs in quality",
-                                   description="Teacher-forced over a corpus, the model split at the cuts of a plan, "
-                                               "each codec round-trips the hidden states at every cut; compared with "
-                                               "the float32 wire on the same prompts: mean KL divergence, same top "
-                                               "token %%, perplexity change.")
-    add_model(parser, "Hugging Face model directory (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--corpus", metavar="PATH", type=Path, default=None,
-                        help="a folder of .txt documents (rendered as summarize prompts) or a plain-text file "
-                             "(default: the bundled sample corpus as summarize prompts)")
-    parser.add_argument("--cuts", metavar="L[,L...]", default=None,
-                        help="layer indices where one stage hands over to the next (default: every boundary of "
-                             "the balanced plan for --stages)")
-    parser.add_argument("--stages", metavar="N", type=positive_int, default=3,
-                        help="plan whose boundaries are the default cuts (default: 3)")
-    parser.add_argument("--codecs", metavar="C[,C...]", default=",".join(CODECS),
-                        help=f"codecs to measure (default: {','.join(CODECS)})")
-    parser.add_argument("--documents", metavar="N", type=non_negative_int, default=0,
-                        help="score only the first N documents (default: 0 = all)")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--save", action="store_true",
-                        help="also save the table where `--wire auto` looks for this model's")
-    add_verbose(parser)
-    parser.set_defaults(handler=main)
+    with command_parser(subparsers, "wire-quality", main, help="measure what each wire codec costs in quality",
+                        description="Teacher-forced over a corpus, the model split at the cuts of a plan, "
+                                    "each codec round-trips the hidden states at every cut; compared with "
+                                    "the float32 wire on the same prompts: mean KL divergence, same top "
+                                    "token %%, perplexity change.") as parser:
+        add_model(parser, "Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+        parser.add_argument("--corpus", metavar="PATH", type=Path, default=None,
+                            help="a folder of .txt documents (rendered as summarize prompts) or a plain-text file "
+                                 "(default: the bundled sample corpus as summarize prompts)")
+        parser.add_argument("--cuts", metavar="L[,L...]", default=None,
+                            help="layer indices where one stage hands over to the next (default: every boundary of "
+                                 "the balanced plan for --stages)")
+        parser.add_argument("--stages", metavar="N", type=positive_int, default=3,
+                            help="plan whose boundaries are the default cuts (default: 3)")
+        parser.add_argument("--codecs", metavar="C[,C...]", default=",".join(CODECS),
+                            help=f"codecs to measure (default: {','.join(CODECS)})")
+        parser.add_argument("--documents", metavar="N", type=non_negative_int, default=0,
+                            help="score only the first N documents (default: 0 = all)")
+        parser.add_argument("--json", action="store_true", help="print the report as JSON")
+        parser.add_argument("--save", action="store_true",
+                            help="also save the table where `--wire auto` looks for this model's")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ cost per step on each of its stages and a round trip through all of them, so few
 waste less; but every chain must hold the whole model (weights and KV cache) within its stages'
 memory. Each grouping of the pool is priced with the placement planner (planner.placement), one chain
 at a time, with the other chains' stages as its neighbours: on one machine CPU stages of different
-chains compete for the same cores as a chain's own stages do (placement.window_s), so two chains on
+chains compete for the same cores as a chain's own stages do (planner.window_pricing), so two chains on
 two cores are predicted as what they are, not as two machines.
 
 The grouping predicted to generate the most tokens/s in all wins, one chain being one candidate;
@@ -20,8 +20,9 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
-from layerbus.planner.placement import Neighbour, Neighbours, PlacementError, Plan, StageProfile
+from layerbus.planner.placement import PlacementError, Plan, StageProfile
 from layerbus.planner.weight_choice import AUTO_FALLBACKS
+from layerbus.planner.window_pricing import Neighbour, Neighbours
 
 # A function that plans one chain over these stages with these neighbours, as one of `chains` chains on
 # the job, each running an even share of its items (placement.plan_placement with the caller's model,

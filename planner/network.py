@@ -2,7 +2,7 @@
 network, as plain values. Built from a cluster file's hosts, `[[links]]` and `[network]` table
 (planner.cluster_file), or on a live cluster from the links the stages timed between them
 (broker.link_probing) with a network file's links over the pairs it describes (`live_matrix`); the
-placement planner reads it (planner.placement) to price each stage's send by the link to its actual successor.
+placement planner reads it (planner.cost_model) to price each stage's send by the link to its actual successor.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ class StageProfile:
     # together (as a ring of one micro-batch per stage does) than the slowest at its own pace (0 = not
     # measured, or none). Broker.profile's probe in step, broker.profiling.lockstep_excess_s.
     lockstep_excess_s: float = 0.0
-    # What came out of a --memory-budget before memory_budget (stages/profile.py memory_figures): the
+    # What came out of a --memory-budget before memory_budget (stages/memory_budget.py memory_figures): the
     # stage's runtime and its loader's temporary; shown by `plan --explain`, not planned with.
     runtime_bytes: int = 0
     loader_bytes: int = 0

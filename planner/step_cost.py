@@ -1,6 +1,6 @@
 """What a step costs a stage, as a linear function of what the step carries.
 
-A stage's time for a step is fitted from its profile (stages/profile.py times the serving code at
+A stage's time for a step is fitted from its profile (stages/profile_timing.py times the serving code at
 several shapes) as fixed and proportional parts: per step (Python, rotary tables), per forward pass
 over the layers (every pass reads every weight once; the stages pack a step's rows into one pass), per decode row, per decode row and cached position it attends over (reading the KV
 cache), per prefill token, and per prefill token and position it attends over. Whatever makes the

@@ -8,7 +8,7 @@ full precision costs more on a model not trained for it) and, on the CPUs measur
 (Q4_1/Q8_0 tiles run 1.1-8x slower than the float32 matmul: bench/bench_weights.py). The planner
 plans the cluster at full precision first and allows int8, then int4, only when that plan fails, so
 a roomy cluster never trades quality for speed: a stage under auto times its layers in int8 and int4
-beside full precision (stages/profile.py measure_format_ratios) and a quantized span is priced at that
+beside full precision (stages/profile_timing.py measure_format_ratios) and a quantized span is priced at that
 speed, but a format measured faster is not chosen for it where full precision fits.
 """
 

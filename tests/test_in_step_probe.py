@@ -1,6 +1,6 @@
-"""The co-run probe in step (issue 12's prediction error): a ring of one micro-batch per stage starts the
+"""The co-run probe in step: a ring of one micro-batch per stage starts the
 steps of a host's stages together and waits for the last to finish; the stages measure that
-(`stages.profile.tick_probe`), and the plan prices each step that much longer (`placement.window_s`)
+(`stages.corun_probe.tick_probe`), and the plan prices each step that much longer (`window_pricing.window_s`)
 where the ring keeps them in step."""
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ from dataclasses import replace
 
 import pytest
 
-from layerbus.planner.placement import Neighbour, window_s
+from layerbus.planner.window_pricing import Neighbour, window_s
 from layerbus.planner.plan_values import StageProfile
 from layerbus.planner.step_cost import StepWork
 from layerbus.planner.workload import Window
-from layerbus.stages.profile import ProfileRequest, tick_probe
+from layerbus.stages.corun_probe import tick_probe
+from layerbus.stages.profile_request import ProfileRequest
 from layerbus.wire.frames import WireError
 
 HEADER = {"model_dir": "/m", "micro_batch_size": 8, "kv_length": 64, "prefill_tokens": 32, "probe_s": 1.0}
@@ -89,7 +90,7 @@ def test_stages_on_hosts_of_their_own_are_not_in_step_with_anyone() -> None:
     (100.0, 0.0, False),  # no lead said (a broker of before): as given
 ], ids=["same clock", "in sync", "ahead", "behind", "no lead"])
 def test_a_start_on_another_machine_s_clock_is_taken_as_the_lead_from_now(offset_s, lead_s, moved) -> None:
-    from layerbus.stages.profile import on_this_clock
+    from layerbus.stages.corun_probe import on_this_clock
 
     for fields in ({"probe_start": 1.0}, {"tick_start": 1.0, "tick_period_s": 0.1, "tick_layers": 4}):
         given = time.time() + lead_s + offset_s

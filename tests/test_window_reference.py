@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from layerbus.planner.placement import MIN_CORE_SHARE, Neighbour, _cores_stretch, _hosts, _on, window_s
+from layerbus.planner.window_pricing import MIN_CORE_SHARE, Neighbour, _cores_stretch, _hosts, _on, window_s
 from layerbus.planner.plan_values import StageProfile
 from layerbus.planner.step_cost import StepWork
 from layerbus.planner.workload import Window
