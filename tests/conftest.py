@@ -26,7 +26,7 @@ import pytest
 
 from layerbus.models.home import home_path
 from layerbus.models.openmp_waits import prefer_passive_waits
-from tests.run_shared import run_shared_dir
+from tests.helpers.run_shared import run_shared_dir
 
 # The test workers compute references with torch beside the stage processes they start, as the CLI's
 # processes do beside each other: their threads must not spin on the cores the others need
@@ -34,13 +34,13 @@ from tests.run_shared import run_shared_dir
 prefer_passive_waits()
 
 pytest_plugins = [
-    "tests.fixtures_models",
-    "tests.fixtures_postgres",
+    "tests.helpers.fixtures_models",
+    "tests.helpers.fixtures_postgres",
 ]
 
 POSTGRES_FIXTURES = {"postgres_server", "postgres_url", "postgres_fresh_url"}
 # Programs that make a process a cluster-tier one: the CLI, the local cluster script, a PostgreSQL server,
-# a Slurm cluster (tests/slurm_cluster.py).
+# a Slurm cluster (tests/helpers/slurm_cluster.py).
 CLUSTER_PROGRAMS = {"layerbus", "run_cluster.sh", "initdb", "pg_ctl", "postgres",
                     "munged", "slurmctld", "slurmd", "sbatch"}
 

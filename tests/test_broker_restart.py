@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from layerbus.storage import JobStore
-from tests.test_cli_helpers import JOB_ID, layerbus, status_json, write_jsonl
+from tests.helpers.cli import JOB_ID, layerbus, status_json, write_jsonl
 from tests.test_cli_run import RUN_TIMEOUT_S, assert_parquet_matches_store, start_run, wait_for_job
 
 pytestmark = pytest.mark.cluster  # a broker and stage processes, killed and restarted

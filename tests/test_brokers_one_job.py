@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from layerbus.storage import JobStore
-from tests.test_cli_helpers import JOB_ID, cli_env, layerbus, layerbus_executable, status_json, write_jsonl
+from tests.helpers.cli import JOB_ID, cli_env, layerbus, layerbus_executable, status_json, write_jsonl
 from tests.test_cli_run import assert_parquet_matches_store
 
 pytestmark = pytest.mark.cluster  # brokers, stage processes and a PostgreSQL server

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.test_cli_helpers import JOB_ID, REPO, layerbus, status_json, write_jsonl
+from tests.helpers.cli import JOB_ID, REPO, layerbus, status_json, write_jsonl
 
 pytestmark = pytest.mark.cluster  # the `layerbus` console script in subprocesses
 

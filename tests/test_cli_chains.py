@@ -19,7 +19,7 @@ from sqlalchemy import select
 
 from layerbus.storage import JobStore
 from layerbus.storage.schema import items as items_table
-from tests.test_cli_helpers import JOB_ID, REPO, cli_env, layerbus, layerbus_executable, status_json, write_jsonl
+from tests.helpers.cli import JOB_ID, REPO, cli_env, layerbus, layerbus_executable, status_json, write_jsonl
 from tests.test_cli_run import assert_parquet_matches_store
 
 pytestmark = pytest.mark.cluster  # `layerbus run` with chain processes and their stages

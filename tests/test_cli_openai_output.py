@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.openai_batch_schema import check_files
-from tests.test_cli_helpers import JOB_ID, layerbus, status_json, write_jsonl
+from tests.helpers.openai_batch_schema import check_files
+from tests.helpers.cli import JOB_ID, layerbus, status_json, write_jsonl
 
 pytestmark = pytest.mark.cluster  # `layerbus run` processes with their stages
 

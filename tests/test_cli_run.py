@@ -12,7 +12,7 @@ import pytest
 
 from layerbus.storage import JobStore
 from layerbus.storage.results import read_results, results_metadata
-from tests.test_cli_helpers import JOB_ID, REPO, cli_env, layerbus, layerbus_executable, status_json, write_jsonl
+from tests.helpers.cli import JOB_ID, REPO, cli_env, layerbus, layerbus_executable, status_json, write_jsonl
 
 pytestmark = pytest.mark.cluster  # `layerbus run` processes with their stages
 

@@ -16,7 +16,7 @@ from layerbus.evals.fingerprint_diff import ABSENT, fingerprint_changes, summary
 from layerbus.evals.history_table import DOWN, SAME, UP, history_table, sparkline
 from layerbus.evals.run_pairs import NotComparableError, check_comparable, pair_rows
 from layerbus.storage import EvalMetric, EvalRun, canonical_fingerprint
-from tests.test_eval_cli_helpers import FAILED, FINGERPRINT, T0, flipped, mc_row, mc_task, rolling_row
+from tests.helpers.eval_runs import FAILED, FINGERPRINT, T0, flipped, mc_row, mc_task, rolling_row
 
 ACC = MetricKey("mc", "acc", "none")
 ACC_NORM = MetricKey("mc", "acc_norm", "none")

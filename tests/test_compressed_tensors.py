@@ -18,7 +18,7 @@ from layerbus.wire.spans import LayerRange
 from tests.test_equivalence import TINY_PROMPTS
 
 pytest.importorskip("compressed_tensors", reason="the compressed-tensors extra: pip install -e '.[compressed-tensors]'")
-from tests.compressed_checkpoint import make_compressed_checkpoint  # noqa: E402  (needs the library)
+from tests.helpers.compressed_checkpoint import make_compressed_checkpoint  # noqa: E402  (needs the library)
 
 
 @pytest.fixture(scope="module")

@@ -408,7 +408,7 @@ def test_layerbus_run_constrains_per_item_and_per_job_into_the_results(tiny, tmp
     """The whole path: batch lines' response_format / guided_* and --choices through the store, the job runner
     and the broker, into the Parquet and the OpenAI output file."""
     from layerbus.storage.results import read_results
-    from tests.test_cli_helpers import JOB_ID, layerbus, status_json, write_jsonl
+    from tests.helpers.cli import JOB_ID, layerbus, status_json, write_jsonl
 
     def line(custom_id: str, **extra) -> dict:
         return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",

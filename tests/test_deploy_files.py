@@ -13,7 +13,7 @@ import pytest
 
 from layerbus.cli.main import build_parser
 from layerbus.cli.stage import stage_parser
-from tests.test_cli_helpers import REPO, layerbus_executable
+from tests.helpers.cli import REPO, layerbus_executable
 
 SYSTEMD = REPO / "deploy" / "systemd"
 SBATCH = REPO / "deploy" / "slurm" / "layerbus.sbatch"

@@ -15,7 +15,7 @@ from layerbus.planner.chain import Placement
 from layerbus.broker.metrics import counter_families, job_families, stage_families
 from layerbus.broker.run_state import BrokerCounts
 from layerbus.wire.spans import LayerRange
-from tests.test_cli_helpers import REPO
+from tests.helpers.cli import REPO
 from tests.test_metrics import job_status, stage
 
 DASHBOARD = REPO / "deploy" / "grafana" / "layerbus.json"

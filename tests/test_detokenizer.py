@@ -14,7 +14,7 @@ from layerbus.models.model_info import load_tokenizer
 from layerbus.broker.requests import GenerationRequest
 from layerbus.planner.batching import BatchingConfig
 from layerbus.broker.scheduler import Scheduler
-from tests.tiny_models import make_tiny_tokenizer
+from tests.helpers.tiny_models import make_tiny_tokenizer
 
 # Text whose tokens split UTF-8 characters: accents, CJK, emoji (4 bytes), a combining mark.
 MULTI_BYTE = "café naïve 東京 😀🎉 ñ e\u0301 — «ok» Ω≈ç √ 𝔘"

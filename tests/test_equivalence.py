@@ -25,7 +25,7 @@ from layerbus.stages.kv_cache import KVArena
 from layerbus.stages.shard import ShardSpec, load_shard
 from layerbus.wire.protocol import StepRow
 from layerbus.wire.spans import LayerRange
-from tests.fixtures_models import reference_generate
+from tests.helpers.fixtures_models import reference_generate
 
 NEAR_TIE = 1e-4
 TINY_PROMPTS = [

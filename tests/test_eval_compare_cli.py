@@ -1,4 +1,4 @@
-"""`layerbus eval compare` on runs recorded straight into a SQLite store (tests/test_eval_cli_helpers.py): the
+"""`layerbus eval compare` on runs recorded straight into a SQLite store (tests/helpers/eval_runs.py): the
 verdicts, the exit codes, the refusals and the defaults. In-process through cli.main.main, except the one test
 of exit code 3 that runs the console script as CI would."""
 
@@ -13,8 +13,8 @@ import pytest
 from layerbus.cli.main import main
 from layerbus.evals.compare import mcnemar
 from layerbus.storage import JobStore
-from tests.test_cli_helpers import layerbus
-from tests.test_eval_cli_helpers import T0, flipped, mc_row, mc_task, nightly, record_run, rolling_row
+from tests.helpers.cli import layerbus
+from tests.helpers.eval_runs import T0, flipped, mc_row, mc_task, nightly, record_run, rolling_row
 
 BASE = [True] * 60 + [False] * 40  # acc 0.6 over 100 documents
 ACC_ONLY = {"mc": ["acc"]}

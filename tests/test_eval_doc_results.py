@@ -42,7 +42,7 @@ from layerbus.evals.items import continuations, task_items
 from layerbus.evals.results_json import results_json
 from layerbus.evals.suites import LoadedTask, MetricSpec
 from layerbus.evals.task_yaml import FilterStep
-from tests.tiny_models import make_tiny_tokenizer
+from tests.helpers.tiny_models import make_tiny_tokenizer
 
 ENCODER = Encoder(make_tiny_tokenizer())
 LN2 = math.log(2)

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, processors  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from layerbus.evals.encoding import Encoder, disjoint_window, model_input, rolling_token_windows  # noqa: E402
-from tests.tiny_models import BOS, EOS, PAD, UNK, _trained_tokenizer_json, make_tiny_tokenizer  # noqa: E402
+from tests.helpers.tiny_models import BOS, EOS, PAD, UNK, _trained_tokenizer_json, make_tiny_tokenizer  # noqa: E402
 
 # Characters random texts are drawn from: words the tokenizer merged, spaces (runs of them, trailing ones),
 # newlines, punctuation, digits, non-ASCII, and the BOS marker's text.

@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from layerbus.evals.metrics import multiple_choice_scores
-from tests.lm_eval_reference import hf_lm, hf_loglikelihood, hf_loglikelihood_rolling
-from tests.test_cli_helpers import layerbus, write_jsonl
+from tests.helpers.lm_eval_reference import hf_lm, hf_loglikelihood, hf_loglikelihood_rolling
+from tests.helpers.cli import layerbus, write_jsonl
 
 pytestmark = pytest.mark.cluster  # `layerbus eval run` with its stage processes
 

@@ -21,7 +21,7 @@ from layerbus.evals.eval_run import EvalOptions, finalize_eval, queue_eval, sele
 from layerbus.jobs.runner import run_job
 from layerbus.models.model_info import load_tokenizer
 from layerbus.storage import JobStore
-from tests.test_cli_helpers import write_jsonl
+from tests.helpers.cli import write_jsonl
 
 pytestmark = pytest.mark.cluster  # stage processes, one killed
 

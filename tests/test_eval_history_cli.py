@@ -12,8 +12,8 @@ import pytest
 
 from layerbus.cli.main import main
 from layerbus.storage import JobStore
-from tests.test_cli_helpers import REPO
-from tests.test_eval_cli_helpers import T0, flipped, mc_task, nightly, record_run, rolling_row
+from tests.helpers.cli import REPO
+from tests.helpers.eval_runs import T0, flipped, mc_task, nightly, record_run, rolling_row
 
 BASE = [True] * 60 + [False] * 40
 METRICS = {"mc": ["acc", "acc_norm"], "corpus": ["bits_per_byte"]}

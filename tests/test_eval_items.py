@@ -36,7 +36,7 @@ from layerbus.evals.items import (
     truncated_pair,
 )
 from layerbus.evals.suites import LoadedTask
-from tests.tiny_models import make_tiny_tokenizer
+from tests.helpers.tiny_models import make_tiny_tokenizer
 
 TOKENIZER = make_tiny_tokenizer()
 ENCODER = Encoder(TOKENIZER)

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bench.bench_eval import cloze_questions
-from tests.test_cli_helpers import layerbus, write_jsonl
+from tests.helpers.cli import layerbus, write_jsonl
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

@@ -7,7 +7,7 @@ import pytest
 
 from layerbus.cli.main import main
 from layerbus.storage import JobStore
-from tests.test_cli_helpers import write_jsonl
+from tests.helpers.cli import write_jsonl
 
 
 @pytest.fixture

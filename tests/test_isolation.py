@@ -13,7 +13,7 @@ import pytest
 from layerbus.models.default_model import model_cache_dir
 from layerbus.storage.locations import layerbus_home
 from tests.conftest import is_cluster_command
-from tests.test_cli_helpers import REPO, layerbus_executable, write_jsonl
+from tests.helpers.cli import REPO, layerbus_executable, write_jsonl
 
 REAL_DEFAULT_HOME = Path.home() / ".local" / "share" / "layerbus"
 

@@ -13,7 +13,7 @@ from layerbus.jobs.runner import StoreSink, StoreSource, item_seed, run_job
 from layerbus.broker.requests import GenerationRequest, GenerationResult
 from layerbus.storage import InvalidItem, JobSettings, JobStore, NewItem
 from layerbus.storage.results import ResultWriter, read_results, results_metadata
-from tests.fixtures_jobs import store, tokenizer  # noqa: F401 - fixtures
+from tests.helpers.fixtures_jobs import store, tokenizer  # noqa: F401 - fixtures
 
 
 def queue_job(store: JobStore, count: int, settings: JobSettings | None = None, invalid: int = 0,

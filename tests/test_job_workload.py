@@ -9,7 +9,7 @@ from layerbus.planner.workload import ASSUMED_OUTPUT_SHARES
 from layerbus.jobs.item_params import PROMPT_IDS_KEY, item_params
 from layerbus.jobs.job_workload import job_workload
 from layerbus.storage import InvalidItem, JobSettings, NewItem
-from tests.fixtures_jobs import store, tokenizer  # noqa: F401 - fixtures
+from tests.helpers.fixtures_jobs import store, tokenizer  # noqa: F401 - fixtures
 
 
 def test_prompt_lengths_and_budgets_come_from_the_items(store, tokenizer) -> None:

@@ -15,8 +15,8 @@ from layerbus.jobs.item_params import item_params
 from layerbus.jobs.job_workload import job_workload
 from layerbus.storage import InvalidItem, JobSettings, JobStore, NewItem
 from layerbus.planner.sample_places import sample_places
-from tests.fixtures_jobs import tokenizer  # noqa: F401 - fixture
-from tests.fixtures_stores import store, store_url  # noqa: F401 - fixtures
+from tests.helpers.fixtures_jobs import tokenizer  # noqa: F401 - fixture
+from tests.helpers.fixtures_stores import store, store_url  # noqa: F401 - fixtures
 
 # "Within a few percent". For contrast: the sample's run scaled up as it is (no copies in job_shape) gives
 # 17-31% more steps than the job's, and a sample at one fixed place per stretch (the middles) misses every

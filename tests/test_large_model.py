@@ -1,4 +1,4 @@
-"""A 1.28B-parameter model (random weights, built here: tests/large_model.py) on two local stages
+"""A 1.28B-parameter model (random weights, built here: tests/helpers/large_model.py) on two local stages
 whose --memory-budget together could not hold its weights in float32 (5.1 GB) or bfloat16 (2.6 GB):
 under --weights auto the planner quantizes each stage's span, the stages load it within their budgets
 (peak resident memory since the load, VmHWM) and generate. And the default model under auto on
@@ -16,7 +16,7 @@ from layerbus.planner.placement import PlacementError, Shapes, plan_placement
 from layerbus.broker.profiling import ProfilingConfig
 from layerbus.broker.requests import GenerationRequest
 from layerbus.models.model_files import open_model_dir
-from tests.large_model import make_large_model
+from tests.helpers.large_model import make_large_model
 from tests.test_memory_budget import vm_hwm
 
 MIB = 1 << 20

@@ -208,7 +208,7 @@ def test_no_link_probe_leaves_each_stage_its_own_link(tiny_models, tmp_path) -> 
 @pytest.mark.cluster
 def test_layerbus_run_writes_the_measured_matrix_into_the_jobs_events(tiny_models, tmp_path) -> None:
     """`layerbus run` on 2 stages: the job's events hold the matrix (`status --json`), and its stages their hosts."""
-    from tests.test_cli_helpers import JOB_ID, layerbus, status_json, write_jsonl
+    from tests.helpers.cli import JOB_ID, layerbus, status_json, write_jsonl
 
     home = tmp_path / "home"
     corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"id": f"doc-{i}", "text": f"Item {i}."} for i in range(3)])
@@ -277,7 +277,7 @@ def test_a_replan_keeps_the_survivors_pairs_and_times_a_joining_stage(tiny_model
 
 @pytest.mark.cluster
 def test_plan_explain_on_local_stages_says_each_link_was_measured(tiny_models, tmp_path) -> None:
-    from tests.test_cli_helpers import layerbus
+    from tests.helpers.cli import layerbus
 
     result = layerbus(tmp_path / "home", "plan", "--model", tiny_models("llama"), "--stages", "2", "--threads-per-stage",
                       "1", "--max-context", "128", "--keep-all", "--explain", timeout=180)

@@ -25,8 +25,8 @@ from layerbus.jobs.runner import StoreSink, StoreSource  # noqa: E402
 from layerbus.storage import JobStore  # noqa: E402
 from layerbus.storage.results import ResultWriter  # noqa: E402
 from layerbus.storage.schema import items as items_table  # noqa: E402
-from tests.lm_eval_reference import hf_simple_evaluate, offline, working_directory  # noqa: E402
-from tests.tiny_models import TRAINING_TEXT, single_torch_thread  # noqa: E402
+from tests.helpers.lm_eval_reference import hf_simple_evaluate, offline, working_directory  # noqa: E402
+from tests.helpers.tiny_models import TRAINING_TEXT, single_torch_thread  # noqa: E402
 
 pytestmark = pytest.mark.cluster  # every test here starts stage processes
 

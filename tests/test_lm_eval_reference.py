@@ -1,4 +1,4 @@
-"""tests/lm_eval_reference.py runs lm-eval's HF backend as it runs for users: its numbers equal a plain transformers
+"""tests/helpers/lm_eval_reference.py runs lm-eval's HF backend as it runs for users: its numbers equal a plain transformers
 forward pass over the ids evals/encoding.py builds, on tiny models (and, in the slow tier, the default model)."""
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from layerbus.evals.encoding import Encoder, model_input  # noqa: E402
-from tests.lm_eval_reference import (  # noqa: E402
+from tests.helpers.lm_eval_reference import (  # noqa: E402
     hf_generate_until,
     hf_lm,
     hf_loglikelihood,
     hf_loglikelihood_rolling,
     hf_simple_evaluate,
 )
-from tests.tiny_models import BOS, single_torch_thread  # noqa: E402
+from tests.helpers.tiny_models import BOS, single_torch_thread  # noqa: E402
 
 WORDS = ["the", " stage", " layer", " ", "  ", "\n", ".", ",", "?", " 42", "é", "日本", " spider", " legs", BOS]
 

@@ -186,7 +186,7 @@ def test_logprobs_match_transformers_on_the_tiny_model(tiny_models):
 @pytest.mark.cluster
 def test_layerbus_run_writes_logprobs_into_the_parquet_and_the_output_file(tiny_models, tmp_path):
     from layerbus.storage.results import read_results
-    from tests.test_cli_helpers import JOB_ID, layerbus, status_json, write_jsonl
+    from tests.helpers.cli import JOB_ID, layerbus, status_json, write_jsonl
 
     scored_prompt = "the stage sends its rows to the next one"
     items = [json.loads(line(CHAT, logprobs=True, top_logprobs=2, max_tokens=6)),

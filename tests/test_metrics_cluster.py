@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from layerbus.storage import JobStore
-from tests.test_cli_helpers import JOB_ID, REPO, cli_env, layerbus, layerbus_executable, status_json, write_jsonl
+from tests.helpers.cli import JOB_ID, REPO, cli_env, layerbus, layerbus_executable, status_json, write_jsonl
 from tests.test_cli_run import RUN_TIMEOUT_S, documents, start_run, wait_for_job
 from tests.test_metrics import get
 

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from layerbus.models.model_files import ModelDirError, open_model_dir, safetensors_tensor_names
 from layerbus.models.tensor_reader import TensorReader
 from layerbus.stages.shard import ShardSpec, load_shard
-from tests.tiny_models import make_sharded_copy
+from tests.helpers.tiny_models import make_sharded_copy
 from layerbus.wire.spans import LayerRange
 
 

@@ -24,7 +24,7 @@ from layerbus.models.default_model import (
     prepare_once,
 )
 from layerbus.models.gguf_import import GGUFImportError, import_gguf
-from tests.tiny_models import (
+from tests.helpers.tiny_models import (
     CONFIG_CLASSES,
     make_sharded_copy,
     make_tiny_model,

@@ -15,7 +15,7 @@ import pytest
 
 from bench.netns import StageNamespaces, unavailable_reason
 from layerbus.wire import codecs
-from tests.test_cli_helpers import REPO, cli_env, layerbus, layerbus_executable
+from tests.helpers.cli import REPO, cli_env, layerbus, layerbus_executable
 
 pytestmark = pytest.mark.cluster  # the `layerbus` console script in subprocesses
 

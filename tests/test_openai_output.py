@@ -17,9 +17,9 @@ from layerbus.jobs.runner import run_job
 from layerbus.jobs.openai_output import (CANCELLED_CODE, FAILED_CODE, REFUSED_CODE, OutputJob, join_by_seq,
                                          output_line, write_openai_files)
 from layerbus.storage import InvalidItem, ItemResult, JobSettings, JobStore, NewItem
-from tests.fixtures_jobs import tokenizer  # noqa: F401 - fixture
-from tests.fixtures_stores import store, store_url  # noqa: F401 - fixtures
-from tests.openai_batch_schema import ERROR_LINE, OUTPUT_LINE, check_files
+from tests.helpers.fixtures_jobs import tokenizer  # noqa: F401 - fixture
+from tests.helpers.fixtures_stores import store, store_url  # noqa: F401 - fixtures
+from tests.helpers.openai_batch_schema import ERROR_LINE, OUTPUT_LINE, check_files
 from tests.test_job_runner import FailingBroker, queue_job
 
 SETTINGS = JobSettings(task="generate", model="tiny-model", max_new_tokens=8)

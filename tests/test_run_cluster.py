@@ -16,7 +16,7 @@ import zmq
 
 from layerbus.wire import protocol
 from layerbus.wire.frames import decode
-from tests.test_cli_helpers import REPO, cli_env, layerbus, status_json, write_jsonl
+from tests.helpers.cli import REPO, cli_env, layerbus, status_json, write_jsonl
 
 pytestmark = pytest.mark.cluster  # run_cluster.sh: a broker and stage processes
 

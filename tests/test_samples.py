@@ -21,7 +21,7 @@ from layerbus.jobs.samples import parse_request_id, sample_request_id, sample_se
 from layerbus.storage import JobSettings, JobStore, NewItem
 from layerbus.storage.result_row import RESULT_FIELDS
 from layerbus.storage.results import ResultWriter, read_results
-from tests.fixtures_jobs import store, tokenizer  # noqa: F401 - fixtures
+from tests.helpers.fixtures_jobs import store, tokenizer  # noqa: F401 - fixtures
 
 # ---- seeds and ids ------------------------------------------------------------------------------------------
 
@@ -336,7 +336,7 @@ def test_layerbus_run_n_writes_every_sample_to_the_parquet_and_n_choices_to_the_
     from openai.types.chat import ChatCompletion
     from openai.types.completion import Completion
 
-    from tests.test_cli_helpers import JOB_ID, layerbus, status_json, write_jsonl
+    from tests.helpers.cli import JOB_ID, layerbus, status_json, write_jsonl
 
     def line(custom_id: str, url: str = "/v1/chat/completions", **body) -> dict:
         content = {"prompt": f"Item {custom_id} says"} if url == "/v1/completions" else {

@@ -1,4 +1,4 @@
-"""deploy/slurm/layerbus.sbatch on a real single-node Slurm cluster (tests/slurm_cluster.py): task 0 the
+"""deploy/slurm/layerbus.sbatch on a real single-node Slurm cluster (tests/helpers/slurm_cluster.py): task 0 the
 broker, 2 stage tasks; `sbatch --wait` returns 0 once the queue is served, with the outputs of `layerbus run`
 on the same input, and again when one stage task is killed with kill -9 mid-job. Skipped, with the reason,
 without root or without Debian's slurm-wlm and munge."""
@@ -16,8 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from layerbus.storage import JobStore
-from tests.slurm_cluster import SlurmCluster, missing, single_node_slurm
-from tests.test_cli_helpers import JOB_ID, REPO, cli_env, layerbus, layerbus_executable, status_json, write_jsonl
+from tests.helpers.slurm_cluster import SlurmCluster, missing, single_node_slurm
+from tests.helpers.cli import JOB_ID, REPO, cli_env, layerbus, layerbus_executable, status_json, write_jsonl
 
 pytestmark = pytest.mark.cluster  # Slurm's daemons, a broker and stage processes
 

@@ -10,7 +10,7 @@ import pytest
 from layerbus.jobs.runner import run_job
 from layerbus.jobs.snapshot_keeper import SnapshotConfig, SnapshotKeeper
 from layerbus.storage.snapshot_records import StageSnapshot
-from tests.fixtures_jobs import store, tokenizer  # noqa: F401 - fixtures
+from tests.helpers.fixtures_jobs import store, tokenizer  # noqa: F401 - fixtures
 from tests.test_job_runner import ScriptedBroker, queue_job
 
 WORKER = "box-a:4242:0a1b2c3d"

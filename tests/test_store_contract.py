@@ -20,7 +20,7 @@ from layerbus.planner.sample_places import sample_places
 from layerbus.storage.schema import items as items_table
 from layerbus.storage.schema import jobs as jobs_table
 from layerbus.storage.store import JobStore
-from tests.fixtures_stores import store, store_url  # noqa: F401 - fixtures
+from tests.helpers.fixtures_stores import store, store_url  # noqa: F401 - fixtures
 
 T0 = datetime(2030, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc)
 SETTINGS = JobSettings(task="generate", model="tiny-model", max_new_tokens=16, name="demo", input_path="in.jsonl")

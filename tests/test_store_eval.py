@@ -16,7 +16,7 @@ from layerbus.storage.eval_records import EvalMetric, EvalRun, canonical_fingerp
 from layerbus.storage.records import JobSettings, NewItem
 from layerbus.storage.schema import jobs as jobs_table
 from layerbus.storage.store import JobStore
-from tests.fixtures_stores import store, store_url  # noqa: F401 - fixtures
+from tests.helpers.fixtures_stores import store, store_url  # noqa: F401 - fixtures
 
 T0 = datetime(2030, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc)
 FINGERPRINT = {"config_sha256": "c" * 64, "dtype": "float32", "wire": ["int8"], "layerbus": "0.1.0"}

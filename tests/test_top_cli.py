@@ -17,7 +17,7 @@ import pytest
 from layerbus.cli.main import main
 from layerbus.storage.snapshot_records import StageSnapshot
 from layerbus.storage.store import JobStore
-from tests.test_cli_helpers import REPO, cli_env, layerbus, layerbus_executable, write_jsonl
+from tests.helpers.cli import REPO, cli_env, layerbus, layerbus_executable, write_jsonl
 from tests.test_cli_run import RUN_TIMEOUT_S, documents, start_run, wait_for_job
 from tests.test_store_contract import SETTINGS, new_items
 

@@ -18,7 +18,7 @@ from layerbus.broker.requests import GenerationRequest
 from layerbus.planner.batching import BatchingConfig
 from layerbus.wire.trace_events import BUSY_CATEGORIES
 from tests.test_cli_run import RUN_TIMEOUT_S, documents, start_run, wait_for_job
-from tests.test_cli_helpers import write_jsonl
+from tests.helpers.cli import write_jsonl
 from tests.test_trace_events import assert_valid_trace
 
 pytestmark = pytest.mark.cluster  # stage processes, a `layerbus run`

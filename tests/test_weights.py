@@ -165,7 +165,7 @@ def test_a_stage_s_own_weights_flag_wins(tiny_models):
 @pytest.mark.cluster
 def test_run_weights_flag_and_status_json_stages(tmp_path, tiny_models):
     """`layerbus run --weights int4`: `status --json` lists every stage's span, host, format and weight bytes."""
-    from tests.test_cli_helpers import JOB_ID, layerbus, status_json, write_jsonl
+    from tests.helpers.cli import JOB_ID, layerbus, status_json, write_jsonl
 
     home = tmp_path / "home"
     corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"id": f"doc-{i}", "text": f"Batch {i}."} for i in range(3)])

@@ -1,4 +1,4 @@
-"""Helpers (no tests) for the `eval compare` and `eval history` tests: finished eval runs recorded straight into a
+"""Helpers for the `eval compare` and `eval history` tests: finished eval runs recorded straight into a
 SQLite store, with samples Parquet files whose rows are shaped as doc_results.samples_rows gives them, and
 metrics aggregated from those rows as finalize_eval does. No model, no job run: the numbers are chosen here."""
 

@@ -1,6 +1,6 @@
 """Fixtures the job tests share: the tiny llama's tokenizer and a fresh SQLite job store.
 
-Imported by name into the modules that use them (`from tests.fixtures_jobs import store, tokenizer`),
+Imported by name into the modules that use them (`from tests.helpers.fixtures_jobs import store, tokenizer`),
 since other modules define their own `store` with other meanings."""
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from layerbus.broker.requests import GenerationRequest
 from layerbus.models.default_model import WheelDownloadError, default_model_dir
-from tests.run_shared import built_once, computed_once_per_run, run_shared_dir
-from tests.tiny_models import make_tiny_model
+from tests.helpers.run_shared import built_once, computed_once_per_run, run_shared_dir
+from tests.helpers.tiny_models import make_tiny_model
 
 TinyModelFactory = Callable[..., Path]
 
@@ -75,7 +75,7 @@ def smollm2_case(default_model, tmp_path_factory: pytest.TempPathFactory):
     """
     tokenizer = AutoTokenizer.from_pretrained(default_model)
     model = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32).eval()
-    corpus = sorted((Path(__file__).parent.parent / "examples" / "sample_corpus").glob("*.txt"))[:10]
+    corpus = sorted((Path(__file__).resolve().parents[2] / "examples" / "sample_corpus").glob("*.txt"))[:10]
     requests = []
     for path in corpus:
         text = path.read_text().split("\n\n")[0]  # the first paragraph keeps the reference run short

@@ -1,7 +1,7 @@
 """The job store on both back ends: `store_url` is a fresh SQLite file, then a fresh PostgreSQL database
 (marked `postgres`: the suite's throwaway server), and `store` the store opened on it.
 
-Imported by name into the modules whose tests must hold on both (`from tests.fixtures_stores import store,
+Imported by name into the modules whose tests must hold on both (`from tests.helpers.fixtures_stores import store,
 store_url`), since other modules define a `store` of their own, on SQLite only."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Helpers (no tests) for the CLI tests: the `layerbus` console script run as users do, a subprocess with
-its own LAYERBUS_HOME. Named test_cli_* to sit with the tests that use it."""
+"""Helpers for the CLI tests: the `layerbus` console script run as users do, a subprocess with its own
+LAYERBUS_HOME."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 JOB_ID = re.compile(r"job_[0-9a-f]{12}")
 
 

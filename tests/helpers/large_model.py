@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig
 
-from tests.tiny_models import make_tiny_tokenizer
+from tests.helpers.tiny_models import make_tiny_tokenizer
 
 # hidden 2048, 24 layers, MLP 5952 (a multiple of 32, as the blocks need), the tiny tokenizer's
 # vocabulary: 24 x 53.35M + 0.8M (tied embedding) = 1.2812B parameters.
