@@ -16,7 +16,7 @@ from layerbus.jobs.chain_split import split_stages
 from layerbus.jobs.leases import LeaseConfig
 from layerbus.launch.chains import chain_runs
 from layerbus.storage import JobStore
-from tests.test_store_contract import SETTINGS, new_items
+from tests.helpers.store_items import SETTINGS, new_items
 
 
 @pytest.mark.parametrize("stages, chains, named", [

@@ -15,8 +15,9 @@ from layerbus.jobs.leases import LeaseConfig
 from layerbus.jobs.runner import run_job
 from layerbus.storage import JobStore
 from layerbus.storage.results import ResultWriter
-from tests.test_store_contract import ok
-from tests.test_job_runner import ScriptedBroker, final_rows, queue_job, tokenizer  # noqa: F401 (fixture)
+from tests.helpers.fixtures_jobs import tokenizer  # noqa: F401 - fixture
+from tests.helpers.scripted_broker import ScriptedBroker, final_rows, queue_job
+from tests.helpers.store_items import ok
 
 
 @pytest.fixture

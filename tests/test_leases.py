@@ -17,7 +17,8 @@ from layerbus.jobs.leases import LeaseConfig, LeaseKeeper, WorkerId, gone_holder
 from layerbus.jobs.runner import StoreSink, StoreSource, StrandedWatch, default_worker_name, run_job
 from layerbus.storage import ItemResult, JobStore, Lease
 from layerbus.storage.results import ResultWriter
-from tests.test_job_runner import ScriptedBroker, final_rows, queue_job, tokenizer  # noqa: F401 (fixture)
+from tests.helpers.fixtures_jobs import tokenizer  # noqa: F401 - fixture
+from tests.helpers.scripted_broker import ScriptedBroker, final_rows, queue_job
 
 T0 = datetime(2030, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
 

@@ -20,7 +20,7 @@ from layerbus.storage import InvalidItem, ItemResult, JobSettings, JobStore, New
 from tests.helpers.fixtures_jobs import tokenizer  # noqa: F401 - fixture
 from tests.helpers.fixtures_stores import store, store_url  # noqa: F401 - fixtures
 from tests.helpers.openai_batch_schema import ERROR_LINE, OUTPUT_LINE, check_files
-from tests.test_job_runner import FailingBroker, queue_job
+from tests.helpers.scripted_broker import FailingBroker, queue_job
 
 SETTINGS = JobSettings(task="generate", model="tiny-model", max_new_tokens=8)
 JOB = OutputJob(job_id="job_0123456789ab", model="tiny-model", created=1_900_000_000)

@@ -11,7 +11,7 @@ from layerbus.jobs.runner import run_job
 from layerbus.jobs.snapshot_keeper import SnapshotConfig, SnapshotKeeper
 from layerbus.storage.snapshot_records import StageSnapshot
 from tests.helpers.fixtures_jobs import store, tokenizer  # noqa: F401 - fixtures
-from tests.test_job_runner import ScriptedBroker, queue_job
+from tests.helpers.scripted_broker import ScriptedBroker, queue_job
 
 WORKER = "box-a:4242:0a1b2c3d"
 

@@ -8,7 +8,7 @@ import random
 import threading
 import time
 from collections import Counter
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 
 import pytest
 from sqlalchemy import create_engine, func, select, text
@@ -21,17 +21,7 @@ from layerbus.storage.schema import items as items_table
 from layerbus.storage.schema import jobs as jobs_table
 from layerbus.storage.store import JobStore
 from tests.helpers.fixtures_stores import store, store_url  # noqa: F401 - fixtures
-
-T0 = datetime(2030, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc)
-SETTINGS = JobSettings(task="generate", model="tiny-model", max_new_tokens=16, name="demo", input_path="in.jsonl")
-
-
-def new_items(n: int, start: int = 0) -> list[NewItem]:
-    return [NewItem(f"id-{i}", f"text {i}", f"prompt {i}", {"max_tokens": 4}, i) for i in range(start, start + n)]
-
-
-def ok(item_id: int, tokens: int = 5) -> ItemResult:
-    return ItemResult(item_id, f"out {item_id}", "stop", prompt_tokens=3, completion_tokens=tokens, latency_s=0.5)
+from tests.helpers.store_items import SETTINGS, T0, new_items, ok
 
 
 def test_create_job_queues_every_item_and_stamps_created_and_queued(store: JobStore) -> None:

@@ -19,7 +19,8 @@ from layerbus.storage.schema import jobs as jobs_table
 from layerbus.storage.direct_status import read_job_events, read_job_status
 from layerbus.storage.store import JobStore
 from tests.helpers.cli import layerbus
-from tests.test_store_contract import SETTINGS, T0, new_items, ok, store, store_url  # noqa: F401 (fixtures)
+from tests.helpers.fixtures_stores import store, store_url  # noqa: F401 - fixtures
+from tests.helpers.store_items import SETTINGS, T0, new_items, ok
 
 LOST = "stage stage-1 lost: silent for 5.2 s (liveness window 5 s)"
 

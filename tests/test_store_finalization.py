@@ -14,7 +14,8 @@ from layerbus.storage.direct_status import read_job_workers
 from layerbus.storage.errors import StoreError
 from layerbus.storage.records import ItemResult
 from layerbus.storage.store import JobStore
-from tests.test_store_contract import SETTINGS, T0, new_items, ok, store, store_url  # noqa: F401 (fixtures)
+from tests.helpers.fixtures_stores import store, store_url  # noqa: F401 - fixtures
+from tests.helpers.store_items import SETTINGS, T0, new_items, ok
 
 A, B, C = "box-a:11:aa", "box-b:22:bb", "box-c:33:cc"
 

@@ -17,7 +17,8 @@ from layerbus.storage.schema import jobs as jobs_table
 from layerbus.storage.snapshot_records import StageSnapshot
 from layerbus.storage.direct_status import read_latest_job_ids, read_stage_snapshots
 from layerbus.storage.store import JobStore
-from tests.test_store_contract import SETTINGS, T0, new_items, store, store_url  # noqa: F401 (fixtures)
+from tests.helpers.fixtures_stores import store, store_url  # noqa: F401 - fixtures
+from tests.helpers.store_items import SETTINGS, T0, new_items
 
 BROKER = "box-a:4242:0a1b2c3d"
 

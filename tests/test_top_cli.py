@@ -19,7 +19,7 @@ from layerbus.storage.snapshot_records import StageSnapshot
 from layerbus.storage.store import JobStore
 from tests.helpers.cli import REPO, cli_env, layerbus, layerbus_executable, write_jsonl
 from tests.test_cli_run import RUN_TIMEOUT_S, documents, start_run, wait_for_job
-from tests.test_store_contract import SETTINGS, new_items
+from tests.helpers.store_items import SETTINGS, new_items
 
 BROKER = "box-a:4242:0a1b2c3d"
 
