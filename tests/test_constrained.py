@@ -266,7 +266,7 @@ def test_unconstrained_steps_carry_no_mask_and_load_no_grammar(tiny):
 
 @pytest.mark.cluster
 def test_constrained_outputs_match_and_survive_a_kill_9_of_the_middle_stage(tiny_models):
-    from tests.test_faults import kill_middle_after, run
+    from tests.helpers.faulted_runs import kill_middle_after, run
 
     model_dir = tiny_models("llama", num_hidden_layers=6)
     requests, constraint_by_id = mixed_requests(model_dir, 18, max_new_tokens=40)
@@ -373,7 +373,7 @@ def extraction_items(count: int) -> list[tuple[str, Constraint]]:
 
 @pytest.mark.cluster
 def test_default_model_extraction_job_matches_every_constraint_and_survives_a_kill_9(default_model):
-    from tests.test_faults import kill_middle_after, run
+    from tests.helpers.faulted_runs import kill_middle_after, run
 
     tokenizer = AutoTokenizer.from_pretrained(default_model)
     items = extraction_items(200)

@@ -4,8 +4,6 @@ scored exactly once in the store."""
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -22,37 +20,11 @@ from layerbus.jobs.runner import run_job
 from layerbus.models.model_info import load_tokenizer
 from layerbus.storage import JobStore
 from tests.helpers.cli import write_jsonl
+from tests.helpers.faulted_runs import KillAfter
 
 pytestmark = pytest.mark.cluster  # stage processes, one killed
 
 MAX_LENGTH = 64
-
-
-class KillAfter:
-    """Plays the broker for run_job, killing the chain's middle stage after `after` results."""
-
-    def __init__(self, cluster: LocalCluster, after: int | None):
-        self.cluster, self.after, self.killed = cluster, after, []
-
-    def tokenizer(self):
-        return self.cluster.broker.tokenizer()
-
-    def run(self, source, sink, should_stop, events=None):
-        delivered = 0
-        deliver = sink.deliver
-
-        def deliver_and_maybe_kill(results):
-            nonlocal delivered
-            deliver(results)
-            delivered += len(results)
-            if self.after is not None and delivered >= self.after and not self.killed:
-                name = self.cluster.broker.placement.stages[1]
-                process = self.cluster.processes[int(name.rsplit("-", 1)[1])]
-                os.kill(process.pid, signal.SIGKILL)
-                self.killed.append(name)
-
-        sink.deliver = deliver_and_maybe_kill
-        return self.cluster.broker.run(source, sink, should_stop, events)
 
 
 def scored_run(model_dir: Path, tasks_dir: Path, work: Path, kill_after: int | None):

@@ -154,7 +154,7 @@ def test_the_output_file_carries_them_and_parses_as_openais_types(tmp_path):
 def test_logprobs_match_transformers_on_the_tiny_model(tiny_models):
     """The chosen token's log-prob and the top 4 are the model's own distribution at each position, constrained
     item or not (a mask changes what is chosen, not what the model thought), as transformers computes them."""
-    from tests.test_faults import run
+    from tests.helpers.faulted_runs import run
 
     model_dir = tiny_models("llama", num_hidden_layers=4)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -391,8 +391,8 @@ def test_kill_9_of_a_stage_mid_job_changes_no_output_with_prefixes_cached(tiny_m
     run with the cache off and no fault."""
     from transformers import AutoTokenizer
 
-    from tests.test_faults import kill_middle_after
-    from tests.test_faults import run as run_with_faults
+    from tests.helpers.faulted_runs import kill_middle_after
+    from tests.helpers.faulted_runs import run as run_with_faults
 
     model_dir = tiny_models("llama", num_hidden_layers=6)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -286,8 +286,8 @@ def sampled_job(model_dir: Path, work: Path, kill_after: int | None) -> tuple[li
     from layerbus.planner.placement import PlanOptions
     from layerbus.planner.batching import BatchingConfig
     from layerbus.jobs.runner import run_job
-    from tests.test_eval_faults import KillAfter
-    from tests.test_faults import FAST_LIVENESS
+    from tests.helpers.faulted_runs import KillAfter
+    from tests.helpers.faulted_runs import FAST_LIVENESS
 
     settings = JobSettings(task="generate", model=str(model_dir), max_new_tokens=12, temperature=1.0, seed=5,
                            extra={"n": 4})

@@ -16,7 +16,7 @@ from layerbus.broker.control import StageState
 from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.pipeline import PipelineConfig
 from layerbus.planner.batching import BatchingConfig
-from tests.test_faults import make_requests, outputs
+from tests.helpers.faulted_runs import make_requests, outputs
 
 pytestmark = pytest.mark.cluster  # stage processes, killed with SIGKILL
 
