@@ -34,8 +34,8 @@ from layerbus.wire import protocol
 from layerbus.wire.frames import WireError, decode, encode
 from layerbus.wire.protocol import redirect_header, redirected_endpoint
 from tests.test_brokers_one_job import GHOST, wait_until
-from tests.helpers.cli import JOB_ID, cli_env, layerbus, layerbus_executable, status_json, write_jsonl
-from tests.test_cli_run import assert_parquet_matches_store
+from tests.helpers.cli import (JOB_ID, assert_parquet_matches_store, cli_env, layerbus, layerbus_executable,
+                               status_json, write_jsonl)
 
 
 @pytest.mark.parametrize("name, assigned, sizes, chain", [

@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from layerbus.storage import JobStore
-from tests.helpers.cli import JOB_ID, layerbus, status_json, write_jsonl
-from tests.test_cli_run import RUN_TIMEOUT_S, assert_parquet_matches_store, start_run, wait_for_job
+from tests.helpers.cli import (JOB_ID, RUN_TIMEOUT_S, assert_parquet_matches_store, layerbus, start_run, status_json,
+                               wait_for_job, write_jsonl)
 
 pytestmark = pytest.mark.cluster  # a broker and stage processes, killed and restarted
 

@@ -21,8 +21,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from layerbus.storage import JobStore
-from tests.helpers.cli import JOB_ID, cli_env, layerbus, layerbus_executable, status_json, write_jsonl
-from tests.test_cli_run import assert_parquet_matches_store
+from tests.helpers.cli import (JOB_ID, assert_parquet_matches_store, cli_env, layerbus, layerbus_executable,
+                               status_json, write_jsonl)
 
 pytestmark = pytest.mark.cluster  # brokers, stage processes and a PostgreSQL server
 

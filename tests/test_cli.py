@@ -10,20 +10,11 @@ import sys
 import pytest
 
 from tests.helpers.cli import JOB_ID, REPO, layerbus, status_json, write_jsonl
+from tests.helpers.fixtures_cli import home, tiny  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.cluster  # the `layerbus` console script in subprocesses
 
 DOCS = [{"id": f"doc-{i}", "text": f"The broker keeps a queue of jobs, number {i}."} for i in range(3)]
-
-
-@pytest.fixture
-def tiny(tiny_models):
-    return tiny_models("llama")
-
-
-@pytest.fixture
-def home(tmp_path):
-    return tmp_path / "home"
 
 
 def test_submit_and_status_from_separate_processes_share_the_default_store(home, tmp_path, tiny):

@@ -19,8 +19,8 @@ from sqlalchemy import select
 
 from layerbus.storage import JobStore
 from layerbus.storage.schema import items as items_table
-from tests.helpers.cli import JOB_ID, REPO, cli_env, layerbus, layerbus_executable, status_json, write_jsonl
-from tests.test_cli_run import assert_parquet_matches_store
+from tests.helpers.cli import (JOB_ID, REPO, assert_parquet_matches_store, cli_env, layerbus, layerbus_executable,
+                               status_json, write_jsonl)
 
 pytestmark = pytest.mark.cluster  # `layerbus run` with chain processes and their stages
 

@@ -8,22 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.fixtures_cli import home, tiny  # noqa: F401 - fixtures
 from tests.helpers.openai_batch_schema import check_files
 from tests.helpers.cli import JOB_ID, layerbus, status_json, write_jsonl
 
 pytestmark = pytest.mark.cluster  # `layerbus run` processes with their stages
 
 RUN_TIMEOUT_S = 180
-
-
-@pytest.fixture
-def tiny(tiny_models):
-    return tiny_models("llama")
-
-
-@pytest.fixture
-def home(tmp_path):
-    return tmp_path / "home"
 
 
 def chat_line(custom_id: str, content: str) -> dict:

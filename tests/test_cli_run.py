@@ -4,64 +4,17 @@ then a cancel from another process, and Ctrl-C followed by `run --job` resuming 
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from layerbus.storage import JobStore
-from layerbus.storage.results import read_results, results_metadata
-from tests.helpers.cli import JOB_ID, REPO, cli_env, layerbus, layerbus_executable, status_json, write_jsonl
+from layerbus.storage.results import results_metadata
+from tests.helpers.cli import (JOB_ID, RUN_TIMEOUT_S, assert_parquet_matches_store, documents, layerbus, start_run,
+                                status_json, wait_for_job, write_jsonl)
+from tests.helpers.fixtures_cli import home, tiny  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.cluster  # `layerbus run` processes with their stages
-
-RUN_TIMEOUT_S = 120
-
-
-@pytest.fixture
-def tiny(tiny_models):
-    return tiny_models("llama")
-
-
-@pytest.fixture
-def home(tmp_path):
-    return tmp_path / "home"
-
-
-def documents(count: int) -> list[dict]:
-    return [{"id": f"doc-{i:02d}", "text": f"The stage receives batch {i} and sends the result on."}
-            for i in range(count)]
-
-
-def start_run(home: Path, log: Path, *args) -> subprocess.Popen:
-    with open(log, "w") as handle:
-        return subprocess.Popen([layerbus_executable(), "run", *map(str, args)], env=cli_env(home), cwd=REPO,
-                                stdout=handle, stderr=subprocess.STDOUT)
-
-
-def wait_for_job(db: str, ready, what: str, process: subprocess.Popen, log: Path) -> str:
-    """Poll the store until the latest job's status satisfies `ready`; returns the job id."""
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    with JobStore.open(db) as store:
-        while time.monotonic() < deadline:
-            assert process.poll() is None, f"run ended early ({process.returncode}):\n{log.read_text()}"
-            job_id = store.latest_job_id()
-            if job_id is not None and ready(store.job_status(job_id)):
-                return job_id
-            time.sleep(0.05)
-    raise AssertionError(f"no {what} within {RUN_TIMEOUT_S} s:\n{log.read_text()}")
-
-
-def assert_parquet_matches_store(db: str, job_id: str, path: str) -> list[dict]:
-    rows = read_results(Path(path)).to_pylist()
-    with JobStore.open(db) as store:
-        stored = {row["custom_id"]: row for row in store.item_results(job_id)}
-    assert len(rows) == len({r["custom_id"] for r in rows}) == len(stored), "every custom_id exactly once"
-    for row in rows:
-        assert row["status"] == stored[row["custom_id"]]["status"]
-        assert row["output"] == stored[row["custom_id"]]["output"]
-    return rows
 
 
 def test_run_end_to_end(home, tmp_path, tiny):

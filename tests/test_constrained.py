@@ -28,6 +28,7 @@ from layerbus.models.model_info import read_model_info
 from layerbus.stages.sampling import allowed_tokens, choose_token
 from layerbus.wire.constraint import MASK_KEY, Constraint, pack_mask, unpack_mask
 from layerbus.wire.sampling import SamplingParams
+from tests.helpers.fixtures_cli import tiny  # noqa: F401 - fixture
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
@@ -184,11 +185,6 @@ def drive(scheduler: Scheduler, requests: list[GenerationRequest], vocab: int, r
             if steps == reset_at:
                 scheduler.reset_caches()
     return results
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_models):
-    return tiny_models("llama")
 
 
 def grammar_scheduler(model_dir) -> Scheduler:

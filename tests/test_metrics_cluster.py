@@ -22,8 +22,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from layerbus.storage import JobStore
-from tests.helpers.cli import JOB_ID, REPO, cli_env, layerbus, layerbus_executable, status_json, write_jsonl
-from tests.test_cli_run import RUN_TIMEOUT_S, documents, start_run, wait_for_job
+from tests.helpers.cli import (JOB_ID, REPO, RUN_TIMEOUT_S, cli_env, documents, layerbus, layerbus_executable,
+                               start_run, status_json, wait_for_job, write_jsonl)
 from tests.test_metrics import get
 
 pytestmark = pytest.mark.cluster  # a broker, stage processes, a Prometheus server

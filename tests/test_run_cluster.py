@@ -17,17 +17,13 @@ import zmq
 from layerbus.wire import protocol
 from layerbus.wire.frames import decode
 from tests.helpers.cli import REPO, cli_env, layerbus, status_json, write_jsonl
+from tests.helpers.fixtures_cli import tiny  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.cluster  # run_cluster.sh: a broker and stage processes
 
 SCRIPT = REPO / "run_cluster.sh"
 STARTED = re.compile(r"^(broker|stage-\d+) pid (\d+)", re.MULTILINE)
 TIMEOUT_S = 90
-
-
-@pytest.fixture
-def tiny(tiny_models):
-    return tiny_models("llama")
 
 
 def free_port_pair() -> int:

@@ -15,8 +15,7 @@ from layerbus.storage import JobStore
 from tests.test_broker_chains import ITEMS, JOB_ARGS, TIMEOUT_S, _logs, free_ports
 from tests.test_broker_chains import corpus, model, one_brokers_outputs  # noqa: F401 (fixtures)
 from tests.test_brokers_one_job import GHOST, wait_until
-from tests.helpers.cli import cli_env, layerbus, layerbus_executable, status_json
-from tests.test_cli_run import assert_parquet_matches_store
+from tests.helpers.cli import assert_parquet_matches_store, cli_env, layerbus, layerbus_executable, status_json
 
 pytestmark = pytest.mark.cluster  # a broker and two stage processes
 

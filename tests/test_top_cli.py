@@ -17,8 +17,8 @@ import pytest
 from layerbus.cli.main import main
 from layerbus.storage.snapshot_records import StageSnapshot
 from layerbus.storage.store import JobStore
-from tests.helpers.cli import REPO, cli_env, layerbus, layerbus_executable, write_jsonl
-from tests.test_cli_run import RUN_TIMEOUT_S, documents, start_run, wait_for_job
+from tests.helpers.cli import (REPO, RUN_TIMEOUT_S, cli_env, documents, layerbus, layerbus_executable, start_run,
+                               wait_for_job, write_jsonl)
 from tests.helpers.store_items import SETTINGS, new_items
 
 BROKER = "box-a:4242:0a1b2c3d"

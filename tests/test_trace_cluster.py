@@ -17,18 +17,13 @@ from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.requests import GenerationRequest
 from layerbus.planner.batching import BatchingConfig
 from layerbus.wire.trace_events import BUSY_CATEGORIES
-from tests.test_cli_run import RUN_TIMEOUT_S, documents, start_run, wait_for_job
-from tests.helpers.cli import write_jsonl
+from tests.helpers.fixtures_cli import tiny  # noqa: F401 - fixture
+from tests.helpers.cli import RUN_TIMEOUT_S, documents, start_run, wait_for_job, write_jsonl
 from tests.test_trace_events import assert_valid_trace
 
 pytestmark = pytest.mark.cluster  # stage processes, a `layerbus run`
 
 BUSY_TOLERANCE = 0.05  # the bar; by construction the two agree to microseconds per step
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_models):
-    return tiny_models("llama")
 
 
 def lanes(document: dict) -> dict[str, int]:

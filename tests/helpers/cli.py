@@ -1,5 +1,6 @@
 """Helpers for the CLI tests: the `layerbus` console script run as users do, a subprocess with its own
-LAYERBUS_HOME."""
+LAYERBUS_HOME; a `layerbus run` started in the background, waited on through its store, and its Parquet results
+held against the store."""
 
 from __future__ import annotations
 
@@ -9,10 +10,15 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+from layerbus.storage import JobStore
+from layerbus.storage.results import read_results
 
 REPO = Path(__file__).resolve().parents[2]
 JOB_ID = re.compile(r"job_[0-9a-f]{12}")
+RUN_TIMEOUT_S = 120
 
 
 def layerbus_executable() -> str:
@@ -42,3 +48,38 @@ def status_json(home: Path, *args: str) -> dict | list:
 def write_jsonl(path: Path, items: list[dict | str]) -> Path:
     path.write_text("".join((item if isinstance(item, str) else json.dumps(item)) + "\n" for item in items))
     return path
+
+
+def documents(count: int) -> list[dict]:
+    return [{"id": f"doc-{i:02d}", "text": f"The stage receives batch {i} and sends the result on."}
+            for i in range(count)]
+
+
+def start_run(home: Path, log: Path, *args) -> subprocess.Popen:
+    with open(log, "w") as handle:
+        return subprocess.Popen([layerbus_executable(), "run", *map(str, args)], env=cli_env(home), cwd=REPO,
+                                stdout=handle, stderr=subprocess.STDOUT)
+
+
+def wait_for_job(db: str, ready, what: str, process: subprocess.Popen, log: Path) -> str:
+    """Poll the store until the latest job's status satisfies `ready`; returns the job id."""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    with JobStore.open(db) as store:
+        while time.monotonic() < deadline:
+            assert process.poll() is None, f"run ended early ({process.returncode}):\n{log.read_text()}"
+            job_id = store.latest_job_id()
+            if job_id is not None and ready(store.job_status(job_id)):
+                return job_id
+            time.sleep(0.05)
+    raise AssertionError(f"no {what} within {RUN_TIMEOUT_S} s:\n{log.read_text()}")
+
+
+def assert_parquet_matches_store(db: str, job_id: str, path: str) -> list[dict]:
+    rows = read_results(Path(path)).to_pylist()
+    with JobStore.open(db) as store:
+        stored = {row["custom_id"]: row for row in store.item_results(job_id)}
+    assert len(rows) == len({r["custom_id"] for r in rows}) == len(stored), "every custom_id exactly once"
+    for row in rows:
+        assert row["status"] == stored[row["custom_id"]]["status"]
+        assert row["output"] == stored[row["custom_id"]]["output"]
+    return rows

@@ -1,0 +1,19 @@
+"""Fixtures the CLI tests share: the tiny llama's directory and a LAYERBUS_HOME for the CLI's processes.
+
+Imported by name into the modules that use them (`from tests.helpers.fixtures_cli import home, tiny`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def tiny(tiny_models) -> Path:
+    return tiny_models("llama")
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    return tmp_path / "home"
