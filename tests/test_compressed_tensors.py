@@ -15,7 +15,7 @@ from layerbus.stages.packed_linear import PackedLinear
 from layerbus.stages.shard import ShardSpec, load_shard
 from layerbus.wire.protocol import StepRow
 from layerbus.wire.spans import LayerRange
-from tests.test_equivalence import TINY_PROMPTS
+from tests.helpers.equivalence import TINY_PROMPTS
 
 pytest.importorskip("compressed_tensors", reason="the compressed-tensors extra: pip install -e '.[compressed-tensors]'")
 from tests.helpers.compressed_checkpoint import make_compressed_checkpoint  # noqa: E402  (needs the library)

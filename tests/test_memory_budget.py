@@ -15,7 +15,7 @@ from layerbus.models.model_files import open_model_dir
 from layerbus.stages.host import budget_overrun, proc_kib_field
 from layerbus.stages.profile import largest_tensor_bytes, memory_figures
 from layerbus.wire.spans import LayerRange
-from tests.test_equivalence import TINY_PROMPTS
+from tests.helpers.equivalence import TINY_PROMPTS
 
 MIB = 1 << 20
 

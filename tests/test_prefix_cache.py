@@ -20,7 +20,7 @@ from layerbus.planner.batching import BatchingConfig
 from layerbus.broker.scheduler import PlannedRow, Scheduler
 from layerbus.wire import protocol
 from layerbus.wire.frames import WireError
-from tests.test_equivalence import assert_equivalent, run_pipeline
+from tests.helpers.equivalence import assert_equivalent, run_pipeline
 
 BLOCK = 4
 
@@ -284,7 +284,7 @@ def test_eval_contexts_sharing_examples_score_as_a_full_pass_with_the_cache(tiny
     the cache, and every choice still scores what one plain forward over context + choice gives."""
     from transformers import AutoTokenizer
 
-    from tests.test_equivalence import full_pass_scores
+    from tests.helpers.equivalence import full_pass_scores
 
     model_dir = tiny_models(arch, num_hidden_layers=4, **overrides)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -23,7 +23,7 @@ from layerbus.stages.shard import ShardSpec, load_shard
 from layerbus.wire.protocol import StepRow
 from layerbus.wire.spans import LayerRange
 from layerbus.wire.weight_formats import WeightChoice, choose_weights
-from tests.test_equivalence import TINY_PROMPTS, run_pipeline
+from tests.helpers.equivalence import TINY_PROMPTS, run_pipeline
 
 
 @pytest.mark.parametrize("stage_flag, broker_flag, dtype, expected", [

@@ -18,7 +18,7 @@ from layerbus.planner.batching import BatchingConfig
 from layerbus.planner.placement import PlanOptions
 from layerbus.wire.codecs import wire_bytes
 from tests.helpers.cli import JOB_ID, layerbus, status_json, write_jsonl
-from tests.test_equivalence import TINY_PROMPTS, assert_equivalent, top2_gap
+from tests.helpers.equivalence import TINY_PROMPTS, assert_equivalent, top2_gap
 
 # A lossy hop may flip a token where the float32 run's top two logits are this close (int8's error
 # on the tiny model's logits is a few 1e-3); a broken codec flips them at gaps of whole logits.
