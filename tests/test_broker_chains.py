@@ -6,10 +6,8 @@ broker's, every item once."""
 from __future__ import annotations
 
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -33,9 +31,12 @@ from layerbus.storage import JobStore
 from layerbus.wire import protocol
 from layerbus.wire.frames import WireError, decode, encode
 from layerbus.wire.protocol import redirect_header, redirected_endpoint
-from tests.test_brokers_one_job import GHOST, wait_until
-from tests.helpers.cli import (JOB_ID, assert_parquet_matches_store, cli_env, layerbus, layerbus_executable,
-                               status_json, write_jsonl)
+from tests.helpers.cli import assert_parquet_matches_store, cli_env, layerbus, layerbus_executable, status_json
+from tests.helpers.fixtures_cli import model  # noqa: F401 - fixture
+from tests.helpers.fixtures_one_broker import ITEMS, JOB_ARGS, TIMEOUT_S
+from tests.helpers.fixtures_one_broker import corpus, one_brokers_outputs  # noqa: F401 - fixtures
+from tests.helpers.processes import free_ports, logs_of, wait_until
+from tests.helpers.store_items import GHOST
 
 
 @pytest.mark.parametrize("name, assigned, sizes, chain", [
@@ -228,54 +229,6 @@ def test_chains_refuse_metrics_and_trace_which_serve_one_broker(tmp_path, capsys
     assert "--metrics and --trace serve one broker" in capsys.readouterr().err
 
 
-def free_ports(count: int) -> int:
-    """A port P with P .. P + count - 1 all free on loopback, below the kernel's ephemeral range: ports taken
-    by binds to port 0 (every stage's data port, other tests' brokers) come from that range, so one of
-    these could be taken between this check and the broker's bind if they were in it (a CI run lost a
-    chain's broker so: 'Address already in use')."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
-        if Path("/proc/sys/net/ipv4/ip_local_port_range").exists() else 32768
-    rng = random.Random()
-    for _ in range(200):
-        first = rng.randrange(10000, max(10001, low - count))
-        try:
-            for port in range(first, first + count):
-                with socket.socket() as check:
-                    check.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-    raise RuntimeError(f"no {count} free consecutive ports below {low}")
-
-
-ITEMS = 60
-JOB_ARGS = ("--task", "summarize", "--max-new-tokens", "6")
-TIMEOUT_S = 240
-
-
-@pytest.fixture(scope="module")
-def model(tiny_models) -> Path:
-    return tiny_models("llama")
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return write_jsonl(tmp_path_factory.mktemp("corpus") / "docs.jsonl",
-                       [{"id": f"doc-{i:02d}", "text": f"Front door {i} sends stage {i % 2} on."} for i in range(ITEMS)])
-
-
-@pytest.fixture(scope="module")
-def one_brokers_outputs(tmp_path_factory, corpus, model) -> dict[str, str]:
-    folder = tmp_path_factory.mktemp("single")
-    home, db = folder / "home", f"sqlite:///{folder / 'jobs.db'}"
-    done = layerbus(home, "run", corpus, "--model", model, "--db", db, "--stages", "1", "--threads-per-stage", "1",
-                    *JOB_ARGS, timeout=TIMEOUT_S)
-    assert done.returncode == 0, done.stderr
-    job_id = JOB_ID.search(done.stdout).group()
-    rows = assert_parquet_matches_store(db, job_id, status_json(home, job_id, "--db", db)["results_path"])
-    return {row["custom_id"]: row["output"] for row in rows}
-
-
 def chains_formed(log: Path, asked: str) -> int | None:
     """How many chains the front door runs: --chains K, or under auto what it said it chose (None: not yet)."""
     if asked != "auto":
@@ -342,8 +295,8 @@ def test_two_stages_at_one_address_form_chains_that_share_the_job_with_one_broke
         try:
             code = front.wait(TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"the front door did not exit once idle:\n{_logs(logs)}") from None
-        assert code == 0, _logs(logs)
+            raise AssertionError(f"the front door did not exit once idle:\n{logs_of(logs)}") from None
+        assert code == 0, logs_of(logs)
         assert [stage.wait(30) for stage in processes[1:]] == [0, 0], "stages stop when their broker says so"
     finally:
         for process in processes:
@@ -365,14 +318,10 @@ def no_chain_ended(front_log: Path, logs: Path, condition):
     """`condition`, failing at once if the front door says a chain's broker ended (a chain that cannot bind
     its port exits 2, and the other chain alone keeps the front door running: waiting would take minutes)."""
     def checked() -> bool:
-        assert "broker ended with exit code" not in front_log.read_text(), f"a chain's broker ended:\n{_logs(logs)}"
+        assert "broker ended with exit code" not in front_log.read_text(), f"a chain's broker ended:\n{logs_of(logs)}"
         return condition()
 
     return checked
-
-
-def _logs(folder: Path) -> str:
-    return "\n".join(f"--- {path.name}\n{path.read_text()[-3000:]}" for path in sorted(folder.glob("*.log")))
 
 
 def chain_broker_pid(front: subprocess.Popen, label: str) -> int | None:
@@ -516,9 +465,9 @@ def test_a_chain_that_cannot_go_on_sends_its_survivor_to_the_other_chain_which_p
         try:
             code = processes["front"].wait(TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"the front door did not exit once the job completed:\n{_logs(logs)}") from None
-        assert code == 0, _logs(logs)
-        assert [processes[name].wait(30) for name in ("stage-a", "stage-b")] == [0, 0], _logs(logs)
+            raise AssertionError(f"the front door did not exit once the job completed:\n{logs_of(logs)}") from None
+        assert code == 0, logs_of(logs)
+        assert [processes[name].wait(30) for name in ("stage-a", "stage-b")] == [0, 0], logs_of(logs)
     finally:
         for process in processes.values():
             process.kill()

@@ -13,7 +13,7 @@ import pytest
 from layerbus.cli.broker_service import exit_code_when_idle
 from layerbus.cli.main import main as cli_main
 from tests.helpers.cli import cli_env, layerbus, layerbus_executable, status_json, write_jsonl
-from tests.test_run_cluster import free_port_pair
+from tests.helpers.processes import free_port_pair
 
 TIMEOUT_S = 120
 

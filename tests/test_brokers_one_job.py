@@ -13,16 +13,17 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from collections import Counter
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 
 from layerbus.storage import JobStore
 from tests.helpers.cli import (JOB_ID, assert_parquet_matches_store, cli_env, layerbus, layerbus_executable,
-                               status_json, write_jsonl)
+                               result_outputs, status_json, write_jsonl)
+from tests.helpers.fixtures_cli import model  # noqa: F401 - fixture
+from tests.helpers.processes import logs_of, wait_until
+from tests.helpers.store_items import GHOST
 
 pytestmark = pytest.mark.cluster  # brokers, stage processes and a PostgreSQL server
 
@@ -32,7 +33,6 @@ JOB_ARGS = ("--task", "summarize", "--max-new-tokens", "6")
 RUN_ARGS = ("--stages", "1", "--threads-per-stage", "1", "--max-context", "128", "--slots", "32")
 # A short lease, so a killed broker's items come back within seconds (renewed every 0.5 s).
 LEASE_S = 6
-GHOST = "ghost-host:1:0ff"
 TIMEOUT_S = 300
 
 
@@ -41,18 +41,9 @@ def documents() -> list[dict]:
             for i in range(ITEMS)]
 
 
-def outputs(path: str) -> dict[str, str]:
-    return {row["custom_id"]: row["output"] for row in pq.read_table(path).to_pylist()}
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     return write_jsonl(tmp_path_factory.mktemp("corpus") / "corpus.jsonl", documents())
-
-
-@pytest.fixture(scope="module")
-def model(tiny_models) -> Path:
-    return tiny_models("llama")
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +53,7 @@ def single_broker_outputs(tmp_path_factory, corpus, model) -> dict[str, str]:
     home, db = folder / "home", f"sqlite:///{folder / 'jobs.db'}"
     done = layerbus(home, "run", corpus, "--model", model, "--db", db, *JOB_ARGS, *RUN_ARGS, timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stderr
-    return outputs(status_json(home, JOB_ID.search(done.stdout).group(), "--db", db)["results_path"])
+    return result_outputs(status_json(home, JOB_ID.search(done.stdout).group(), "--db", db)["results_path"])
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -91,18 +82,6 @@ def start_brokers(home: Path, job_id: str, db: str, count: int, logs: Path) -> l
                 [layerbus_executable(), "run", "--job", job_id, "--db", db, "--lease", str(LEASE_S), *RUN_ARGS],
                 env=cli_env(home), stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     return brokers
-
-
-def logs_of(logs: Path) -> str:
-    return "\n".join(f"--- {path.name}\n{path.read_text()[-3000:]}" for path in sorted(logs.glob("*.log")))
-
-
-def wait_until(condition, what: str, brokers: list[subprocess.Popen], logs: Path, allow_exit: bool = False) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while not condition():
-        assert allow_exit or all(b.poll() is None for b in brokers), f"a broker ended early:\n{logs_of(logs)}"
-        assert time.monotonic() < deadline, f"no {what} within {TIMEOUT_S} s:\n{logs_of(logs)}"
-        time.sleep(0.1)
 
 
 def release_the_ghosts_items(store: JobStore, job_id: str, count: int, brokers, logs: Path) -> dict[int, str]:
@@ -136,7 +115,7 @@ def assert_each_item_once_with_the_single_brokers_outputs(home: Path, db: str, j
         f"{status}\n{logs_of(logs) if logs else ''}"
     rows = assert_parquet_matches_store(db, job_id, status["results_path"])
     assert Counter(row["custom_id"] for row in rows) == Counter(list(expected)), "every custom_id exactly once"
-    assert outputs(status["results_path"]) == expected
+    assert result_outputs(status["results_path"]) == expected
     assert not (home / "results" / job_id).exists(), "no broker's part files are left"
     return status
 

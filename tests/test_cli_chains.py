@@ -13,14 +13,14 @@ from collections import Counter
 from datetime import datetime
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import select
 
 from layerbus.storage import JobStore
 from layerbus.storage.schema import items as items_table
 from tests.helpers.cli import (JOB_ID, REPO, assert_parquet_matches_store, cli_env, layerbus, layerbus_executable,
-                               status_json, write_jsonl)
+                               result_outputs, status_json, write_jsonl)
+from tests.helpers.fixtures_cli import model  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.cluster  # `layerbus run` with chain processes and their stages
 
@@ -36,18 +36,9 @@ def documents() -> list[dict]:
             for i in range(ITEMS)]
 
 
-def outputs(path: str) -> dict[str, str]:
-    return {row["custom_id"]: row["output"] for row in pq.read_table(path).to_pylist()}
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     return write_jsonl(tmp_path_factory.mktemp("corpus") / "corpus.jsonl", documents())
-
-
-@pytest.fixture(scope="module")
-def model(tiny_models) -> Path:
-    return tiny_models("llama")
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +49,7 @@ def one_stage_outputs(tmp_path_factory, corpus, model) -> dict[str, str]:
     done = layerbus(home, "run", corpus, "--model", model, "--db", db, "--stages", "1", *JOB_ARGS, *RUN_ARGS,
                     timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stderr
-    return outputs(status_json(home, JOB_ID.search(done.stdout).group(), "--db", db)["results_path"])
+    return result_outputs(status_json(home, JOB_ID.search(done.stdout).group(), "--db", db)["results_path"])
 
 
 def assert_each_item_once_with(expected: dict[str, str], home: Path, db: str, job_id: str) -> dict:
@@ -66,7 +57,7 @@ def assert_each_item_once_with(expected: dict[str, str], home: Path, db: str, jo
     assert status["status"] == "completed" and status["request_counts"]["completed"] == ITEMS
     rows = assert_parquet_matches_store(db, job_id, status["results_path"])
     assert Counter(row["custom_id"] for row in rows) == Counter(list(expected)), "every custom_id exactly once"
-    assert outputs(status["results_path"]) == expected, "token for token the one-stage run's outputs"
+    assert result_outputs(status["results_path"]) == expected, "token for token the one-stage run's outputs"
     return status
 
 

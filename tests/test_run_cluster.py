@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -18,27 +17,13 @@ from layerbus.wire import protocol
 from layerbus.wire.frames import decode
 from tests.helpers.cli import REPO, cli_env, layerbus, status_json, write_jsonl
 from tests.helpers.fixtures_cli import tiny  # noqa: F401 - fixture
+from tests.helpers.processes import free_port_pair
 
 pytestmark = pytest.mark.cluster  # run_cluster.sh: a broker and stage processes
 
 SCRIPT = REPO / "run_cluster.sh"
 STARTED = re.compile(r"^(broker|stage-\d+) pid (\d+)", re.MULTILINE)
 TIMEOUT_S = 90
-
-
-def free_port_pair() -> int:
-    """A port P with P and P+1 free (the broker binds control on P, results on P+1)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        try:
-            with socket.socket() as second:
-                second.bind(("0.0.0.0", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
 
 
 def alive(pid: int) -> bool:

@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 
 from layerbus.storage import JobStore
-from tests.test_broker_chains import ITEMS, JOB_ARGS, TIMEOUT_S, _logs, free_ports
-from tests.test_broker_chains import corpus, model, one_brokers_outputs  # noqa: F401 (fixtures)
-from tests.test_brokers_one_job import GHOST, wait_until
 from tests.helpers.cli import assert_parquet_matches_store, cli_env, layerbus, layerbus_executable, status_json
+from tests.helpers.fixtures_cli import model  # noqa: F401 - fixture
+from tests.helpers.fixtures_one_broker import ITEMS, JOB_ARGS, TIMEOUT_S
+from tests.helpers.fixtures_one_broker import corpus, one_brokers_outputs  # noqa: F401 - fixtures
+from tests.helpers.processes import free_ports, logs_of, wait_until
+from tests.helpers.store_items import GHOST
 
 pytestmark = pytest.mark.cluster  # a broker and two stage processes
 
@@ -65,8 +67,8 @@ def test_a_stage_started_mid_job_joins_the_chain_and_the_outputs_do_not_change(
         try:
             code = processes[0].wait(TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"the broker did not exit once idle:\n{_logs(logs)}") from None
-        assert code == 0, _logs(logs)
+            raise AssertionError(f"the broker did not exit once idle:\n{logs_of(logs)}") from None
+        assert code == 0, logs_of(logs)
     finally:
         for process in processes:
             process.kill()

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 from layerbus.storage import JobStore
 from layerbus.storage.results import read_results
 
@@ -83,3 +85,8 @@ def assert_parquet_matches_store(db: str, job_id: str, path: str) -> list[dict]:
         assert row["status"] == stored[row["custom_id"]]["status"]
         assert row["output"] == stored[row["custom_id"]]["output"]
     return rows
+
+
+def result_outputs(path: str) -> dict[str, str]:
+    """custom_id -> output of a job's results file."""
+    return {row["custom_id"]: row["output"] for row in pq.read_table(path).to_pylist()}

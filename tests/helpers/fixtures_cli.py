@@ -1,6 +1,7 @@
 """Fixtures the CLI tests share: the tiny llama's directory and a LAYERBUS_HOME for the CLI's processes.
 
-Imported by name into the modules that use them (`from tests.helpers.fixtures_cli import home, tiny`)."""
+Imported by name into the modules that use them (`from tests.helpers.fixtures_cli import home, tiny`). `model`
+is the tiny llama too, module-scoped, for the modules whose reference run is a module fixture."""
 
 from __future__ import annotations
 
@@ -17,3 +18,8 @@ def tiny(tiny_models) -> Path:
 @pytest.fixture
 def home(tmp_path: Path) -> Path:
     return tmp_path / "home"
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models) -> Path:
+    return tiny_models("llama")

@@ -7,6 +7,8 @@ from datetime import datetime, timezone
 from layerbus.storage.records import ItemResult, JobSettings, NewItem
 
 T0 = datetime(2030, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc)
+# A holder elsewhere, alive as far as anyone can tell: items it claims wait until the test requeues them.
+GHOST = "ghost-host:1:0ff"
 SETTINGS = JobSettings(task="generate", model="tiny-model", max_new_tokens=16, name="demo", input_path="in.jsonl")
 
 
