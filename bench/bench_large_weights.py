@@ -32,7 +32,7 @@ from layerbus.broker.requests import GenerationRequest  # noqa: E402
 from layerbus.planner.batching import BatchingConfig  # noqa: E402
 from layerbus.models.model_info import load_tokenizer  # noqa: E402
 from tests.helpers.large_model import make_large_model  # noqa: E402
-from tests.test_memory_budget import vm_hwm  # noqa: E402
+from tests.helpers.memory import vm_hwm  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_large_weights.json"
 FORMATS = ("fp32", "bf16", "int8", "int4")

@@ -17,7 +17,7 @@ from layerbus.planner.workload import Workload
 from layerbus.launch.chains import chain_runs
 from layerbus.jobs.chain_split import split_stages
 from layerbus.jobs.leases import LeaseConfig
-from tests.test_chain_plan import MODEL, stage
+from tests.helpers.chain_cases import MODEL, stage
 
 PROMPTS = (10, 11, 12, 13, 14, 15, 16)
 BUDGETS = (4, 5, 6, 7, 8, 9, 10)

@@ -93,7 +93,7 @@ def test_a_chain_count_that_is_no_number_names_the_choices(capsys):
 
 def test_the_planner_s_chains_are_dealt_in_order_with_its_sizes():
     from layerbus.cli.chain_choice import chains_of, dealt_as_planned
-    from tests.test_chain_plan import HALF_MODEL_BUDGET, plan_one, stage
+    from tests.helpers.chain_cases import HALF_MODEL_BUDGET, plan_one, stage
     from layerbus.planner.chain_plan import ChainPlanOptions, plan_chains
 
     alike = [stage(f"stage-{i}", overhead=0.05, budget=HALF_MODEL_BUDGET) for i in range(4)]

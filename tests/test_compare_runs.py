@@ -280,7 +280,7 @@ def test_rows_from_samples_rows_compare_with_margins_and_failures():
     """The real row shapes (doc_results.samples_rows over task_items), not hand-made ones."""
     from layerbus.evals.doc_results import ItemOutcome
     from layerbus.evals.documents import MULTIPLE_CHOICE, MultipleChoiceDoc
-    from tests.test_eval_doc_results import loaded, rows_for
+    from tests.helpers.eval_rows import loaded, rows_for
 
     docs = [MultipleChoiceDoc(f"d{i}", "The stage", (" receives", " a", " the sea"), (0,)) for i in range(4)]
     task = loaded(MULTIPLE_CHOICE, docs, ["acc", "acc_norm"], name="mc")

@@ -16,7 +16,7 @@ from layerbus.broker.metrics import counter_families, job_families, stage_famili
 from layerbus.broker.run_state import BrokerCounts
 from layerbus.wire.spans import LayerRange
 from tests.helpers.cli import REPO
-from tests.test_metrics import job_status, stage
+from tests.helpers.status_records import job_status, stage
 
 DASHBOARD = REPO / "deploy" / "grafana" / "layerbus.json"
 SCRAPE_EXAMPLE = REPO / "deploy" / "prometheus" / "prometheus.yml"

@@ -4,11 +4,10 @@ model's own forward pass over that sequence alone."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
+from transformers import LlamaConfig, MistralConfig
 
 from layerbus.models.model_files import open_model_dir
 from layerbus.stages.forward import head_logits, run_step
@@ -16,19 +15,7 @@ from layerbus.stages.kv_cache import CacheGroup, KVArena
 from layerbus.stages.shard import ShardSpec, StageShard, load_shard
 from layerbus.wire.protocol import StepRow
 from layerbus.wire.spans import LayerRange
-
-ATOL = 1e-4
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-            vocab_size=100, max_position_embeddings=128,
-            initializer_range=0.1)  # larger than the default so attention is far from uniform
-
-
-def save_tiny_model(config, path: Path, seed: int = 0):
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    model.save_pretrained(path)  # transformers 5 always writes safetensors
-    assert (path / "model.safetensors").is_file()
-    return model
+from tests.helpers.tiny_llama import ATOL, TINY, save_tiny_model, tokens
 
 
 class Harness:
@@ -61,10 +48,6 @@ class Harness:
         for (slot, start, length), got in zip(rows, self.step(full_rows)):
             want = self.reference(sequences[slot])[start:start + length]
             torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=lambda m: f"slot {slot} @ {start}: {m}")
-
-
-def tokens(seed: int, length: int) -> list[int]:
-    return torch.randint(0, 100, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from layerbus.broker.profiling import ProfilingConfig
 from layerbus.broker.requests import GenerationRequest
 from layerbus.models.model_files import open_model_dir
 from tests.helpers.large_model import make_large_model
-from tests.test_memory_budget import vm_hwm
+from tests.helpers.memory import vm_hwm
 
 MIB = 1 << 20
 # Each stage's whole memory, runtime included: two of them < the bfloat16 weights. 1150 MiB holds half the

@@ -12,10 +12,11 @@ from layerbus.broker.broker import BatchingConfig, BrokerConfig
 from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.requests import GenerationRequest
 from layerbus.models.model_files import open_model_dir
-from layerbus.stages.host import budget_overrun, proc_kib_field
+from layerbus.stages.host import budget_overrun
 from layerbus.stages.profile import largest_tensor_bytes, memory_figures
 from layerbus.wire.spans import LayerRange
 from tests.helpers.equivalence import TINY_PROMPTS
+from tests.helpers.memory import vm_hwm
 
 MIB = 1 << 20
 
@@ -42,12 +43,6 @@ def test_without_a_budget_only_the_loader_comes_out_of_free_memory(tiny_models):
     figures = memory_figures(files, "cpu", None, 400 * MIB)
     assert figures["runtime_bytes"] == 400 * MIB and figures["loader_peak_bytes"] == largest_tensor_bytes(files) > 0
     assert figures["memory_budget"] > 0 and figures["memory_budget_given"] is None
-
-
-def vm_hwm(pid: int) -> int:
-    peak = proc_kib_field(f"/proc/{pid}/status", "VmHWM")
-    assert peak is not None, f"no VmHWM for process {pid}"
-    return peak
 
 
 @pytest.mark.parametrize("peak, budget, said", [

@@ -8,10 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 import socket
-import urllib.error
-import urllib.request
 from dataclasses import replace
-from datetime import datetime, timezone
 from types import SimpleNamespace
 
 import pytest
@@ -36,14 +33,7 @@ from layerbus.cli.options import metrics_address
 from layerbus.stages.worker import STEP_SECONDS_BUCKETS, StageStats
 from layerbus.storage.records import JobStatus
 from layerbus.wire.spans import LayerRange
-
-
-def stage(name: str, state: StageState = StageState.READY, stats: dict | None = None, **fields) -> StageInfo:
-    values = dict(identity=name.encode(), name=name, device="cpu", dtype="float32", threads=1, memory_budget=None,
-                  data_address="tcp://127.0.0.1:1", host="box", pid=1, last_seen=100.0, state=state,
-                  stats=stats or {}, weights="fp32", param_bytes=1000)
-    values.update(fields)
-    return StageInfo(**values)
+from tests.helpers.status_records import get, job_status, stage
 
 
 TWO = Placement(("a", "b"), (LayerRange(0, 3), LayerRange(3, 6)), ("int8",))
@@ -182,15 +172,6 @@ def test_counter_families():
     assert values(families["layerbus_placement_epoch"]) == {(): 7.0}
 
 
-def job_status(job_id: str = "job_1", **fields) -> JobStatus:
-    values = dict(job_id=job_id, name="", task="summarize", model="m", status="in_progress", timestamps={},
-                  total=10, counts={"queued": 4, "in_progress": 2, "completed": 3, "failed": 1, "cancelled": 0},
-                  completed=3, failed=1, cancelled=0, queued=4, in_progress=2, prompt_tokens=120,
-                  completion_tokens=45, tokens_per_s=9.0, eta_s=12.5, results_path=None, error=None)
-    values.update(fields)
-    return JobStatus(**values)
-
-
 def test_job_families():
     families = by_name(job_families([job_status(), job_status("job_2", status="queued", tokens_per_s=None,
                                                               eta_s=None, completion_tokens=0)]))
@@ -239,14 +220,6 @@ def broker_stand_in(stages: list[StageInfo], placement: Placement | None):
     """What the collector reads of a Broker: its control plane's stages and clock, placement and counts."""
     control = SimpleNamespace(stages={s.identity: s for s in stages}, epoch=1, clock=lambda: 100.0)
     return SimpleNamespace(control=control, placement=placement, counts=BrokerCounts(failed_steps=2))
-
-
-def get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from layerbus.storage import JobStore
 from tests.helpers.cli import (JOB_ID, REPO, RUN_TIMEOUT_S, cli_env, documents, layerbus, layerbus_executable,
                                start_run, status_json, wait_for_job, write_jsonl)
-from tests.test_metrics import get
+from tests.helpers.status_records import get
 
 pytestmark = pytest.mark.cluster  # a broker, stage processes, a Prometheus server
 

@@ -15,7 +15,7 @@ from layerbus.planner.network import BROKER, HostLinks, Link
 from layerbus.planner.placement import PlanOptions, estimate_split, plan_placement
 from layerbus.planner.planning import PlanInputs, plan_chain, planned, replan_slowed
 from layerbus.wire.spans import LayerRange
-from tests.test_placement import SHAPES, compositions, profile, small_model
+from tests.helpers.placement_cases import SHAPES, compositions, profile, small_model
 
 FAST, SLOW = Link(10_000.0), Link(4.0)  # bytes/s: a step (2 positions of 8 bytes) sends in 1.6 ms or 4 s (4 layers)
 STEADY = PlanOptions(prompt_tokens_per_new_token=0)

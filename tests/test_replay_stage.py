@@ -15,7 +15,7 @@ from layerbus.stages.replay import CarryFrom, replay_step
 from layerbus.stages.shard import ShardSpec, load_shard
 from layerbus.wire.protocol import StepRow
 from layerbus.wire.spans import LayerRange
-from tests.test_kv_cache import ATOL, TINY, save_tiny_model, tokens
+from tests.helpers.tiny_llama import ATOL, TINY, save_tiny_model, tokens
 
 LAYERS = 4
 LOADED_AS = ("model", "fp32")

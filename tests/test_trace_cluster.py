@@ -19,7 +19,7 @@ from layerbus.planner.batching import BatchingConfig
 from layerbus.wire.trace_events import BUSY_CATEGORIES
 from tests.helpers.fixtures_cli import tiny  # noqa: F401 - fixture
 from tests.helpers.cli import RUN_TIMEOUT_S, documents, start_run, wait_for_job, write_jsonl
-from tests.test_trace_events import assert_valid_trace
+from tests.helpers.trace import assert_valid_trace
 
 pytestmark = pytest.mark.cluster  # stage processes, a `layerbus run`
 

@@ -22,7 +22,7 @@ from layerbus.models.model_files import open_model_dir
 from layerbus.models.weight_blocks import LAYOUTS
 from layerbus.models.weight_sizes import BLOCK_BYTES
 from layerbus.wire.spans import LayerRange
-from tests.test_placement import SHAPES, profile
+from tests.helpers.placement_cases import SHAPES, profile
 
 KNOWN = ("fp32", "bf16", "fp16", "int8", "int4", "native")
 
