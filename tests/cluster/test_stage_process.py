@@ -23,7 +23,7 @@ from layerbus.wire import protocol
 from layerbus.wire.frames import Message, decode, encode
 from layerbus.wire.protocol import HEARTBEAT_IDENTITY_SUFFIX
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
             vocab_size=100, max_position_embeddings=128, initializer_range=0.1)
 PROMPT = [11, 42, 7, 93, 5, 60]

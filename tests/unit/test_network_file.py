@@ -12,7 +12,7 @@ from layerbus.planner.cluster_file import ClusterFileError, read_network_file
 from layerbus.planner.network import BROKER, Link
 from layerbus.cli.main import main as layerbus_main
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_example_reads_as_its_comments_say() -> None:

@@ -14,7 +14,7 @@ from layerbus.jobs.corpus import corpus_prompts
 from layerbus.models.model_info import load_tokenizer
 from layerbus.stages.quality import measure_quality
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_reference_pair_is_exact_and_quantizing_costs_something(tiny_models, tmp_path):

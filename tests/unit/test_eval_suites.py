@@ -9,7 +9,7 @@ import pytest
 from layerbus.evals.documents import MULTIPLE_CHOICE, ROLLING
 from layerbus.evals.suites import MetricSpec, SuiteError, load_suite, load_suite_tasks
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 NIGHTLY = EXAMPLES / "evals" / "nightly.toml"
 
 

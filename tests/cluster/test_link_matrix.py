@@ -30,7 +30,7 @@ from layerbus.stages.peer_links import PeerProbeRequest, PeerProber, is_link_pro
 from layerbus.wire import link_probe
 from layerbus.wire.frames import WireError, encode
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 # -- the stage's side, over real sockets in this process -------------------------------------------

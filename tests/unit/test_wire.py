@@ -16,7 +16,7 @@ from layerbus.wire.protocol import StepRow, rows_from_json, rows_to_json
 from layerbus.wire.spans import LayerRange
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")  # read-only frames, as frames.py says
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:

@@ -20,7 +20,7 @@ from tests.helpers.fixtures_stores import store, store_url  # noqa: F401 - fixtu
 
 T0 = datetime(2030, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc)
 FINGERPRINT = {"config_sha256": "c" * 64, "dtype": "float32", "wire": ["int8"], "layerbus": "0.1.0"}
-SCHEMA_DOC = Path(__file__).resolve().parents[1] / "storage" / "SCHEMA.md"
+SCHEMA_DOC = Path(__file__).resolve().parents[2] / "storage" / "SCHEMA.md"
 # The example query of storage/SCHEMA.md, verbatim: it must run on both backends.
 NIGHTLY_ACC_SQL = """\
 SELECT r.created_at, r.job_id, r.model, m.task, m.value, m.stderr, m.n

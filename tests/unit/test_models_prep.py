@@ -269,7 +269,7 @@ def test_prepare_once_in_two_processes_builds_once(tmp_path):
         print(prepare_once(Path({str(tmp_path / "cache" / "m")!r}), build, progress=lambda _: None))
         """
     )
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     processes = [
         subprocess.Popen([sys.executable, "-c", script], cwd=root, stdout=subprocess.PIPE, text=True)
         for _ in range(2)

@@ -10,7 +10,7 @@ import pytest
 from layerbus.jobs.inputs import load_inputs, read_inputs
 from layerbus.jobs.records import InputError
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def make_dir(tmp_path, files: dict[str, bytes | str]) -> Path:

@@ -52,7 +52,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10: pytest itself depends on tomli there
     import tomli as tomllib
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NAMESPACE = "layerbus"
 # package -> the layerbus packages it may import (the table above).
 ALLOWED: dict[str, tuple[str, ...]] = {

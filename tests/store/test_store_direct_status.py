@@ -74,6 +74,6 @@ def test_status_command_on_sqlite_imports_no_sqlalchemy(tmp_path):
             "from cli.main import main\ntry:\n    main()\nexcept SystemExit:\n    pass\n"
             "print('SQLALCHEMY' if 'sqlalchemy' in sys.modules else 'LIGHT')") % (ids[0], url)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).parent.parent).stdout
+                         cwd=Path(__file__).resolve().parents[2]).stdout
     assert ids[0] in out and "10 total: 2 completed, 2 failed, 0 cancelled, 4 queued, 2 in progress" in out
     assert out.strip().endswith("LIGHT"), out

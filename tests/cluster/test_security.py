@@ -27,7 +27,7 @@ from layerbus.wire.curve import ClusterKeys, is_loopback, make_keypair, read_key
 from layerbus.wire.frames import encode
 from layerbus.wire.protocol import StepRow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("endpoint, loopback", [

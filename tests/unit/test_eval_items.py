@@ -351,7 +351,7 @@ def test_the_bundled_suite_becomes_one_jobs_items():
 
     from layerbus.evals.suites import load_suite, load_suite_tasks
 
-    suite = Path(__file__).resolve().parent.parent / "examples" / "evals" / "nightly.toml"
+    suite = Path(__file__).resolve().parents[2] / "examples" / "evals" / "nightly.toml"
     items, start = [], 0
     for task in load_suite_tasks(load_suite(suite)):
         task_list = task_items(task, ENCODER, 2048, start_seq=start)
