@@ -1,6 +1,8 @@
 """Helpers for the `eval compare` and `eval history` tests: finished eval runs recorded straight into a
 SQLite store, with samples Parquet files whose rows are shaped as doc_results.samples_rows gives them, and
-metrics aggregated from those rows as finalize_eval does. No model, no job run: the numbers are chosen here."""
+metrics aggregated from those rows as finalize_eval does. No model, no job run: the numbers are chosen here.
+
+`store_url` and `store` are that SQLite store's fixtures, imported by name into the modules that use them."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+
+import pytest
 
 from layerbus.evals import metrics
 from layerbus.evals.doc_results import SAMPLE_COLUMNS, SCORE_COLUMNS, metric_items, write_samples
@@ -22,6 +26,8 @@ FINGERPRINT = {"model": {"config": "c" * 64, "weights": {"model.safetensors": "w
                "dtype": "float32", "wire": "float32", "layerbus": "0.1.0", "max_length": 2048, "limit": None,
                "num_fewshot": [0], "seed": 1234}  # fmt: skip
 FAILED = "the item failed: stage lost three times"
+BASE = [True] * 60 + [False] * 40  # acc 0.6 over 100 documents
+ACC_ONLY = {"mc": ["acc"]}
 
 
 def mc_row(task: str, doc_id: str, correct: bool | None, margin: float = 1.0, prompt_hash: str | None = None,
@@ -109,3 +115,14 @@ def nightly(store: JobStore, folder: Path, rows_per_night: Sequence[Sequence[dic
     """One run per night, a day apart, oldest first."""
     return [record_run(store, folder, rows, metric_names, suite, T0 + timedelta(days=night))
             for night, rows in enumerate(rows_per_night)]
+
+
+@pytest.fixture
+def store_url(tmp_path):
+    return f"sqlite:///{tmp_path / 'store.db'}"
+
+
+@pytest.fixture
+def store(store_url):
+    with JobStore.open(store_url) as opened:
+        yield opened

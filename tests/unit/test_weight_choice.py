@@ -1,6 +1,6 @@
 """The planner sizes each stage's weights in its format, and under `--weights auto` chooses it: full
 precision where the stage's memory allows, else int8, else int4 (pure functions and table tests; the
-sizes themselves are checked against what a loaded shard holds)."""
+sizes themselves are checked against what a loaded shard of the tiny model holds)."""
 
 from __future__ import annotations
 
@@ -192,20 +192,6 @@ def test_planned_weight_bytes_are_what_a_loaded_shard_holds(tiny_models, weights
         assert shard.block_layouts() == layout
 
 
-def test_planned_native_bytes_are_what_the_default_model_s_shard_holds(default_model):
-    """The default model's GGUF blocks (Q4_1 layers, a Q8_0 embedding that is also the tied head), sized
-    from its header, equal what a native shard of the whole model holds; a layer is 2.2 MB against 14.2."""
-    from layerbus.stages.shard import ShardSpec, load_shard
-
-    files = open_model_dir(default_model)
-    memory = model_memory(files)
-    native = memory.weights_in("native")
-    assert memory.layer_weight_bytes[0] == 14_160_384 and native.layer_weight_bytes[0] == 2_216_448
-    assert memory.weights_in("int8").layer_weight_bytes[0] == 3_764_736
-    shard = load_shard(files, ShardSpec(LayerRange(0, files.num_layers), True, True, native=True))
-    assert shard.parameter_bytes() == sum(native.layer_weight_bytes) + native.head_bytes
-
-
 @pytest.mark.parametrize("sizes, stages, expected", [
     ([], 3, ()),
     (["1GiB"], 2, (("--memory-budget", "1GiB"), ("--memory-budget", "1GiB"))),
@@ -228,3 +214,4 @@ def test_run_memory_budget_refuses_what_it_cannot_use(sizes, named):
 
     with pytest.raises(UsageError, match=re.escape(named)):
         stage_budgets(Namespace(memory_budget=sizes, stages=3))
+
