@@ -279,4 +279,3 @@ def test_a_chain_that_cannot_go_on_sends_its_survivor_to_the_other_chain_which_p
     assert any(event["kind"] == "worker_left" for event in events), events
     grown = [event["message"] for event in events if event["kind"] == "grown"]
     assert len(grown) == 1 and grown[0].startswith("stage-b joined"), events
-

@@ -27,7 +27,7 @@ from tests.helpers.store_items import GHOST
 
 pytestmark = pytest.mark.cluster  # brokers, stage processes and a PostgreSQL server
 
-# 2,000 items as issue 14 asks; each broker runs one stage on one thread.
+# 2,000 items; each broker runs one stage on one thread.
 ITEMS = 2000
 JOB_ARGS = ("--task", "summarize", "--max-new-tokens", "6")
 RUN_ARGS = ("--stages", "1", "--threads-per-stage", "1", "--max-context", "128", "--slots", "32")

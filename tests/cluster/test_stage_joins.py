@@ -82,4 +82,3 @@ def test_a_stage_started_mid_job_joins_the_chain_and_the_outputs_do_not_change(
     assert len(grown) == 1 and grown[0]["message"].startswith("stage-1 joined"), status["events"]
     assert "stage-1 [" in grown[0]["message"], grown[0]["message"]
     assert "stage-1" in status["workers"][0]["chain"], "status shows the chain in use, with the stage that joined"
-

@@ -1,61 +1,20 @@
-"""`layerbus top`: one frame from a real store, light enough to leave running, during a real 2-stage run, and
-the interactive view on a real terminal (tmux)."""
+"""`layerbus top`: one frame from a PostgreSQL store, one during a real 2-stage run, and the interactive view on a
+real terminal (tmux)."""
 
 from __future__ import annotations
 
-import json
 import shlex
 import shutil
 import subprocess
-import sys
 import time
-from datetime import datetime, timedelta, timezone
-from pathlib import Path
 
 import pytest
 
 from layerbus.cli.main import main
-from layerbus.storage.snapshot_records import StageSnapshot
 from layerbus.storage.store import JobStore
-from tests.helpers.cli import (REPO, RUN_TIMEOUT_S, cli_env, documents, layerbus, layerbus_executable, start_run,
+from tests.helpers.cli import (RUN_TIMEOUT_S, cli_env, documents, layerbus, layerbus_executable, start_run,
                                wait_for_job, write_jsonl)
-from tests.helpers.store_items import SETTINGS, new_items
-
-BROKER = "box-a:4242:0a1b2c3d"
-
-
-def stage(name: str, position: int, busy: float, **changes) -> StageSnapshot:
-    fields = dict(stage=name, position=position, host="box-a", device="cpu", layer_start=position * 2,
-                  layer_end=position * 2 + 2, weights="fp32", wire="float32" if position == 0 else None,
-                  state="ready", busy_ratio=busy, step_s=0.0123, steps=812, tokens=9000, peak_rss_bytes=412 << 20,
-                  memory_budget_bytes=2 << 30, bytes_out=10**8, out_bytes_per_s=2.1e6, heartbeat_age_s=0.3)
-    return StageSnapshot(**{**fields, **changes})
-
-
-def running_store(tmp_path: Path, busy: float = 0.93, url: str | None = None) -> tuple[str, str]:
-    """A store (default: a SQLite file) with one failed job and, newer, one running job with two stages' snapshots."""
-    url = url or f"sqlite:///{tmp_path / 'jobs.db'}"
-    with JobStore.open(url) as store:
-        earlier = store.create_job(SETTINGS, new_items(1), now=datetime.now(timezone.utc) - timedelta(hours=1))
-        store.claim_items(earlier, "w", 1)
-        job_id = store.create_job(SETTINGS, new_items(4))
-        store.claim_items(job_id, BROKER, 2)
-        store.record_stage_snapshots(job_id, BROKER, [stage("stage-1", 1, busy), stage("stage-0", 0, busy)])
-        store.set_job_status(earlier, "failed", error="a test")
-    return url, job_id
-
-
-def test_once_prints_the_running_jobs_stages(tmp_path, capsys):
-    url, job_id = running_store(tmp_path)
-
-    assert main(["top", "--once", "--db", url]) == 0
-
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith(f"layerbus top  {job_id} (demo)  in_progress")
-    assert lines[4].startswith(f"broker {BROKER}  snapshot ")
-    assert [line.split()[:4] for line in lines[6:]] == [["stage-0", "box-a", "[0,", "2)"],
-                                                         ["stage-1", "box-a", "[2,", "4)"]]
-    assert all(" 93% " in line for line in lines[6:])
+from tests.helpers.stage_snapshots import BROKER, running_store, stage
 
 
 def test_once_reads_a_postgresql_store(tmp_path, capsys, postgres_fresh_url):
@@ -64,43 +23,6 @@ def test_once_reads_a_postgresql_store(tmp_path, capsys, postgres_fresh_url):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith(f"layerbus top  {job_id} (demo)  in_progress")
     assert [line.split()[0] for line in lines[6:]] == ["stage-0", "stage-1"]
-
-
-def test_a_finished_job_is_shown_and_frames_end_with_it(tmp_path, capsys):
-    url, job_id = running_store(tmp_path)
-    with JobStore.open(url) as store:
-        failed = store.latest_job_id("failed")
-    assert main(["top", failed, "--once", "--db", url]) == 0
-    out = capsys.readouterr().out
-    assert f"{failed} (demo)  failed" in out and "no stage snapshots" in out
-    # Not on a terminal: a frame per refresh until the job has ended, exit 1 as it did not complete.
-    assert main(["top", failed, "--db", url, "--interval", "0.01"]) == 1
-    assert capsys.readouterr().out.count("layerbus top  ") == 1
-
-
-def test_errors_name_the_job_or_the_empty_store(tmp_path, capsys):
-    url, _ = running_store(tmp_path)
-    assert main(["top", "job_000000000000", "--once", "--db", url]) == 2
-    assert "no job 'job_000000000000'" in capsys.readouterr().err
-    empty = f"sqlite:///{tmp_path / 'empty.db'}"
-    JobStore.open(empty).close()
-    assert main(["top", "--once", "--db", empty]) == 2
-    err = capsys.readouterr().err
-    assert "no jobs in" in err and "layerbus submit" in err
-
-
-def test_top_stays_light(tmp_path):
-    """`layerbus top` is left running beside a job: no torch, no transformers, and on a SQLite store not
-    even SQLAlchemy (its import is most of a read's time)."""
-    url, job_id = running_store(tmp_path)
-    code = (f"import json, sys; from layerbus.cli.main import main; main(['top', {job_id!r}, '--once', '--db', "
-            f"{url!r}]); heavy = [m for m in ('torch', 'transformers', 'zmq', 'pyarrow', 'sqlalchemy') "
-            "if m in sys.modules]; print(json.dumps(heavy))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                            env={"LAYERBUS_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"})
-    assert result.returncode == 0, result.stderr
-    assert "stage-0" in result.stdout
-    assert json.loads(result.stdout.splitlines()[-1]) == []
 
 
 @pytest.mark.cluster

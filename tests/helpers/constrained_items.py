@@ -39,7 +39,7 @@ def constraints() -> list[Constraint | None]:
 
 
 def check_output(constraint: Constraint | None, text: str) -> None:
-    """What issue 16 asks of an item that finished with "stop"."""
+    """An item that finished with "stop" matches its constraint: the schema (jsonschema), the choice or the regex."""
     if constraint is None:
         return
     if constraint.kind in ("json_schema", "json_object"):

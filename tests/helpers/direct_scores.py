@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from layerbus.evals.encoding import Encoder, model_input
 
+
 @lru_cache(maxsize=4)
 def transformers_model(model_dir: Path):
     """The same directory loaded by plain transformers, float32, for the direct computation."""

@@ -6,6 +6,7 @@ from layerbus.stages.host import proc_kib_field
 
 MIB = 1 << 20
 
+
 def vm_hwm(pid: int) -> int:
     peak = proc_kib_field(f"/proc/{pid}/status", "VmHWM")
     assert peak is not None, f"no VmHWM for process {pid}"

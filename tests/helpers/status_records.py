@@ -9,6 +9,7 @@ import urllib.request
 from layerbus.broker.control import StageInfo, StageState
 from layerbus.storage.records import JobStatus
 
+
 def stage(name: str, state: StageState = StageState.READY, stats: dict | None = None, **fields) -> StageInfo:
     values = dict(identity=name.encode(), name=name, device="cpu", dtype="float32", threads=1, memory_budget=None,
                   data_address="tcp://127.0.0.1:1", host="box", pid=1, last_seen=100.0, state=state,

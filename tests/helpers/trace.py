@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+
 def assert_valid_trace(document: object) -> None:
     """The Trace Event Format's JSON object form as layerbus writes it: complete (X) and metadata (M)
     events with their required keys and types, non-negative times, spans on one thread that never

@@ -1,4 +1,4 @@
-"""Each chain of a job plans for its share of the job's items (issue 14): the brokers of `run --chains K`
+"""Each chain of a job plans for its share of the job's items: the brokers of `run --chains K`
 and the planner pricing a grouping see the items a chain will really run, not the whole job K times."""
 
 from __future__ import annotations

@@ -100,4 +100,3 @@ print("HEAVY " + json.dumps(heavy))
     for args in (("status", "--db", db), ("status", job_id, "--db", db), ("results", job_id, "--db", db),
                  ("cancel", job_id, "--db", db)):
         run(*args)
-

@@ -273,4 +273,3 @@ def test_a_model_without_tokenizer_json_fails_constrained_requests_not_the_run(t
     failed = scheduler.submit(GenerationRequest("r", [5, 6], constraint=Constraint("json_object")), 0.0)
     assert failed.finish_reason == "error" and "tokenizer.json" in failed.error
     assert scheduler.submit(GenerationRequest("free", [5, 6]), 0.0) is None
-

@@ -1,7 +1,7 @@
-"""Incremental detokenization against the full decode, with the tiny test tokenizer and the default
-model's: the text at every step and at the end equals `decode(ids, skip_special_tokens=True)`, over
-random ids rich in split multi-byte characters and special tokens; and the scheduler's stop strings,
-checked on the new text only, end sequences where the old whole-output check did."""
+"""Incremental detokenization against the full decode, with the tiny test tokenizer: the text at every step and
+at the end equals `decode(ids, skip_special_tokens=True)`, over random ids rich in split multi-byte characters
+and special tokens; and the scheduler's stop strings, checked on the new text only, end sequences where the
+old whole-output check did. tests/equivalence/test_detokenizer.py runs the same on the default model's tokenizer."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import random
 import pytest
 
 from layerbus.broker.detokenizer import IncrementalDetokenizer
-from layerbus.models.model_info import load_tokenizer
 from layerbus.broker.requests import GenerationRequest
 from layerbus.planner.batching import BatchingConfig
 from layerbus.broker.scheduler import Scheduler
@@ -20,12 +19,11 @@ from tests.helpers.tiny_models import make_tiny_tokenizer
 MULTI_BYTE = "café naïve 東京 😀🎉 ñ e\u0301 — «ok» Ω≈ç √ 𝔘"
 
 
-# The default model's tokenizer is the slow tier's: preparing the model costs half a minute cold.
-@pytest.fixture(scope="module", params=["tiny", pytest.param("default", marks=pytest.mark.slow)])
-def tokenizer(request):
-    if request.param == "tiny":
-        return make_tiny_tokenizer()
-    return load_tokenizer(request.getfixturevalue("default_model"))
+# The default model's tokenizer is the equivalence tier's (tests/equivalence/test_detokenizer.py runs the
+# tests that take this fixture on it): preparing the model costs half a minute cold.
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tiny_tokenizer()
 
 
 def random_ids(tokenizer, rng: random.Random, length: int) -> list[int]:

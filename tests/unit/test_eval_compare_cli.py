@@ -237,4 +237,3 @@ def test_a_near_tie_flip_is_flagged_with_its_unrounded_margin(tmp_path, store, s
     (flip,) = compare_json(capsys, store_url, base.job_id, cand.job_id)["metrics"][0]["flips"]
     assert flip == {"doc_id": "q000", "gained": False, "base_margin": 1.0, "candidate_margin": pytest.approx(-0.0004),
                     "near_tie": True}
-

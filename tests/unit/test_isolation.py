@@ -53,4 +53,3 @@ def test_cluster_commands_are_recognised(words: list[str], expected: bool) -> No
 def test_starting_a_stage_outside_the_cluster_tier_fails_the_test() -> None:
     with pytest.raises(pytest.fail.Exception, match="mark them `pytest.mark.cluster`"):
         subprocess.Popen([sys.executable, "-m", "layerbus.stages", "--help"])
-

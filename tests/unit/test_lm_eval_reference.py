@@ -157,4 +157,3 @@ def test_simple_evaluate_on_a_local_task_scores_with_the_same_loglikelihoods(lla
     assert results["n-samples"]["tiny_sums"] == {"original": len(MC_ROWS), "effective": len(MC_ROWS)}
     assert (entry["acc,none"], entry["acc_norm,none"]) == pytest.approx((acc, acc_norm))
     assert results["config"]["model_dtype"] == torch.float32 and results["max_length"] == max_length
-

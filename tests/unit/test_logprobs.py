@@ -137,4 +137,3 @@ def test_the_output_file_carries_them_and_parses_as_openais_types(tmp_path):
     assert [t.token for t in parsed_chat.choices[0].logprobs.content[1].top_logprobs] == [" there", "Hé"]
     assert parsed_text.choices[0].logprobs.token_logprobs == [-0.5, -1.25]
     assert parsed_chat.model_dump(mode="json", exclude_unset=True) == chat
-

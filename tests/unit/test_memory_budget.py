@@ -50,4 +50,3 @@ def test_a_load_over_its_budget_is_named_with_where_the_memory_went(peak, budget
         assert message is None
     else:
         assert said in message and "more --memory-budget" in message
-

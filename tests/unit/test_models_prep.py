@@ -312,4 +312,3 @@ def test_unreachable_pypi_gives_the_command_and_the_env_var(tmp_path, monkeypatc
 
 
 # --- the default real model ----------------------------------------------------------------
-

@@ -275,4 +275,3 @@ def test_an_item_passed_over_for_shared_prefixes_waits_at_most_the_lookahead():
         order.extend(scheduler.active[row.slot].request.request_id for row in plan.rows if row.emit)
         scheduler.apply_result(plan, {row.slot: (7, -0.1) for row in plan.rows if row.emit}, now=0.0)
     assert order.index("loner") == 4, order  # passed over 3 times, then admitted
-

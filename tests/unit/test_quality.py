@@ -66,4 +66,3 @@ def test_help_does_not_import_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "[]"
-

@@ -175,4 +175,3 @@ def test_results_head_shows_the_sample_column_only_where_an_item_has_several(tmp
     older = tmp_path / "older.parquet"  # a file written before the column existed
     pq.write_table(pa.Table.from_pylist([row("a", 1)]), older)
     assert head_table(older, 5).splitlines()[1].split()[:2] == ["a", "completed"]
-

@@ -276,4 +276,3 @@ def test_parts_written_before_sample_index_are_read_as_sample_0(tmp_path):
 
 
 # ---- through real stage processes -----------------------------------------------------------------------------
-

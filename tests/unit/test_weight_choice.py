@@ -214,4 +214,3 @@ def test_run_memory_budget_refuses_what_it_cannot_use(sizes, named):
 
     with pytest.raises(UsageError, match=re.escape(named)):
         stage_budgets(Namespace(memory_budget=sizes, stages=3))
-
