@@ -48,7 +48,6 @@ def cluster_keys(home: Path, folder: Path, stages: int) -> tuple[list[str], list
     return ["--keys", str(folder / "broker"), "--allow", str(allowed)], stage_args
 
 
-@pytest.mark.cluster  # a front door, its chain brokers and two stage processes
 # The --chains 2 run is secured (CURVE on every link, an allowlist): each chain's broker must take the
 # front door's keys, or the stages, CURVE clients of that key, could not reach it and the run times out.
 # Both cases follow the same redirects, so the suite does not pay for an unsecured --chains 2 run too.
@@ -133,7 +132,6 @@ def chain_broker_pid(front: subprocess.Popen, label: str) -> int | None:
     return None
 
 
-@pytest.mark.cluster  # a front door and its two chain brokers, killed with real signals
 def test_a_serving_front_door_starts_a_killed_chain_again_and_sigterm_stops_every_chain(tmp_path, model):
     port = free_ports(6)
     log = tmp_path / "front.log"
@@ -200,7 +198,6 @@ def half_model_budget(model: Path) -> int:
     return (two + one) // 2  # a margin either way
 
 
-@pytest.mark.cluster  # a front door, two chain brokers, three stage processes, one killed with SIGKILL
 def test_a_chain_that_cannot_go_on_sends_its_survivor_to_the_other_chain_which_puts_it_to_work(
         tmp_path, model, corpus, one_brokers_outputs):
     """Chain 1 is stage-b and stage-c, each with memory for half the model; chain 2 is stage-a, which holds

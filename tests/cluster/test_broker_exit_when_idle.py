@@ -8,8 +8,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-
 from tests.helpers.cli import cli_env, layerbus, layerbus_executable, status_json, write_jsonl
 from tests.helpers.processes import free_port_pair
 
@@ -24,7 +22,6 @@ def wait_for_text(path: Path, text: str, process: subprocess.Popen) -> None:
         time.sleep(0.1)
 
 
-@pytest.mark.cluster  # a broker and two stage processes
 def test_job_queued_while_stages_register_is_served_then_the_broker_exits_0(tmp_path, tiny_models):
     model, other_model = tiny_models("llama"), tiny_models("llama", seed=7)
     home, db, port = tmp_path / "home", f"sqlite:///{tmp_path / 'jobs.db'}", free_port_pair()

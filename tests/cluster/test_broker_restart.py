@@ -10,13 +10,10 @@ import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
-import pytest
 
 from layerbus.storage import JobStore
 from tests.helpers.cli import (JOB_ID, RUN_TIMEOUT_S, assert_parquet_matches_store, layerbus, start_run, status_json,
                                wait_for_job, write_jsonl)
-
-pytestmark = pytest.mark.cluster  # a broker and stage processes, killed and restarted
 
 RUN_ARGS = ("--task", "summarize", "--stages", "2", "--max-new-tokens", "48", "--slots", "2",
             "--threads-per-stage", "1")

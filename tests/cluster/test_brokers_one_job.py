@@ -25,8 +25,6 @@ from tests.helpers.fixtures_cli import model  # noqa: F401 - fixture
 from tests.helpers.processes import logs_of, wait_until
 from tests.helpers.store_items import GHOST
 
-pytestmark = pytest.mark.cluster  # brokers, stage processes and a PostgreSQL server
-
 # 2,000 items; each broker runs one stage on one thread.
 ITEMS = 2000
 JOB_ARGS = ("--task", "summarize", "--max-new-tokens", "6")

@@ -7,12 +7,8 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 from tests.helpers.cli import JOB_ID, REPO, layerbus, status_json, write_jsonl
 from tests.helpers.fixtures_cli import home, tiny  # noqa: F401 - fixtures
-
-pytestmark = pytest.mark.cluster  # the `layerbus` console script in subprocesses
 
 DOCS = [{"id": f"doc-{i}", "text": f"The broker keeps a queue of jobs, number {i}."} for i in range(3)]
 

@@ -22,8 +22,6 @@ from tests.helpers.cli import (JOB_ID, REPO, assert_parquet_matches_store, cli_e
                                result_outputs, status_json, write_jsonl)
 from tests.helpers.fixtures_cli import model  # noqa: F401 - fixture
 
-pytestmark = pytest.mark.cluster  # `layerbus run` with chain processes and their stages
-
 ITEMS = 800  # enough that the fault lands mid-job: each chain records its first 64 before the kill
 JOB_ARGS = ("--task", "summarize", "--max-new-tokens", "8")
 RUN_ARGS = ("--threads-per-stage", "1", "--max-context", "128", "--slots", "8", "--partition", "equal")

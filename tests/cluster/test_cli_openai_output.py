@@ -6,13 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from tests.helpers.fixtures_cli import home, tiny  # noqa: F401 - fixtures
 from tests.helpers.openai_batch_schema import check_files
 from tests.helpers.cli import JOB_ID, layerbus, status_json, write_jsonl
-
-pytestmark = pytest.mark.cluster  # `layerbus run` processes with their stages
 
 RUN_TIMEOUT_S = 180
 

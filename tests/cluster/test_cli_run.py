@@ -7,14 +7,10 @@ import signal
 import time
 from pathlib import Path
 
-import pytest
-
 from layerbus.storage.results import results_metadata
 from tests.helpers.cli import (JOB_ID, RUN_TIMEOUT_S, assert_parquet_matches_store, documents, layerbus, start_run,
                                 status_json, wait_for_job, write_jsonl)
 from tests.helpers.fixtures_cli import home, tiny  # noqa: F401 - fixtures
-
-pytestmark = pytest.mark.cluster  # `layerbus run` processes with their stages
 
 
 def test_run_end_to_end(home, tmp_path, tiny):

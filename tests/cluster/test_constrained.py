@@ -8,7 +8,6 @@ import json
 import re
 
 import jsonschema
-import pytest
 from transformers import AutoTokenizer
 
 from layerbus.broker.requests import GenerationRequest
@@ -17,7 +16,6 @@ from tests.helpers.constrained_items import PERSON, REGEX, check_output, extract
 from tests.helpers.fixtures_cli import tiny  # noqa: F401 - fixture
 
 
-@pytest.mark.cluster
 def test_constrained_outputs_match_and_survive_a_kill_9_of_the_middle_stage(tiny_models):
     from tests.helpers.faulted_runs import kill_middle_after, run
 
@@ -37,7 +35,6 @@ def test_constrained_outputs_match_and_survive_a_kill_9_of_the_middle_stage(tiny
     assert {r: v.text for r, v in faulted.items()} == {r: v.text for r, v in unfaulted.items()}
 
 
-@pytest.mark.cluster
 def test_default_model_extraction_job_matches_every_constraint_and_survives_a_kill_9(default_model):
     from tests.helpers.faulted_runs import kill_middle_after, run
 
@@ -69,7 +66,6 @@ def test_default_model_extraction_job_matches_every_constraint_and_survives_a_ki
                                                                       for r, v in unfaulted.items()}
 
 
-@pytest.mark.cluster
 def test_layerbus_run_constrains_per_item_and_per_job_into_the_results(tiny, tmp_path):
     """The whole path: batch lines' response_format / guided_* and --choices through the store, the job runner
     and the broker, into the Parquet and the OpenAI output file."""

@@ -3,14 +3,11 @@ recorded straight into a SQLite store (tests/helpers/eval_runs.py): a regression
 
 from __future__ import annotations
 
-import pytest
-
 from tests.helpers.cli import layerbus
 from tests.helpers.eval_runs import ACC_ONLY, BASE, flipped, mc_task, nightly
 from tests.helpers.eval_runs import store, store_url  # noqa: F401 - fixtures
 
 
-@pytest.mark.cluster  # the console script, as a CI job runs it
 def test_fail_on_regression_exits_3_from_the_console_script(tmp_path, store, store_url):
     base, cand = nightly(store, tmp_path, [mc_task("mc", BASE), mc_task("mc", flipped(BASE, range(30), [60, 61]))],
                          ACC_ONLY)

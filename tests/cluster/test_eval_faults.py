@@ -22,8 +22,6 @@ from layerbus.storage import JobStore
 from tests.helpers.cli import write_jsonl
 from tests.helpers.faulted_runs import KillAfter
 
-pytestmark = pytest.mark.cluster  # stage processes, one killed
-
 MAX_LENGTH = 64
 
 

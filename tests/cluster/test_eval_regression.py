@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from bench.bench_eval import cloze_questions
 from tests.helpers.cli import layerbus, write_jsonl
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 
 def damaged_copy(model_dir: Path, out: Path) -> Path:

@@ -18,8 +18,6 @@ from layerbus.broker.requests import GenerationRequest
 from layerbus.planner.batching import BatchingConfig
 from tests.helpers.faulted_runs import kill_middle_after, make_requests, outputs, process_of, run
 
-pytestmark = pytest.mark.cluster  # stage processes, killed and stopped
-
 
 @pytest.fixture(scope="module")
 def model_dir(tiny_models):

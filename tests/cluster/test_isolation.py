@@ -7,13 +7,10 @@ import os
 import subprocess
 from pathlib import Path
 
-import pytest
-
 from layerbus.storage.locations import layerbus_home
 from tests.helpers.cli import REPO, layerbus_executable, write_jsonl
 
 
-@pytest.mark.cluster
 def test_a_cli_command_creates_nothing_in_the_users_home(tmp_path: Path, tiny_models) -> None:
     fake_home = tmp_path / "user-home"
     fake_home.mkdir()

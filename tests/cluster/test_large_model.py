@@ -36,7 +36,6 @@ def total(memory, name: str) -> int:
     return sum(sizes.layer_weight_bytes) + sizes.embed_bytes
 
 
-@pytest.mark.cluster
 @pytest.mark.slow  # about a minute: 2.6 GB written, two stages quantizing 1.28B weights on one core each
 @pytest.mark.parametrize("expected", ["int8", "int4"])
 def test_a_1_28b_model_runs_quantized_on_stages_too_small_for_fp32_or_bf16(large_model, expected):
@@ -71,7 +70,6 @@ def test_a_1_28b_model_runs_quantized_on_stages_too_small_for_fp32_or_bf16(large
         assert peak <= budget, f"{weights}: peak resident memory {peak / MIB:.0f} MiB over {budget / MIB:.0f} MiB"
 
 
-@pytest.mark.cluster
 @pytest.mark.slow
 def test_auto_on_the_default_model_within_budgets_below_its_fp32_weights(default_model):
     """Three stages whose budgets leave 160 MiB each for weights, KV cache and workspace (503 MB in all,

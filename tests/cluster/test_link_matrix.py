@@ -42,7 +42,6 @@ def _lists(report: str, sender: str, receiver: str) -> bool:
     return re.search(rf"^  {re.escape(sender)}( \[[^]]*\])? -> {re.escape(receiver)}( \[[^]]*\])?: ", report, re.M) is not None
 
 
-@pytest.mark.cluster
 @pytest.mark.parametrize("secured", [False, True], ids=["plain", "curve"])
 def test_stages_time_every_ordered_pair_and_the_planner_gets_them(tiny_models, tmp_path, secured) -> None:
     model_dir = tiny_models("llama", num_hidden_layers=6, hidden_size=64, intermediate_size=128)
@@ -72,7 +71,6 @@ def test_stages_time_every_ordered_pair_and_the_planner_gets_them(tiny_models, t
         assert all(stage.stats.get("rejected", 0) == 0 for stage in broker.control.live_stages())
 
 
-@pytest.mark.cluster
 def test_no_link_probe_leaves_each_stage_its_own_link(tiny_models, tmp_path) -> None:
     model_dir = tiny_models("llama", num_hidden_layers=4, hidden_size=64, intermediate_size=128)
     config = BrokerConfig(str(model_dir), 2, batching=BatchingConfig(num_slots=4, max_context=64),
@@ -82,7 +80,6 @@ def test_no_link_probe_leaves_each_stage_its_own_link(tiny_models, tmp_path) -> 
         assert cluster.broker.link_matrix_report() == ""
 
 
-@pytest.mark.cluster
 def test_layerbus_run_writes_the_measured_matrix_into_the_jobs_events(tiny_models, tmp_path) -> None:
     """`layerbus run` on 2 stages: the job's events hold the matrix (`status --json`), and its stages their hosts."""
     from tests.helpers.cli import JOB_ID, layerbus, status_json, write_jsonl
@@ -110,7 +107,6 @@ def test_layerbus_run_writes_the_measured_matrix_into_the_jobs_events(tiny_model
     assert lines[-1].startswith("run: ") and "tok/s predicted" in lines[-1] and "measured" in lines[-1], predicted
 
 
-@pytest.mark.cluster
 def test_a_replan_keeps_the_survivors_pairs_and_times_a_joining_stage(tiny_models, tmp_path) -> None:
     """stage-2 is killed and stage-new joins: the re-plan keeps stage-0 <-> stage-1 as measured at the
     start (not timed again), drops stage-2's pairs, times stage-new's, and reports the matrix."""
@@ -152,7 +148,6 @@ def test_a_replan_keeps_the_survivors_pairs_and_times_a_joining_stage(tiny_model
             joined.wait(10)
 
 
-@pytest.mark.cluster
 def test_plan_explain_on_local_stages_says_each_link_was_measured(tiny_models, tmp_path) -> None:
     from tests.helpers.cli import layerbus
 

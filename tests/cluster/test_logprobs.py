@@ -17,7 +17,6 @@ from layerbus.wire.constraint import Constraint
 from tests.helpers.batch_lines import CHAT, COMPLETIONS, line
 
 
-@pytest.mark.cluster
 def test_logprobs_match_transformers_on_the_tiny_model(tiny_models):
     """The chosen token's log-prob and the top 4 are the model's own distribution at each position, constrained
     item or not (a mask changes what is chosen, not what the model thought), as transformers computes them."""
@@ -50,7 +49,6 @@ def test_logprobs_match_transformers_on_the_tiny_model(tiny_models):
         assert [entry["token"] for entry in stored["content"]] == [tokenizer.decode([t]) for t in result.token_ids]
 
 
-@pytest.mark.cluster
 def test_layerbus_run_writes_logprobs_into_the_parquet_and_the_output_file(tiny_models, tmp_path):
     from layerbus.storage.results import read_results
     from tests.helpers.cli import JOB_ID, layerbus, status_json, write_jsonl

@@ -4,15 +4,12 @@ from before the step and leave, and the job re-planned without it."""
 
 from __future__ import annotations
 
-import pytest
-
 from layerbus.broker.broker import BrokerConfig
 from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions
 from layerbus.broker.requests import GenerationRequest
 from layerbus.planner.batching import BatchingConfig
 
 
-@pytest.mark.cluster
 def test_a_step_longer_than_the_broker_timeout_does_not_make_the_stage_leave(tiny_models, tmp_path):
     model_dir = tiny_models("llama", num_hidden_layers=4)
     requests = [GenerationRequest(f"r{i}", [5 + i, 17, 33], max_new_tokens=5) for i in range(2)]

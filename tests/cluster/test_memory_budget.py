@@ -3,7 +3,6 @@ load (VmHWM) within the budget while it serves a job."""
 
 from __future__ import annotations
 
-import pytest
 from transformers import AutoTokenizer
 
 from layerbus.broker.broker import BatchingConfig, BrokerConfig
@@ -14,7 +13,6 @@ from tests.helpers.equivalence import TINY_PROMPTS
 from tests.helpers.memory import MIB, vm_hwm
 
 
-@pytest.mark.cluster
 def test_a_stage_s_peak_resident_memory_stays_within_a_budget_that_just_fits(tiny_models):
     """The first stage, with no budget, says what its runtime and loader take and what its span needs;
     the second gets a budget that just fits all of that, holds the whole model, serves a job, and its

@@ -26,8 +26,6 @@ from tests.helpers.cli import (JOB_ID, REPO, RUN_TIMEOUT_S, cli_env, documents, 
                                start_run, status_json, wait_for_job, write_jsonl)
 from tests.helpers.status_records import get
 
-pytestmark = pytest.mark.cluster  # a broker, stage processes, a Prometheus server
-
 METRICS_AT = re.compile(r"metrics at (http://127\.0\.0\.1:\d+)/metrics")
 WAITING_AT = re.compile(r"waiting for 2 stage\(s\) at (tcp://127\.0\.0\.1:\d+)")
 TIMEOUT_S = 120

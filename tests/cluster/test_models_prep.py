@@ -7,10 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
 
-
-@pytest.mark.cluster
 def test_prepare_once_in_two_processes_builds_once(tmp_path):
     script = textwrap.dedent(
         f"""

@@ -11,8 +11,7 @@ import pytest
 from bench.netns import StageNamespaces, unavailable_reason
 
 REASON = unavailable_reason()
-pytestmark = [pytest.mark.cluster,  # processes in network namespaces
-              pytest.mark.skipif(REASON is not None, reason=f"no network namespaces here: {REASON}")]
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces here: {REASON}")
 
 RECEIVER = """
 import socket, sys

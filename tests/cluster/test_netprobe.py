@@ -17,8 +17,6 @@ from bench.netns import StageNamespaces, unavailable_reason
 from layerbus.wire import codecs
 from tests.helpers.cli import REPO, cli_env, layerbus, layerbus_executable
 
-pytestmark = pytest.mark.cluster  # the `layerbus` console script in subprocesses
-
 NAMESPACE_REASON = unavailable_reason()
 
 

@@ -23,8 +23,6 @@ except ModuleNotFoundError:  # Python 3.10: pytest itself depends on tomli there
 
 REPO = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.cluster  # builds a wheel and a virtual environment: seconds, in subprocesses
-
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:

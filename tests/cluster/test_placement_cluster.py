@@ -17,7 +17,6 @@ from layerbus.models.model_files import open_model_dir
 from layerbus.stages.profile import TIMING_FIELDS
 
 
-@pytest.mark.cluster
 def test_slow_stage_gets_fewer_layers_end_to_end(tiny_models, tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("LAYERBUS_PROFILE_CACHE")  # the session's shared cache: this test reads its own
     model_dir = tiny_models("llama", num_hidden_layers=8, hidden_size=128, intermediate_size=512)
@@ -55,7 +54,6 @@ def test_slow_stage_gets_fewer_layers_end_to_end(tiny_models, tmp_path, monkeypa
     assert len(cached) == 1 and "timings" in json.loads(cached[0].read_text())
 
 
-@pytest.mark.cluster
 def test_memory_budget_caps_a_stage_end_to_end(tiny_models, tmp_path) -> None:
     model_dir = tiny_models("llama", num_hidden_layers=8, hidden_size=128, intermediate_size=512)
     batching = BatchingConfig(num_slots=8, max_context=64, max_step_tokens=32)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 import layerbus.broker.broker as broker_module
 from layerbus.broker.broker import BrokerConfig
 from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions
@@ -18,7 +16,6 @@ SLOW_PLAN_S = 5.0  # longer than the stages' broker timeout below
 STAGE_BROKER_TIMEOUT_S = 2
 
 
-@pytest.mark.cluster
 def test_stages_keep_hearing_the_broker_while_it_plans(tiny_models, monkeypatch):
     real_plan_chain = broker_module.plan_chain
 

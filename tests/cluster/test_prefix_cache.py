@@ -61,7 +61,6 @@ def shared_prefix_requests(tokenizer) -> list[GenerationRequest]:
             for i, text in enumerate(DOCUMENTS)]
 
 
-@pytest.mark.cluster
 @pytest.mark.parametrize(("arch", "num_stages", "overrides"), [
     ("llama", 1, {}), ("llama", 2, {}), ("qwen2", 3, {}), ("mistral", 2, {"sliding_window": 24}),
 ])
@@ -87,7 +86,6 @@ def test_shared_prefixes_match_transformers_with_the_cache_on_and_off(tiny_model
         assert 0 < stats["prefix_tokens_peak"] <= 512, name
 
 
-@pytest.mark.cluster
 @pytest.mark.parametrize(("arch", "num_stages", "overrides"), [
     ("llama", 2, {}), ("mistral", 3, {"sliding_window": 24}),
 ])
@@ -127,7 +125,6 @@ def test_eval_contexts_sharing_examples_score_as_a_full_pass_with_the_cache(tiny
         assert 0 < stage_stats["prefix_tokens_peak"] <= 512, name
 
 
-@pytest.mark.cluster
 def test_a_tiny_budget_evicts_and_is_never_exceeded(tiny_models):
     from transformers import AutoTokenizer
 
@@ -152,7 +149,6 @@ def test_a_tiny_budget_evicts_and_is_never_exceeded(tiny_models):
     assert assert_equivalent(model, requests, results) >= len(requests) - 1
 
 
-@pytest.mark.cluster
 def test_the_next_job_on_the_same_stages_restores_what_the_last_one_saved(tiny_models):
     from transformers import AutoTokenizer
 
@@ -170,7 +166,6 @@ def test_the_next_job_on_the_same_stages_restores_what_the_last_one_saved(tiny_m
     assert [r.token_ids for r in first + second] == [r.token_ids for r in off]
 
 
-@pytest.mark.cluster
 def test_kill_9_of_a_stage_mid_job_changes_no_output_with_prefixes_cached(tiny_models):
     """A re-plan empties every stage's cache: the bookkeeping starts again, and the outputs are those of a
     run with the cache off and no fault."""

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
-import pytest
 
 from layerbus.storage.results import RESULT_SCHEMA, ResultWriter, read_results
 from tests.helpers.result_rows import JOB, row
@@ -30,7 +29,6 @@ def _write_parts_forever(results_dir: str) -> None:
         writer.write_part(batch)
 
 
-@pytest.mark.cluster
 def test_a_writer_killed_mid_write_never_leaves_an_unreadable_final_name(tmp_path: Path) -> None:
     context = multiprocessing.get_context("spawn")
     parts = tmp_path / JOB

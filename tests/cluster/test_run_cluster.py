@@ -10,7 +10,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
 import zmq
 
 from layerbus.wire import protocol
@@ -18,8 +17,6 @@ from layerbus.wire.frames import decode
 from tests.helpers.cli import REPO, cli_env, layerbus, status_json, write_jsonl
 from tests.helpers.fixtures_cli import tiny  # noqa: F401 - fixture
 from tests.helpers.processes import free_port_pair
-
-pytestmark = pytest.mark.cluster  # run_cluster.sh: a broker and stage processes
 
 SCRIPT = REPO / "run_cluster.sh"
 STARTED = re.compile(r"^(broker|stage-\d+) pid (\d+)", re.MULTILINE)

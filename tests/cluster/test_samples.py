@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from layerbus.jobs.item_params import item_params
 from layerbus.storage import JobSettings, JobStore, NewItem
 from layerbus.storage.results import read_results
@@ -41,7 +39,6 @@ def sampled_job(model_dir: Path, work: Path, kill_after: int | None) -> tuple[li
     return broker.killed, read_results(Path(status.results_path)).to_pylist()
 
 
-@pytest.mark.cluster
 def test_four_distinct_samples_per_item_the_same_on_a_rerun_and_across_a_kill_9(tiny_models, tmp_path):
     model_dir = tiny_models("llama", num_hidden_layers=6)
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
@@ -63,7 +60,6 @@ def test_four_distinct_samples_per_item_the_same_on_a_rerun_and_across_a_kill_9(
     assert [{k: r[k] for k in keep} for r in rerun] == [{k: r[k] for k in keep} for r in first]
 
 
-@pytest.mark.cluster
 def test_layerbus_run_n_writes_every_sample_to_the_parquet_and_n_choices_to_the_output_file(tiny_models, tmp_path):
     """The whole path from the CLI: --n for the job, body.n for one line, the Parquet's sample_index, the status
     counting items, and the output file's choices (validated by the openai package's types)."""

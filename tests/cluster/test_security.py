@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
 import zmq
 
@@ -62,7 +61,6 @@ def run_requests(cluster: LocalCluster, requests) -> tuple[dict, list, object]:
     return {rid: result.token_ids for rid, result in outputs.items()}, events, stats
 
 
-@pytest.mark.cluster
 def test_secured_cluster_refuses_strangers_records_them_and_computes_what_an_unsecured_one_does(tiny_models,
                                                                                                tmp_path):
     model_dir = tiny_models("llama", num_hidden_layers=4)

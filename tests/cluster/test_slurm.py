@@ -19,8 +19,6 @@ from layerbus.storage import JobStore
 from tests.helpers.slurm_cluster import SlurmCluster, missing, single_node_slurm
 from tests.helpers.cli import JOB_ID, REPO, cli_env, layerbus, layerbus_executable, status_json, write_jsonl
 
-pytestmark = pytest.mark.cluster  # Slurm's daemons, a broker and stage processes
-
 SBATCH = REPO / "deploy" / "slurm" / "layerbus.sbatch"
 DOCUMENTS = 60
 JOB_ARGS = ("--task", "summarize", "--max-new-tokens", "48")

@@ -19,8 +19,6 @@ from tests.helpers.fixtures_one_broker import corpus, one_brokers_outputs  # noq
 from tests.helpers.processes import free_ports, logs_of, wait_until
 from tests.helpers.store_items import GHOST
 
-pytestmark = pytest.mark.cluster  # a broker and two stage processes
-
 FIRST_WAVE = 8  # the broker runs this many items on one stage; the rest once the second stage has joined
 
 

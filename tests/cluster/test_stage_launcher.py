@@ -14,8 +14,7 @@ import zmq
 
 from layerbus.launch.stage_launcher import StageLauncher, forking_supported
 
-pytestmark = [pytest.mark.cluster,
-              pytest.mark.skipif(not forking_supported({}), reason="the launcher forks: Linux only")]
+pytestmark = pytest.mark.skipif(not forking_supported({}), reason="the launcher forks: Linux only")
 
 
 @pytest.fixture(scope="module")

@@ -28,8 +28,7 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
             vocab_size=100, max_position_embeddings=128, initializer_range=0.1)
 PROMPT = [11, 42, 7, 93, 5, 60]
 NUM_SLOTS, MAX_CONTEXT = 4, 64
-pytestmark = [pytest.mark.cluster,  # stage processes
-              pytest.mark.filterwarnings("ignore:The given buffer is not writable")]
+pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 REGISTER_TIMEOUT_S = 90  # the first import of torch + transformers on a busy machine
 
 

@@ -18,8 +18,6 @@ from layerbus.broker.pipeline import PipelineConfig
 from layerbus.planner.batching import BatchingConfig
 from tests.helpers.faulted_runs import make_requests, outputs
 
-pytestmark = pytest.mark.cluster  # stage processes, killed with SIGKILL
-
 BATCHING = BatchingConfig(num_slots=8, num_micro_batches=4, max_step_tokens=32)
 # "equal" places without profiling: the faults hit start-up itself, and each start costs less.
 CONFIG = dict(partition="equal", batching=BATCHING, pipeline=PipelineConfig(heartbeat_interval_s=0.2),

@@ -25,7 +25,6 @@ def test_once_reads_a_postgresql_store(tmp_path, capsys, postgres_fresh_url):
     assert [line.split()[0] for line in lines[6:]] == ["stage-0", "stage-1"]
 
 
-@pytest.mark.cluster
 def test_once_during_a_real_two_stage_run_lists_both_stages_with_spans_and_busy_figures(tmp_path, tiny_models):
     corpus = write_jsonl(tmp_path / "corpus.jsonl", documents(200))  # far more than runs while top reads
     db = f"sqlite:///{tmp_path / 'jobs.db'}"
@@ -73,7 +72,6 @@ def wait_for_screen(session: str, wanted, what: str) -> str:
         time.sleep(0.2)
 
 
-@pytest.mark.cluster
 def test_interactive_view_redraws_in_place_and_q_quits(tmp_path):
     if shutil.which("tmux") is None:
         pytest.skip("tmux is not installed: the interactive view needs a real terminal to check "

@@ -21,8 +21,6 @@ from tests.helpers.fixtures_cli import tiny  # noqa: F401 - fixture
 from tests.helpers.cli import RUN_TIMEOUT_S, documents, start_run, wait_for_job, write_jsonl
 from tests.helpers.trace import assert_valid_trace
 
-pytestmark = pytest.mark.cluster  # stage processes, a `layerbus run`
-
 BUSY_TOLERANCE = 0.05  # the bar; by construction the two agree to microseconds per step
 
 

@@ -38,7 +38,6 @@ def one_stage_outputs(tiny_models):
     return get
 
 
-@pytest.mark.cluster
 @pytest.mark.parametrize("num_stages", [2, 3])
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_quantized_stages_match_one_stage(tiny_models, one_stage_outputs, weights, num_stages):
@@ -56,13 +55,11 @@ def test_quantized_stages_match_one_stage(tiny_models, one_stage_outputs, weight
     assert stats.finished == len(results)
 
 
-@pytest.mark.cluster
 def test_quantized_one_stage_differs_from_full_precision(tiny_models, one_stage_outputs):
     """The formats really change the weights: int4 on one stage does not generate exactly what fp32 does."""
     assert one_stage_outputs("int4") != one_stage_outputs("auto")
 
 
-@pytest.mark.cluster
 def test_a_stage_s_own_weights_flag_wins(tiny_models):
     model_dir = tiny_models("llama", num_hidden_layers=4)
     config = BrokerConfig(str(model_dir), 2, weights="int8", partition="equal",
@@ -74,7 +71,6 @@ def test_a_stage_s_own_weights_flag_wins(tiny_models):
     assert reported["stage-1"][0] == "int8 (q8_0 g32)"
 
 
-@pytest.mark.cluster
 def test_run_weights_flag_and_status_json_stages(tmp_path, tiny_models):
     """`layerbus run --weights int4`: `status --json` lists every stage's span, host, format and weight bytes."""
     from tests.helpers.cli import JOB_ID, layerbus, status_json, write_jsonl
@@ -93,7 +89,6 @@ def test_run_weights_flag_and_status_json_stages(tmp_path, tiny_models):
     assert all(s["host"] == socket.gethostname() for s in stages)  # as each stage registered
 
 
-@pytest.mark.cluster
 @pytest.mark.slow
 def test_native_default_model_matches_its_float32_import(smollm2_case):
     """--weights native on the default model runs on the GGUF's own Q4_1 (and Q8_0 embedding) blocks and

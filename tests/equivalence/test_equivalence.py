@@ -53,7 +53,6 @@ def test_tiny_models_match_transformers(tiny_models, arch, num_stages):
 
 
 @pytest.mark.cluster
-@pytest.mark.slow
 def test_default_model_matches_transformers(smollm2_case):
     """The real model at the hardest split of this file, 3 stages: two hops, and no stage may hold the
     whole model. That 1 and 2 stages give what 3 give is proven by test_tiny_models_match_transformers

@@ -126,7 +126,6 @@ def test_other_tiny_architectures_score_as_lm_eval_hf(tiny_models, tasks, tmp_pa
     assert_matches_lm_eval(outcome, reference(model_dir))
 
 
-@pytest.mark.slow
 def test_default_model_scores_as_lm_eval_hf(default_model, tasks, tmp_path):
     """The real model on 3 stages (two hops). That 1 and 2 stages score as 3 do is proven by
     test_tiny_llama_scores_as_lm_eval_hf; what only the real model shows (its tokenizer's prefix token,

@@ -16,7 +16,6 @@ from layerbus.models.default_model import (
 )
 
 
-@pytest.mark.slow
 def test_default_model_is_prepared_and_reused(default_model, monkeypatch):
     config = json.loads((default_model / "config.json").read_text())
     assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (30, 576, 49152)
@@ -39,7 +38,6 @@ def test_default_model_is_prepared_and_reused(default_model, monkeypatch):
     assert default_model_dir() == default_model
 
 
-@pytest.mark.slow
 def test_default_model_answers_sensibly(default_model):
     """The dequantized weights are right: a greedy answer to an easy question is correct."""
     tokenizer = AutoTokenizer.from_pretrained(default_model)

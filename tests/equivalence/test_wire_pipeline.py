@@ -117,7 +117,6 @@ def top_token_with_codec(model, ids: list[int], codec: str, cuts: list[int]) -> 
             handle.remove()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("codec", ["float16", "bfloat16"])
 def test_default_model_16_bit_wire_matches_float32(smollm2_case, codec):
     """3 stages with a 16-bit wire on both hops: the same greedy tokens as transformers' float32
