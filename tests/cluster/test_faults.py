@@ -190,7 +190,7 @@ def test_survivors_too_small_for_the_model_wait_for_a_stage_to_join(model_dir, r
 
     try:
         # The joining stage is started by hand, as on another machine, with no keys: this cluster runs
-        # without CurveZMQ (a secured one refuses it; tests/test_security.py covers that).
+        # without CurveZMQ (a secured one refuses it; tests/cluster/test_security.py covers that).
         results, stats = run(model_dir, requests, events=events, on_result=kill_then_replace, batching=batching,
                              stage_args=(budget_args,) * 3, secure=False)
     finally:

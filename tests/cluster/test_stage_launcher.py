@@ -32,7 +32,7 @@ def silent_broker() -> tuple[zmq.Socket, str]:
 
 
 def test_a_stage_gets_its_own_arguments_folder_and_log(launcher, tmp_path, monkeypatch):
-    # Its environment too: tests/test_faults.py's poison item and tests/test_startup_faults.py's held
+    # Its environment too: tests/cluster/test_faults.py's poison item and tests/cluster/test_startup_faults.py's held
     # load reach forked stages only through the environment their cluster gives them.
     monkeypatch.chdir(tmp_path)
     log = tmp_path / "stage.log"

@@ -1,7 +1,7 @@
 """deploy/: the systemd units pass `systemd-analyze verify` without a warning, the options their example
 environment files give are ones `layerbus broker` / `layerbus stage` accept; the sbatch script refuses to run
 outside Slurm with a message saying how, and under a fake `srun` (tasks on nodes with GPUs, which this machine
-lacks) gives each stage task the GPU of its rank on its node. tests/test_slurm.py runs it on real Slurm."""
+lacks) gives each stage task the GPU of its rank on its node. tests/cluster/test_slurm.py runs it on real Slurm."""
 
 from __future__ import annotations
 

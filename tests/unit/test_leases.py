@@ -1,6 +1,6 @@
 """Item leases from the broker's side (jobs/leases.py, jobs/runner.py): the worker's name, which earlier
 holders are known to be gone, the renewing thread, and run_job beside another holder, on a real SQLite
-store with the broker played in-process by tests/test_job_runner.py's script."""
+store with the broker played in-process by a script (tests/helpers/scripted_broker.py)."""
 
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ def test_a_tick_renews_this_workers_leases_and_takes_back_expired_ones(store):
 def test_a_hand_back_that_takes_another_holder_s_expired_items_says_so(store, tokenizer, tmp_path):
     """A broker handing back its own items requeues, in the same statement, those whose lease has run out: a
     broker that ended just after a killed one's lease expired took the killed one's items, and the job's
-    events said nothing of it (seen once in CI, on PostgreSQL, in tests/test_brokers_one_job.py)."""
+    events said nothing of it (seen once in CI, on PostgreSQL, in tests/cluster/test_brokers_one_job.py)."""
     from layerbus.jobs.runner import _hand_back
 
     job_id = queue_job(store, 4)

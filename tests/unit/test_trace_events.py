@@ -1,6 +1,6 @@
 """`--trace`: the step record, the Trace Event Format the broker writes, the stage's buffer and the broker's
 merge, the SVG renderer and the option; no processes. `assert_valid_trace` is the format's checker, also
-used on real runs by tests/test_trace_cluster.py."""
+used on real runs by tests/cluster/test_trace_cluster.py."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ stages: hidden states in every wire codec) with their header fields replaced by 
 fields deleted, frames truncated, extended or swapped. The example count is bounded for CI; a
 longer hunt is one command:
 
-    LAYERBUS_FUZZ_EXAMPLES=20000 .venv/bin/python -m pytest tests/test_wire_fuzz.py
+    LAYERBUS_FUZZ_EXAMPLES=20000 .venv/bin/python -m pytest tests/unit/test_wire_fuzz.py
 """
 
 from __future__ import annotations
