@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from layerbus.storage import JobStore
-from tests.helpers.cli import (JOB_ID, assert_parquet_matches_store, cli_env, layerbus, layerbus_executable,
-                               result_outputs, status_json, write_jsonl)
+from tests.helpers.cli import (assert_parquet_matches_store, cli_env, layerbus, layerbus_executable, result_outputs,
+                               run_outputs, status_json, write_jsonl)
 from tests.helpers.fixtures_cli import model  # noqa: F401 - fixture
-from tests.helpers.processes import logs_of, wait_until
+from tests.helpers.processes import descendants, logs_of, wait_until
 from tests.helpers.store_items import GHOST
 
 # 2,000 items; each broker runs one stage on one thread.
@@ -47,11 +47,7 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def single_broker_outputs(tmp_path_factory, corpus, model) -> dict[str, str]:
     """The outputs of one broker running the whole job: what several brokers must give."""
-    folder = tmp_path_factory.mktemp("single")
-    home, db = folder / "home", f"sqlite:///{folder / 'jobs.db'}"
-    done = layerbus(home, "run", corpus, "--model", model, "--db", db, *JOB_ARGS, *RUN_ARGS, timeout=TIMEOUT_S)
-    assert done.returncode == 0, done.stderr
-    return result_outputs(status_json(home, JOB_ID.search(done.stdout).group(), "--db", db)["results_path"])
+    return run_outputs(tmp_path_factory.mktemp("single"), corpus, model, *JOB_ARGS, *RUN_ARGS, timeout=TIMEOUT_S)
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -189,24 +185,6 @@ def test_kill_9_of_one_broker_mid_job_the_other_finishes_after_its_lease(db, tmp
     assert taken and all(names[victim.pid] in message for message in taken), seen
     with JobStore.open(db) as store:
         assert store.job_finalization(job_id).holder == names[survivor.pid], seen
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (its stages, and a launcher they were forked from), from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def test_kill_9_of_one_brokers_stage_leaves_the_job_to_the_other_broker(tmp_path, corpus, model,

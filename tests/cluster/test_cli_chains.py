@@ -19,8 +19,9 @@ from sqlalchemy import select
 from layerbus.storage import JobStore
 from layerbus.storage.schema import items as items_table
 from tests.helpers.cli import (JOB_ID, REPO, assert_parquet_matches_store, cli_env, layerbus, layerbus_executable,
-                               result_outputs, status_json, write_jsonl)
+                               result_outputs, run_outputs, status_json, write_jsonl)
 from tests.helpers.fixtures_cli import model  # noqa: F401 - fixture
+from tests.helpers.processes import descendants
 
 ITEMS = 800  # enough that the fault lands mid-job: each chain records its first 64 before the kill
 JOB_ARGS = ("--task", "summarize", "--max-new-tokens", "8")
@@ -42,12 +43,8 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def one_stage_outputs(tmp_path_factory, corpus, model) -> dict[str, str]:
     """The outputs of one chain of one stage: what any number of chains must give, token for token."""
-    folder = tmp_path_factory.mktemp("one-stage")
-    home, db = folder / "home", f"sqlite:///{folder / 'jobs.db'}"
-    done = layerbus(home, "run", corpus, "--model", model, "--db", db, "--stages", "1", *JOB_ARGS, *RUN_ARGS,
-                    timeout=TIMEOUT_S)
-    assert done.returncode == 0, done.stderr
-    return result_outputs(status_json(home, JOB_ID.search(done.stdout).group(), "--db", db)["results_path"])
+    return run_outputs(tmp_path_factory.mktemp("one-stage"), corpus, model, "--stages", "1", *JOB_ARGS, *RUN_ARGS,
+                       timeout=TIMEOUT_S)
 
 
 def assert_each_item_once_with(expected: dict[str, str], home: Path, db: str, job_id: str) -> dict:
@@ -95,23 +92,6 @@ def stage_pid(run: subprocess.Popen, log_name: str) -> int:
         except OSError:
             continue
     raise AssertionError(f"no process under {run.pid} logs to {log_name}")
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def finished_by_worker(db: str, job_id: str) -> list[tuple[str, datetime]]:

@@ -25,7 +25,7 @@ from layerbus.jobs.runner import StoreSink, StoreSource  # noqa: E402
 from layerbus.storage import JobStore  # noqa: E402
 from layerbus.storage.results import ResultWriter  # noqa: E402
 from layerbus.storage.schema import items as items_table  # noqa: E402
-from tests.helpers.lm_eval_reference import hf_simple_evaluate, offline, working_directory  # noqa: E402
+from tests.helpers.lm_eval_reference import MC_YAML, hf_simple_evaluate, offline, working_directory  # noqa: E402
 from tests.helpers.tiny_models import TRAINING_TEXT, single_torch_thread  # noqa: E402
 
 pytestmark = pytest.mark.cluster  # every test here starts stage processes
@@ -33,21 +33,6 @@ pytestmark = pytest.mark.cluster  # every test here starts stage processes
 MAX_LENGTH = 32
 MC_ROWS = [{"question": f"What is {i} plus {i}? " + "Think of the stage and the layers. " * (i % 3),
             "choices": [str(2 * i), str(2 * i + 1), "a spider"], "gold": i % 3} for i in range(9)]
-MC_YAML = """\
-task: tiny_sums
-output_type: multiple_choice
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: sums.jsonl
-test_split: test
-doc_to_text: "Question: {{question}}\\nAnswer:"
-doc_to_choice: "{{choices}}"
-doc_to_target: gold
-metric_list:
-  - metric: acc
-  - metric: acc_norm
-"""
 LINES = TRAINING_TEXT.split("\n")
 TEXT_ROWS = [{"text": " ".join(LINES[2 * k: 4 + 3 * k])} for k in range(4)]  # 2 to 5 lines: 2 to 5 windows
 ROLLING_YAML = """\

@@ -87,6 +87,15 @@ def assert_parquet_matches_store(db: str, job_id: str, path: str) -> list[dict]:
     return rows
 
 
+def run_outputs(folder: Path, corpus: Path, model: Path, *args: str, timeout: float) -> dict[str, str]:
+    """custom_id -> output of one `layerbus run` of corpus, with its own home and SQLite store in folder: the
+    reference that a run through several brokers or chains must give."""
+    home, db = folder / "home", f"sqlite:///{folder / 'jobs.db'}"
+    done = layerbus(home, "run", corpus, "--model", model, "--db", db, *args, timeout=timeout)
+    assert done.returncode == 0, done.stderr
+    return result_outputs(status_json(home, JOB_ID.search(done.stdout).group(), "--db", db)["results_path"])
+
+
 def result_outputs(path: str) -> dict[str, str]:
     """custom_id -> output of a job's results file."""
     return {row["custom_id"]: row["output"] for row in pq.read_table(path).to_pylist()}

@@ -39,6 +39,23 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 from lm_eval.tasks._yaml_loader import load_yaml
 
+# A local multiple-choice task as lm-eval reads it, its documents in sums.jsonl beside the YAML.
+MC_YAML = """\
+task: tiny_sums
+output_type: multiple_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: sums.jsonl
+test_split: test
+doc_to_text: "Question: {{question}}\\nAnswer:"
+doc_to_choice: "{{choices}}"
+doc_to_target: gold
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+"""
+
 OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 

@@ -1,5 +1,5 @@
-"""For tests that start brokers and stages by hand: free ports to bind them to, and waits that fail as soon as a
-process ends early, showing the end of every log."""
+"""For tests that start brokers and stages by hand: free ports to bind them to, waits that fail as soon as a
+process ends early, showing the end of every log, and the processes a process started."""
 
 from __future__ import annotations
 
@@ -57,3 +57,21 @@ def free_port_pair() -> int:
         except OSError:
             continue
     raise RuntimeError("no free port pair")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (its stages, and a launcher they were forked from), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found

@@ -6,7 +6,6 @@ tests/cluster/test_link_matrix.py measures it between real stage processes."""
 from __future__ import annotations
 
 import math
-import threading
 
 import pytest
 import zmq
@@ -21,25 +20,15 @@ from layerbus.models.model_files import open_model_dir
 from layerbus.stages.peer_links import PeerProbeRequest, PeerProber, is_link_probe
 from layerbus.wire import link_probe
 from layerbus.wire.frames import WireError, encode
+from tests.helpers.link_peers import echo_peer
 
 
 @pytest.fixture
 def data_port():
     """A stage's data port stand-in: a PULL answering link probes with an EchoPeer (as a stage's main
     loop does), in a thread; yields its address."""
-    context = zmq.Context()
-    inp = context.socket(zmq.PULL)
-    inp.bind("tcp://127.0.0.1:*")
-    echo = link_probe.EchoPeer(context)
-    stop = threading.Event()
-    thread = threading.Thread(target=link_probe.serve, args=(inp, echo, stop.is_set, 20), daemon=True)
-    thread.start()
-    yield inp.last_endpoint.decode()
-    stop.set()
-    thread.join(5)
-    echo.close()
-    inp.close(linger=0)
-    context.term()
+    with echo_peer() as address:
+        yield address
 
 
 def _request(**overrides) -> PeerProbeRequest:

@@ -4,31 +4,19 @@ answers. No figure is asserted beyond being positive: timing depends on the mach
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import zmq
 
 from layerbus.wire import frames, link_probe
 from layerbus.wire.codec_sizes import codec_part_bytes
+from tests.helpers.link_peers import echo_peer
 
 
 @pytest.fixture
 def peer():
     """A probe peer serving on a free loopback port in a thread: yields its address."""
-    context = zmq.Context()
-    inp = context.socket(zmq.PULL)
-    inp.bind("tcp://127.0.0.1:*")
-    echo = link_probe.EchoPeer(context)
-    stop = threading.Event()
-    thread = threading.Thread(target=link_probe.serve, args=(inp, echo, stop.is_set, 20), daemon=True)
-    thread.start()
-    yield inp.last_endpoint.decode()
-    stop.set()
-    thread.join(5)
-    echo.close()
-    inp.close(linger=0)
-    context.term()
+    with echo_peer() as address:
+        yield address
 
 
 @pytest.fixture

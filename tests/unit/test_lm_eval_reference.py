@@ -21,6 +21,7 @@ from tests.helpers.direct_scores import (  # noqa: E402
     transformers_model,
 )
 from tests.helpers.lm_eval_reference import (  # noqa: E402
+    MC_YAML,
     hf_generate_until,
     hf_lm,
     hf_loglikelihood,
@@ -124,21 +125,6 @@ def test_generate_until_equals_direct_greedy_decoding(llama):
 
 MC_ROWS = [{"question": f"What is {i} plus {i}?", "choices": [str(2 * i), str(2 * i + 1), "a spider"], "gold": i % 3}
            for i in range(9)]
-MC_YAML = """\
-task: tiny_sums
-output_type: multiple_choice
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: sums.jsonl
-test_split: test
-doc_to_text: "Question: {{question}}\\nAnswer:"
-doc_to_choice: "{{choices}}"
-doc_to_target: gold
-metric_list:
-  - metric: acc
-  - metric: acc_norm
-"""
 
 
 def test_simple_evaluate_on_a_local_task_scores_with_the_same_loglikelihoods(llama, tmp_path):
