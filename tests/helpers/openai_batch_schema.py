@@ -1,4 +1,4 @@
-"""Helpers (no tests): JSON Schemas of OpenAI's batch output line and of the two response bodies layerbus
+"""JSON Schemas of OpenAI's batch output line and of the two response bodies layerbus
 writes, and a check of a pair of output/error files.
 
 Written from OpenAI's documented objects (openapi.yaml: BatchRequestOutput, CreateChatCompletionResponse,
