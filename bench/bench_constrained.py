@@ -9,7 +9,7 @@ tokens and prefill the same prompts (a short schema would finish early and compa
 Mask time: the broker's grammar work (mask, advance, packing; timed in this process, where the broker runs)
 against the run's wall time, and the last stage's unpacking and masking (timed here per row on the same
 vocabulary, times the masked rows) against that stage's busy time.
-Extraction: 100 items of tests/test_constrained.py's job (three schemas, a choice, a regex), counted by
+Extraction: 100 items of tests/cluster/test_constrained.py's job (three schemas, a choice, a regex), counted by
 finish_reason, every "stop" output checked (jsonschema, the choice list, re.fullmatch).
 Writes bench/results/bench_constrained.json.
 """
@@ -147,7 +147,7 @@ def throughput(model_dir: Path, tokenizer, args) -> dict:
 
 
 def extraction(model_dir: Path, tokenizer, args) -> dict:
-    from tests.test_constrained import check_output, extraction_items
+    from tests.helpers.constrained_items import check_output, extraction_items
 
     items = extraction_items(100)
     requests = [GenerationRequest(f"r{i}", tokenizer.apply_chat_template([{"role": "user", "content": text}],

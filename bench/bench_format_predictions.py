@@ -43,7 +43,7 @@ from layerbus.broker.profiling import ProfilingConfig  # noqa: E402
 from layerbus.broker.requests import GenerationRequest  # noqa: E402
 from layerbus.planner.batching import BatchingConfig  # noqa: E402
 from layerbus.models.model_files import open_model_dir  # noqa: E402
-from tests.large_model import make_large_model  # noqa: E402
+from tests.helpers.large_model import make_large_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_format_predictions.json"
 MIB = 1 << 20

@@ -46,7 +46,7 @@ def main() -> None:
     from layerbus.launch.local_cluster import LocalCluster, LocalStageOptions
     from layerbus.storage import JobStore
     from layerbus.storage.results import read_results
-    from tests.tiny_models import make_tiny_model
+    from tests.helpers.tiny_models import make_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="layerbus-bench-jobs-"))
     env = dict(os.environ, LAYERBUS_HOME=str(work / "home"))

@@ -1,5 +1,5 @@
 """Weight formats on a model where they matter: the 1.28B-parameter Llama of the tests (random
-weights, built here as bfloat16 shards by tests/large_model.py, 2.6 GB) on 2 local stages of one thread
+weights, built here as bfloat16 shards by tests/helpers/large_model.py, 2.6 GB) on 2 local stages of one thread
 each, held in fp32, bf16, int8 and int4 one after the other in one run: tokens/s of the same requests,
 each stage's weight bytes and peak resident memory since its load (VmHWM), and whether the formats
 generated the same tokens as fp32 (random weights make a flat distribution, so quantized formats may
@@ -31,8 +31,8 @@ from layerbus.broker.profiling import ProfilingConfig  # noqa: E402
 from layerbus.broker.requests import GenerationRequest  # noqa: E402
 from layerbus.planner.batching import BatchingConfig  # noqa: E402
 from layerbus.models.model_info import load_tokenizer  # noqa: E402
-from tests.large_model import make_large_model  # noqa: E402
-from tests.test_memory_budget import vm_hwm  # noqa: E402
+from tests.helpers.large_model import make_large_model  # noqa: E402
+from tests.helpers.memory import vm_hwm  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_large_weights.json"
 FORMATS = ("fp32", "bf16", "int8", "int4")

@@ -40,7 +40,7 @@ def main() -> None:
     from layerbus.jobs.runner import run_job
     from layerbus.jobs.snapshot_keeper import SnapshotConfig
     from layerbus.storage import JobSettings, JobStore, NewItem
-    from tests.tiny_models import make_tiny_model
+    from tests.helpers.tiny_models import make_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="layerbus-bench-snapshots-"))
     os.environ["LAYERBUS_HOME"] = str(work / "home")

@@ -1,5 +1,5 @@
 """Which layers a re-plan must recompute, given what each stage kept (pure; table tests in
-tests/test_replay_window.py).
+tests/unit/test_replay_window.py).
 
 After a lost or slowed stage, the broker re-plans and every stage loads its new span. A stage that
 held some of its new layers before keeps their caches (stages.replay), and reports which in READY

@@ -17,7 +17,7 @@ from layerbus.models.openmp_waits import prefer_passive_waits
 
 # Each subcommand: its module in this package and its line in `layerbus --help`. Only the module of the
 # command given is imported (each imports what its options need: a read-only command must not pay
-# for the others' imports); the others are listed by these lines. tests/test_cli_main.py checks that
+# for the others' imports); the others are listed by these lines. tests/unit/test_cli_main.py checks that
 # each line is the one its module registers.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "submit": ("submit", "queue a job (prints its id)"),

@@ -28,7 +28,7 @@ MIN_HISTORY_ITEMS = 8  # fewer say too little about where outputs end
 # this is ~2 s however large the job (2.2 s of CPU for all of job_workload on a million). The plan's sums
 # from the sample are off by what sampling gives: for items in random order whose prompt lengths vary as
 # much as their mean, ~1/sqrt(4096) = 1.6% at one standard deviation; far less where lengths come in runs
-# (tests/test_job_workload_sample.py). Halving that error would take four times the items (~8 s), and
+# (tests/store/test_job_workload_sample.py). Halving that error would take four times the items (~8 s), and
 # job_shape simulates at most MAX_SIMULATED_ROWS decode rows (781 items of 256 new tokens) anyway.
 SAMPLE_ITEMS = 4096
 

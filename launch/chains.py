@@ -11,7 +11,7 @@ encoding, detokenizing and store writes are Python, run under the GIL. Measured 
 would have cost nothing measurable; but the cost grows with the stages' speed (at that cost per token
 a chain at 360 tok/s needs a whole core for its broker), and threads would put every chain's steps
 and the lease-renewing threads behind one interpreter lock. Processes share nothing but the store,
-and give each chain what a broker process already has and is tested for (tests/test_brokers_one_job.py):
+and give each chain what a broker process already has and is tested for (tests/cluster/test_brokers_one_job.py):
 its own worker name in the store (host:pid:token), its own signal handling, a log of its own, and a
 fault that takes one chain down without the others. The price: each chain's process imports torch once (a few seconds of
 start-up, while the stages load anyway).

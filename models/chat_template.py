@@ -5,7 +5,7 @@ tokenizer for that imported torch and took seconds, for a command that computes 
 template is Jinja: this renders it the way transformers' `apply_chat_template(messages,
 tokenize=False, add_generation_prompt=True)` does (a sandboxed environment with trim_blocks and
 lstrip_blocks, its `tojson`, `raise_exception`, `strftime_now`, `dict` and `namespace`, the named
-special tokens as variables), and tests/test_chat_template.py checks it against transformers on
+special tokens as variables), and tests/unit/test_chat_template.py checks it against transformers on
 every template the tests have. A template this cannot render (one using transformers' own
 `{% generation %}` tag, say) is reported as None, and the caller falls back to transformers.
 """

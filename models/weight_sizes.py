@@ -13,7 +13,7 @@ from layerbus.models.tensor_reader import SAFETENSORS_DTYPES, TensorReader
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Bytes of one 32-weight block (models.weight_blocks.LAYOUTS, kept here so sizing needs no block code;
-# tests/test_weight_sizes.py holds the two equal).
+# tests/unit/test_weight_choice.py holds the two equal).
 BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
 BLOCK = 32
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")

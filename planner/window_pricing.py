@@ -61,7 +61,7 @@ def window_s(alone: list[float], chain: Sequence[StageProfile], window: Window,
     # Per stage sharing a host: the others of this chain there (index, threads, compute share), what the
     # other chains' stages there want (`_cores_stretch`'s terms for them: they do not change), and the
     # stretch with every one of them busy. The rounds below do `_cores_stretch`'s arithmetic inline, in
-    # its order, so the figures are the same to the last bit (tests/test_window_reference.py keeps the plain
+    # its order, so the figures are the same to the last bit (tests/unit/test_window_reference.py keeps the plain
     # version and compares them on random chains).
     sharers: list[tuple | None] = []
     for k, s in enumerate(chain):

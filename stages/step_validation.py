@@ -1,5 +1,5 @@
 """Checking a step message before a stage touches it: pure, so the fuzz tests drive exactly what a
-stage runs (tests/test_wire_fuzz.py).
+stage runs (tests/unit/test_wire_fuzz.py).
 
 Everything a stage accepts from its data port passes here: the frames' structure (wire.frames),
 the step's header fields, the tensor this stage takes (token ids on the first stage, hidden states

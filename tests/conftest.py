@@ -1,18 +1,28 @@
 """Shared pytest configuration: isolation from the user's home, the test tiers, and the fixture
-families (each in its own module, named here).
+families (each in its own module under tests/helpers/, named here).
 
 Isolation: every test gets its own empty LAYERBUS_HOME, so no test reads what another run left
 behind and nothing lands in ~/.local/share/layerbus. The default real model is the one thing
 shared: it is prepared once into LAYERBUS_MODEL_CACHE, which points at $LAYERBUS_TEST_MODEL_CACHE
-when set (run_tests.sh keeps it under .pytest_cache/ in the checkout) and at a session temporary
+when set (run_tests.sh keeps it under .layerbus/ in the checkout) and at a session temporary
 folder otherwise. Both are environment variables, so processes started by tests inherit them.
 
-Tiers: `cluster` marks tests that start processes (stage processes, brokers, CLI runs, PostgreSQL
-servers), `slow` those that use the default real model. The inner loop is
-`pytest -m "not cluster and not slow"`. Markers that follow from fixtures are added here, so they
-cannot be forgotten: the PostgreSQL fixtures (or the `postgres` marker) imply `cluster`, the
-`default_model` fixture implies `slow`. A test outside `cluster` that starts a layerbus or
-PostgreSQL process fails, naming the marker to add.
+Tiers: the folders are the tiers, and the markers follow from them.
+- tests/unit/: pure tests, no process started and no real model. A test there that comes out marked
+  `cluster` or `slow` (by a mark or a fixture below) stops the collection, naming the folder it belongs in.
+- tests/store/: the store's contract suite and every test run on both SQLite and PostgreSQL. The SQLite
+  cases are unit tests; the PostgreSQL ones are `postgres` and `cluster` through their fixtures.
+- tests/equivalence/: `slow`, every test: layerbus against references (transformers, lm-eval's HF
+  backend, float32) and the checks that need the default real model. Those that start stage processes
+  are `cluster` too, by their own mark (a module's `pytestmark`, or the test's).
+- tests/cluster/: `cluster`, every test: tests that start processes (stages, brokers, CLI runs, Slurm,
+  Prometheus, tmux...).
+- tests/helpers/: what the tests share; no test.
+Marks that follow from fixtures are added wherever the test is: the PostgreSQL fixtures (or the
+`postgres` marker) imply `postgres` and `cluster`, the `default_model` fixture implies `slow`. The inner
+loop is `pytest -m "not cluster and not slow"` (./run_tests.sh --fast): tests/unit and the SQLite half
+of tests/store. A test outside `cluster` that starts a layerbus or PostgreSQL process fails, naming the
+marker to add.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ import pytest
 
 from layerbus.models.home import home_path
 from layerbus.models.openmp_waits import prefer_passive_waits
-from tests.run_shared import run_shared_dir
+from tests.helpers.run_shared import run_shared_dir
 
 # The test workers compute references with torch beside the stage processes they start, as the CLI's
 # processes do beside each other: their threads must not spin on the cores the others need
@@ -34,19 +44,26 @@ from tests.run_shared import run_shared_dir
 prefer_passive_waits()
 
 pytest_plugins = [
-    "tests.fixtures_models",
-    "tests.fixtures_postgres",
+    "tests.helpers.fixtures_models",
+    "tests.helpers.fixtures_postgres",
 ]
 
+TESTS = Path(__file__).resolve().parent
 POSTGRES_FIXTURES = {"postgres_server", "postgres_url", "postgres_fresh_url"}
 # Programs that make a process a cluster-tier one: the CLI, the local cluster script, a PostgreSQL server,
-# a Slurm cluster (tests/slurm_cluster.py).
+# a Slurm cluster (tests/helpers/slurm_cluster.py).
 CLUSTER_PROGRAMS = {"layerbus", "run_cluster.sh", "initdb", "pg_ctl", "postgres",
                     "munged", "slurmctld", "slurmd", "sbatch"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    misplaced = []
     for item in items:
+        folder = tier_folder(item)
+        if folder == "cluster":
+            item.add_marker(pytest.mark.cluster)
+        elif folder == "equivalence":
+            item.add_marker(pytest.mark.slow)
         fixtures = set(getattr(item, "fixturenames", ()))
         if fixtures & POSTGRES_FIXTURES:
             item.add_marker(pytest.mark.postgres)
@@ -54,6 +71,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.cluster)
         if "default_model" in fixtures:
             item.add_marker(pytest.mark.slow)
+        if folder == "unit" and (item.get_closest_marker("cluster") or item.get_closest_marker("slow")):
+            misplaced.append(item.nodeid)
+    if misplaced:
+        raise pytest.UsageError(f"{len(misplaced)} test(s) in tests/unit/ start processes or use the default model "
+                                f"(marked cluster or slow): move them to tests/cluster/ or tests/equivalence/: "
+                                f"{misplaced[:5]}")
+
+
+def tier_folder(item: pytest.Item) -> str | None:
+    """The tier folder a test sits in (unit, store, equivalence, cluster), None outside tests/."""
+    path = Path(item.path)
+    return path.relative_to(TESTS).parts[0] if path.is_relative_to(TESTS) else None
 
 
 def is_cluster_command(words: list[str]) -> bool:
@@ -132,8 +161,8 @@ def _cluster_processes_need_the_marker(request: pytest.FixtureRequest, monkeypat
         words = str(args).split() if isinstance(args, (str, bytes, os.PathLike)) else [str(a) for a in args]
         if is_cluster_command(words):
             pytest.fail(f"{request.node.nodeid} starts {' '.join(words)!r}: tests that start processes belong to "
-                        f"the cluster tier; mark them `pytest.mark.cluster` (module-level `pytestmark`)",
-                        pytrace=False)
+                        f"the cluster tier: move them to tests/cluster/, or (in tests/store/ and "
+                        f"tests/equivalence/) mark them `pytest.mark.cluster`", pytrace=False)
         original(self, args, *more, **kwargs)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", guarded)

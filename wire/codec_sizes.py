@@ -1,7 +1,7 @@
 """Bytes a step's hidden states take on the wire, per codec, without importing torch.
 
 The same arithmetic as `wire.codecs.expected_parts` / `wire_bytes` (which need torch for dtypes),
-for commands that only plan or measure (`layerbus netprobe`). tests/test_link_cost.py checks that
+for commands that only plan or measure (`layerbus netprobe`). tests/unit/test_link_cost.py checks that
 both agree, and that they match what `encode` really produces, for every codec on a grid of shapes.
 """
 

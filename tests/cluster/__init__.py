@@ -1,0 +1,1 @@
+"""The cluster tier: tests that start processes (stages, brokers, CLI runs, Slurm, Prometheus, tmux...)."""
