@@ -66,7 +66,7 @@ def mixed_requests(model_dir, count: int, max_new_tokens: int = 48) -> tuple[lis
 
 
 def extraction_items(count: int) -> list[tuple[str, Constraint]]:
-    """Issue 16's job: extraction prompts with per-item schemas (three different ones), a choice and a regex."""
+    """An extraction job: prompts with per-item schemas (three different ones), a choice and a regex."""
     items = []
     for i in range(count):
         person, city = PEOPLE[i % len(PEOPLE)], CITIES[(i * 5) % len(CITIES)]

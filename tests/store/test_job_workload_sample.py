@@ -1,5 +1,5 @@
 """A large job's workload from an evenly spread sample of its items: the plan's sums (steps, prompt and
-new tokens) are the whole job's, and the planner tokenizes no more than the sample (issue 18)."""
+new tokens) are the whole job's, and the planner tokenizes no more than the sample."""
 
 from __future__ import annotations
 

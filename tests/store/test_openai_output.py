@@ -80,7 +80,7 @@ def test_each_item_lands_in_its_file_in_submission_order(store, tmp_path):
 
 
 def test_the_bodies_round_trip_through_the_openai_package_types(store):
-    # Issue 16's "done when": the output parses as the `openai` package's own response types, and dumps back
+    # The output parses as the `openai` package's own response types, and dumps back
     # to the same JSON (a wrong literal, type or missing required field raises in model_validate).
     job_id = queue(store)
     run_four(store, job_id)

@@ -134,7 +134,7 @@ BAD_LINES = [
     ({"custom_id": "t", "method": "POST", "url": "/v1/completions"}, "missing body"),
     ({**OPENAI_CHAT, "custom_id": "t2", "url": ["/v1/completions"]}, "url ['/v1/completions'] is not supported"),
     ({**OPENAI_CHAT, "custom_id": "t3", "body": "text"}, "body must be an object, got string"),
-    # n is honoured since issue 16's samples; an unknown key is still refused, and so is an n out of range.
+    # n is honoured (samples per item); an unknown key is still refused, and so is an n out of range.
     ({**OPENAI_CHAT, "custom_id": "u", "body": {"messages": [], "tools": []}}, "unknown body key(s) 'tools'"),
     ({**OPENAI_CHAT, "custom_id": "u1", "body": {**OPENAI_CHAT["body"], "n": 129}},
      "body.n must be an integer from 1 to 128 (samples per item), got 129"),

@@ -207,7 +207,7 @@ def test_a_crash_fails_the_job_and_keeps_finished_outputs(store, tokenizer, tmp_
 
 
 def test_a_job_whose_items_all_failed_finishes_failed_and_says_so(store, tokenizer, tmp_path):
-    # Issue 16 (kaapi-backend #723): OpenAI calls such a batch "completed"; here it must not look done.
+    # As kaapi-backend #723 found, OpenAI calls such a batch "completed"; here it must not look done.
     job_id = queue_job(store, 3)
 
     status = run_job(store, job_id, FailingBroker(tokenizer), tmp_path, poll_cancel_s=0)

@@ -266,7 +266,7 @@ def test_a_measured_corun_factor_replaces_the_thread_count(factors, want_ratio) 
     ((0, 3, 6, 9, 12), 2.0),
     # One stage holds 9 of 12 layers, the others are busy about a ninth of the time: one core each for
     # it and the rest, so it computes as fast as alone and the job takes as long as alone. The factor
-    # scaled by how busy the others are on average (1 + 1 x 1/9) had it ~11% slower (bench_topology, issue 21).
+    # scaled by how busy the others are on average (1 + 1 x 1/9) had it ~11% slower (bench/bench_topology.py).
     ((0, 1, 2, 11, 12), 1.0),
 ])
 @pytest.mark.parametrize("threads, factor", [(1, 2.0), (2, 1.5)], ids=["one thread", "threads that do not scale"])

@@ -217,7 +217,7 @@ def test_expected_busy_s_prices_decode_prefill_and_head_by_the_stage_profile():
     work = Work(steps=3, decode_rows=4, prefill_tokens=8, emit_rows=6)  # 2 decode steps, 2 prefill chunks
     # a: 3 x 0.1 overhead + 3 layers x (2 x 1.0 + 2 x 10.0) + embed of 4 + 8 positions x 0.25. The
     # embedding is a lookup per position, so a prefill chunk of 4 tokens costs it twice a decode step
-    # of 2 rows (before issue 12 both were priced as one profiled step: 4 x 0.5 = 2.0).
+    # of 2 rows (priced as one profiled step both would be 4 x 0.5 = 2.0).
     assert expected_busy_s(plan, two, "a", work) == pytest.approx(0.3 + 66.0 + 3.0)
     # b: 1 layer x 22.0 + head for 6 emitted rows = 3 decode steps x 2.0
     assert expected_busy_s(plan, two, "b", work) == pytest.approx(22.0 + 6.0)

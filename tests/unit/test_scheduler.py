@@ -131,7 +131,7 @@ def test_micro_batches_own_adjacent_slots(num_slots: int, micro_batches: int, nu
 
 
 @pytest.mark.parametrize("fields, message", [
-    # 0 micro-batch size and 0 step tokens mean "chosen by the broker" (issue 12): only negatives are refused.
+    # 0 micro-batch size and 0 step tokens mean "chosen by the broker": only negatives are refused.
     ({"num_slots": -1}, r"need num_slots >= 0, micro_batch_size >= 0 \(0 = chosen\) and num_micro_batches >= 0"),
     ({"micro_batch_size": -1}, r"self.micro_batch_size=-1"),
     ({"max_step_tokens": -1}, r"max_step_tokens must be >= 0 \(0 = chosen\) and min_prefill_chunk >= 1"),

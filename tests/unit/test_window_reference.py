@@ -1,7 +1,7 @@
 """`placement.window_s` prices every window of every chain and split the planner tries (thousands per plan),
 so it is written for speed: what does not change between the rounds of its fixed point is worked out once,
-and `_cores_stretch` is done inline. Here the plain version (each round works out everything again, as the
-code did before the twenty-second session) is the specification, and the fast one must give the very same
+and `_cores_stretch` is done inline. Here the plain version (each round works out everything again) is the
+specification, and the fast one must give the very same
 figures, to the last bit, on random chains: CPU and GPU stages, hosts shared or not, threads, emulated
 devices, measured co-run factors and other chains' stages on the same hosts."""
 
