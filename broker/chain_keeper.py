@@ -96,14 +96,18 @@ class ChainKeeper:
         # The live stages when the placement in use was made (those it left out included): a stage not
         # among them registered since (started mid-job, or back after it was lost) and may join.
         self.placed_among: set[str] = set()
+        self._chain: list[StageInfo] = []  # the StageInfo of each stage of the placement, as they loaded it
         # Plans computed beside a running pipeline (a stage that joined, one that slowed): pure work.
         self.planning = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerbus-planning")
 
     # -- the placement in use -------------------------------------------------------------------
     @property
     def chain(self) -> list[StageInfo]:
-        """The stages of the placement in use, in chain order (their live state)."""
-        return [self.control.stage(name) for name in self.placement.stages] if self.placement else []
+        """The stages of the placement in use, in chain order: the processes that loaded it (a process that
+        registers later under one of their names is another stage, and this one says it is gone)."""
+        if self.placement is None:
+            return []
+        return self._chain or [self.control.stage(name) for name in self.placement.stages]
 
     @property
     def plan(self) -> Plan | None:
@@ -314,10 +318,12 @@ class ChainKeeper:
         if self.tracer is not None:
             self.tracer.placed(self.placement, {stage.name: stage.host for stage in self.chain})
             began = self.tracer.now()
-        self.control.assign(self.placement, str(self.model.path), self.results_address, self.batching.num_slots,
-                            self.max_context, config.load_timeout_s, liveness_window_s=config.liveness.window_s,
-                            weights=stage_weights(self.placement, config.weights),
-                            keep_caches=self.batching.keep_caches, context_hint=context_hint)
+        self._chain = []
+        self._chain = self.control.assign(self.placement, str(self.model.path), self.results_address,
+                                          self.batching.num_slots, self.max_context, config.load_timeout_s,
+                                          liveness_window_s=config.liveness.window_s,
+                                          weights=stage_weights(self.placement, config.weights),
+                                          keep_caches=self.batching.keep_caches, context_hint=context_hint)
         self.control.phase = None
         if self.tracer is not None:
             self.tracer.span("load spans", PLACE, began, self.tracer.now(), chain=self.placement.text())

@@ -158,6 +158,7 @@ class ControlPlane:
             raise
         self.address = socket.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.stages: dict[bytes, StageInfo] = {}
+        self.registered = 0  # stages registered so far (a process again under a known name counts anew)
         self.epoch = 0
         # What the broker is busy with while stages wait ("preparing the model", "planning"); None once it
         # serves. The control thread says it to every registered stage when it changes, and in heartbeats.
@@ -296,6 +297,12 @@ class ControlPlane:
             # answers): nothing to change, whatever it was told since.
             known.last_seen = max(known.last_seen, now)
             return
+        if known is not None and known.state.alive:
+            # Another process under its name (a supervisor restarted it faster than the liveness window): the
+            # process the chain knew is gone, now, and said so (the chain holds its StageInfo, which says it).
+            known.state, known.loaded = StageState.GONE, None
+            known.error = f"restarted: a new process (pid {_figure(header.get('pid')):.0f}) registered under its name"
+        self.registered += 1
         self.stages[identity] = StageInfo(
             identity=identity, name=header["name"], device=header["device"], dtype=header["dtype"],
             threads=header["threads"], memory_budget=header.get("memory_budget"),
@@ -422,7 +429,8 @@ class ControlPlane:
 
     def assign(self, placement: Placement, model_dir: str, result_address: str, num_slots: int,
                max_context: int, timeout_s: float, liveness_window_s: float | None = None,
-               weights: str | Sequence[str] = "auto", keep_caches: bool = True, context_hint: int = 0) -> None:
+               weights: str | Sequence[str] = "auto", keep_caches: bool = True,
+               context_hint: int = 0) -> list[StageInfo]:
         """Give each stage of `placement` its span, next hop, the codec of that hop (float32 where
         the placement has none) and the weight format (one for all, or one per stage of the chain; a
         stage started with its own --weights keeps that) and whether to keep caches across a re-plan
@@ -431,7 +439,8 @@ class ControlPlane:
         their KV caches once at load (a cache grown mid-job stalls every stage behind it while it copies).
 
         With `liveness_window_s`, a stage that dies while loading raises StageLost (its heartbeats
-        continue during a load, so a long load is not mistaken for a death)."""
+        continue during a load, so a long load is not mistaken for a death). Returns the chain's stages, as
+        they registered: the processes that loaded it."""
         self.epoch += 1
         chain = [self.stage(name) for name in placement.stages]
         formats = [weights] * len(chain) if isinstance(weights, str) else list(weights)
@@ -457,7 +466,7 @@ class ControlPlane:
                 raise ClusterError("; ".join(f"stage {s.name} could not load layers {span}: {s.error}"
                                              for s, span in failed))
             if all(stage.state is StageState.READY for stage in chain):
-                return
+                return chain
             if self.clock() > deadline:
                 waiting = [s.name for s in chain if s.state is not StageState.READY]
                 raise ClusterError(f"stages {waiting} did not finish loading within {timeout_s:.0f} s")

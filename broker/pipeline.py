@@ -139,7 +139,9 @@ class Pipeline:
 
     @property
     def chain(self) -> list[StageInfo]:
-        """The stages of the placement in use, in chain order."""
+        """The stages of the placement in use, in chain order (the owner's: the processes that loaded it)."""
+        if self.replanner is not None:
+            return self.replanner.keeper.chain
         return [self.control.stage(name) for name in self.placement().stages]
 
     def _follow_placement(self) -> None:
@@ -248,6 +250,8 @@ class Pipeline:
                 run.report("refused", message)
         self._resend_overdue(run)
         self.control.check_stages(self.chain, self.config.liveness_window_s, self.config.stuck_step_s)
+        if self.replanner is not None:
+            self.replanner.check_spares(self.config.liveness_window_s, self.config.stuck_step_s, run.report)
         self._finish_replan(run)
         self._watch_speed(run)
         self._watch_joins(run)

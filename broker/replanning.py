@@ -16,7 +16,7 @@ import logging
 from typing import Callable
 
 from layerbus.broker.chain_keeper import ChainKeeper
-from layerbus.broker.control import ClusterError, StageInfo, StageLost, StagesGone, StageState
+from layerbus.broker.control import ClusterError, StageInfo, StageLost, StagesGone, StageState, lost_reason
 from layerbus.broker.waits import Computed, NoReply, Steps, run_blocking
 from layerbus.planner.chain import Placement
 from layerbus.planner.drift import Work
@@ -83,6 +83,20 @@ class Replanner:
                 report("load_failed", str(error))
         return None
 
+    def check_spares(self, liveness_window_s: float, stuck_s: float, report: Report = _quiet) -> None:
+        """A stage outside the chain (a spare, or one waiting to join) that died or fell silent is dropped and
+        said, as a lost stage of the chain is: the next re-plan does not count on it."""
+        chain = {stage.name for stage in self.keeper.chain}
+        now = self.control.clock()
+        for stage in self.control.live_stages():
+            if stage.name in chain or stage.state is StageState.LOADING:
+                continue
+            reason = lost_reason(stage, now, liveness_window_s, stuck_s)
+            if reason is not None:
+                self.drop(stage)
+                report("stage_lost", f"stage {stage.name} ({stage.host} pid {stage.pid}), a spare, lost: {reason}",
+                       stage=stage.name)
+
     def drop(self, stage: StageInfo) -> None:
         """A stage lost: counted, forgotten (measured anew if it registers again)."""
         self.keeper.forget(stage)
@@ -97,8 +111,8 @@ class Replanner:
     def _wait_for_registration(self, should_stop: Callable[[], bool]) -> None:
         """Until another stage registers. StagesGone when every stage process this broker was told of has ended
         for good: none can come."""
-        known = len(self.control.stages)
-        while len(self.control.stages) == known and not should_stop():
+        known = self.control.registered  # a stage restarted under its name registers anew too
+        while self.control.registered == known and not should_stop():
             self.control.poll(200)
             if self.control.none_can_come_back():
                 raise StagesGone(f"every stage has ended and none can come back: {self.control.stages_missing()}")
@@ -167,7 +181,7 @@ class Replanner:
         names = ", ".join(s.name for s in joined)
         if isinstance(stage, StageInfo) and stage.state.alive and not isinstance(error, StageLost):
             stage.state, stage.error = StageState.FAILED, str(error)  # answered, but cannot serve
-        elif isinstance(stage, StageInfo):
+        elif isinstance(stage, StageInfo) and stage.state.alive:  # not dropped already (check_spares)
             self.drop(stage)
         report("joined", f"{names} registered mid-job but could not be measured ({error}): left out, the job goes on",
                **({"stage": stage.name} if isinstance(stage, StageInfo) else {}))
@@ -193,6 +207,7 @@ class Replanner:
             self.control.poll(100)
             try:
                 self.control.check_stages(self.keeper.chain, liveness_window_s, stuck_s)
+                self.check_spares(liveness_window_s, stuck_s, report)
                 self._grow_between_runs(liveness_window_s, stuck_s, report)
             except StageLost as lost:
                 report("stage_lost", str(lost), stage=lost.stage.name)

@@ -264,7 +264,7 @@ class Scheduler:
                 seq.prefix = self.prefix_cache.plan_prompt(prompt_ids, seq.prefix_hashes)
                 restore = seq.prefix.restore
                 start = restore[1] if restore is not None else 0
-            chunk = known[start:start + budget]
+            chunk = known[start:replay_chunk_end(start, len(seq.request.prompt_ids), start + budget)]
             budget -= len(chunk)
             end = start + len(chunk)
             save = _save_reached(seq, end)
@@ -378,7 +378,7 @@ class Scheduler:
         for seq in replaying:
             if budget <= 0:
                 break
-            end = min(seq.replay_end, seq.cached + budget)
+            end = min(seq.replay_end, replay_chunk_end(seq.cached, len(seq.request.prompt_ids), seq.cached + budget))
             rows.append(PlannedRow(seq.slot, seq.cached, seq.known[seq.cached:end], emit=False))
             budget -= end - seq.cached
         released, self.pending_release[micro_batch] = self.pending_release[micro_batch], []
@@ -578,6 +578,17 @@ class Scheduler:
             if slots and slots[0] <= slot <= slots[-1]:
                 return j
         raise KeyError(slot)
+
+
+def replay_chunk_end(start: int, prompt_length: int, budget_end: int) -> int:
+    """Where a chunk of known tokens starting at `start` ends: within the prompt, at the budget or the prompt's
+    end; past it (the tokens it generated, recomputed after a re-plan), one position, as a decode step first
+    computed each. A position's keys and values are then the very bits the stages had before (a chunk's kernels
+    round differently), so every later token is the one an uninterrupted run picks, even where the model's two
+    best tokens are within float rounding of each other."""
+    if start < prompt_length:
+        return min(budget_end, prompt_length)
+    return min(budget_end, start + 1)
 
 
 def _token_texts(seq: Sequence) -> dict[int, str] | None:

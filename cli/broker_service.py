@@ -295,6 +295,7 @@ def _serve(store: JobStore, broker: Broker, model_dir: Path, args: argparse.Name
     broker.start()
     _say(f"ready: {broker.placement.text()}")
     if args.job:
+        _record_start(store, broker, args.job)
         write_run_info(args.job, broker.run_info())
         if metrics is not None:
             metrics.watch_job(store, args.job)
@@ -318,6 +319,7 @@ def _serve(store: JobStore, broker: Broker, model_dir: Path, args: argparse.Name
             _idle(broker, args.poll)
             continue
         _say(f"running {job_id}")
+        _record_start(store, broker, job_id)
         write_run_info(job_id, broker.run_info())
         if metrics is not None:
             metrics.watch_job(store, job_id)
@@ -325,6 +327,14 @@ def _serve(store: JobStore, broker: Broker, model_dir: Path, args: argparse.Name
         _report(ran[-1])
         if ran[-1].status in RUNNABLE_JOB_STATES:  # its stages broke and it left the job to other brokers
             return _leave(broker, args, job_id)
+
+
+def _record_start(store: JobStore, broker: Broker, job_id: str) -> None:
+    """What went wrong while the stages were placed (a stage lost, one that ended), in the first job's events:
+    the job is not known until then."""
+    for kind, message in broker.start_events:
+        store.add_job_event(job_id, kind, message)
+    broker.start_events.clear()
 
 
 def _leave(broker: Broker, args: argparse.Namespace, job_id: str) -> int:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from layerbus.jobs.leases import LeaseConfig, LeaseKeeper, gone_holders, pid_alive
+from layerbus.jobs.leases import LeaseConfig, LeaseKeeper, gone_holders, note_lost_workers, pid_alive
 from layerbus.storage import JobSettings, JobStatus, JobStore, Lease
 from layerbus.storage.results import ResultWriter, settings_metadata
 from layerbus.storage.states import FINAL_JOB_STATES, RUNNABLE_JOB_STATES
@@ -62,6 +62,7 @@ def finish_job(store: JobStore, job_id: str, writer: ResultWriter, settings: Job
             return store.job_status(job_id)  # cancelling, or cancelled with another worker writing its file
         gone = gone_holders([Lease(claim.holder, 0, claim.expires_at)], worker, socket.gethostname(), pid_alive)
         if gone:
+            note_lost_workers(store, job_id, worker)  # the finalizer died: said before this worker takes it over
             continue
         if waiting_on != claim.holder:
             waiting_on = claim.holder

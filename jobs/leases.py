@@ -142,3 +142,21 @@ class LeaseKeeper:
                 self.tick()
             except Exception:  # noqa: BLE001 (a store hiccup: the next tick tries again, well within the lease)
                 log.exception("job %s: could not renew the leases of %s", self.job_id, self.worker)
+
+
+def note_lost_workers(store: JobStore, job_id: str, worker_name: str) -> None:
+    """Brokers of this host that worked the job and whose process has ended without stopping (kill -9, a crash,
+    a lost node's restart): each said once, as a `worker_lost` event, by the next broker that starts on the job or
+    takes its finalization over."""
+    said = {event.message.split(" ", 2)[1] for event in store.job_events(job_id, limit=1_000_000)
+            if event.kind == "worker_lost"}
+    host = socket.gethostname()
+    for worker in store.job_workers(job_id):
+        found = WorkerId.parse(worker.worker)
+        if (worker.worker == worker_name or worker.worker in said or worker.state == "stopped" or found is None
+                or found.host != host or pid_alive(found.pid)):
+            continue
+        message = (f"broker {worker.worker} ended without stopping (its process is gone) after {worker.items_done} "
+                   f"item(s); {worker_name} goes on with the job")
+        log.warning("job %s: %s", job_id, message)
+        store.add_job_event(job_id, "worker_lost", message)

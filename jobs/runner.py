@@ -24,7 +24,8 @@ from layerbus.jobs.constraints import constraint_of
 from layerbus.jobs.finalization import all_failed_message, finish_job  # noqa: F401 (all_failed_message: re-exported)
 from layerbus.jobs.item_params import ADD_SPECIAL_TOKENS_KEY, PROMPT_IDS_KEY
 from layerbus.jobs.logprobs import logprobs_json
-from layerbus.jobs.leases import LeaseConfig, LeaseKeeper, gone_holders, pid_alive, report_expired, this_worker
+from layerbus.jobs.leases import (LeaseConfig, LeaseKeeper, gone_holders, note_lost_workers, pid_alive,
+                                  report_expired, this_worker)
 from layerbus.jobs.score_items import is_scoring, score_output, score_request
 from layerbus.jobs.samples import parse_request_id, sample_request_id, sample_seed, samples_json, samples_of
 from layerbus.jobs.snapshot_keeper import SnapshotConfig, SnapshotKeeper
@@ -500,6 +501,7 @@ def _snapshot_keeper(store: JobStore, job_id: str, broker: Runner, worker_name: 
 def _take_back_abandoned(store: JobStore, job_id: str, worker_name: str) -> None:
     """Requeue the items whose holder is gone (its lease ran out, or its process on this host exited, or it
     is this process's own earlier run); record how many and why as a `resumed` event."""
+    note_lost_workers(store, job_id, worker_name)
     leases = store.job_leases(job_id)
     gone = gone_holders(leases, worker_name, socket.gethostname(), pid_alive)
     taken = store.requeue_expired(job_id, holders=gone)

@@ -17,6 +17,7 @@ import subprocess
 import tempfile
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -59,7 +60,7 @@ def _server_user() -> str | None:
             return name
         except KeyError:
             continue
-    pytest.fail("running as root and neither a 'postgres' nor a 'nobody' user exists to run PostgreSQL as")
+    raise RuntimeError("running as root and neither a 'postgres' nor a 'nobody' user exists to run PostgreSQL as")
 
 
 def _run_as(user: str | None, args: list[str], cwd: Path) -> None:
@@ -67,7 +68,7 @@ def _run_as(user: str | None, args: list[str], cwd: Path) -> None:
     # cwd: the server user may not be allowed into the test's working folder.
     done = subprocess.run(command, capture_output=True, text=True, check=False, cwd=cwd)
     if done.returncode != 0:
-        pytest.fail(f"{' '.join(command)} failed with exit code {done.returncode}:\n{done.stdout}\n{done.stderr}")
+        raise RuntimeError(f"{' '.join(command)} failed with exit code {done.returncode}:\n{done.stdout}\n{done.stderr}")
 
 
 def _free_port() -> int:
@@ -83,18 +84,19 @@ def _admin_sql(port: int, statement: str) -> None:
         conn.execute(statement)
 
 
-@pytest.fixture(scope="session")
-def postgres_server() -> Iterator[int]:
-    """Start a PostgreSQL server for the session; yields its port on 127.0.0.1."""
+class NoPostgres(RuntimeError):
+    """PostgreSQL's server binaries are not installed here."""
+
+
+@contextmanager
+def throwaway_postgres() -> Iterator[int]:
+    """A PostgreSQL server in a temporary folder for as long as the block lasts; yields its port on 127.0.0.1.
+    NoPostgres when the binaries are missing (the bench's soak uses it too)."""
     bindir = find_postgres_bindir()
     if bindir is None:
-        message = (
-            "PostgreSQL server binaries (initdb, pg_ctl) not found on PATH, via `pg_config --bindir` or in "
-            "/usr/lib/postgresql/*/bin; install them (Debian: apt-get install postgresql) to run the PostgreSQL tests"
-        )
-        if os.environ.get("CI"):
-            pytest.fail(message + " ($CI is set, so PostgreSQL must be tested)")
-        pytest.skip(message)
+        raise NoPostgres("PostgreSQL server binaries (initdb, pg_ctl) not found on PATH, via `pg_config --bindir` or "
+                         "in /usr/lib/postgresql/*/bin; install them (Debian: apt-get install postgresql) to run the "
+                         "PostgreSQL tests")
     user = _server_user()
     # Directly under /tmp: pytest's tmp folders are private to root, so the server user could not enter them.
     base = Path(tempfile.mkdtemp(prefix="layerbus-pg-"))
@@ -113,6 +115,24 @@ def postgres_server() -> Iterator[int]:
         if (data / "postmaster.pid").exists():
             _run_as(user, [str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop"], base)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def create_database(port: int, name: str) -> str:
+    """A new database on the server at `port`; its postgresql+psycopg:// URL."""
+    _admin_sql(port, f"CREATE DATABASE {name}")
+    return f"postgresql+psycopg://{PG_USER}@127.0.0.1:{port}/{name}"
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[int]:
+    """Start a PostgreSQL server for the session; yields its port on 127.0.0.1."""
+    try:
+        with throwaway_postgres() as port:
+            yield port
+    except NoPostgres as missing:
+        if os.environ.get("CI"):
+            pytest.fail(f"{missing} ($CI is set, so PostgreSQL must be tested)")
+        pytest.skip(str(missing))
 
 
 @pytest.fixture(scope="session")

@@ -123,9 +123,10 @@ def test_sequences_whole_again_decode_every_other_step_while_the_rest_replay():
         plan = s.plan_step(0, 0.0)
         kinds.append("replay" if plan.window else "+".join(f"{row.slot}:{len(row.tokens)}" for row in plan.rows))
         s.apply_result(plan, {row.slot: (7, -0.1) for row in plan.rows if row.emit}, 0.0)
-    # slot 0 (5 cached) is whole after the first replay step, which also takes 3 of slot 1's 20; then slot 0
-    # decodes every other step while slot 1 replays 8, 8 and 1 more, after which both decode together.
-    assert kinds == ["replay", "0:1", "replay", "0:1", "replay", "0:1", "replay", "0:1+1:1"], kinds
+    # Slot 0 (3 prompt tokens and 2 generated cached) replays its prompt in the first step, which also takes 5
+    # of slot 1's 20, then each generated position in a step of its own (as the decode steps that made them):
+    # whole after the third, it decodes while slot 1 replays its last position, after which both decode together.
+    assert kinds == ["replay", "replay", "replay", "0:1", "replay", "0:1+1:1", "0:1+1:1", "0:1+1:1"], kinds
 
 
 def test_a_lone_whole_sequence_gets_one_early_step_then_waits_until_the_whole_ones_are_as_many():
@@ -141,10 +142,10 @@ def test_a_lone_whole_sequence_gets_one_early_step_then_waits_until_the_whole_on
         plan = s.plan_step(0, 0.0)
         kinds.append("replay" if plan.window else "whole")
         s.apply_result(plan, {row.slot: (7, -0.1) for row in plan.rows if row.emit}, 0.0)
-    # One step for the short sequence as soon as it is whole (the first new token), then the replay goes on
-    # alone while one sequence is whole against two replaying, and alternates once two are whole.
-    assert kinds == ["replay", "whole", "replay", "replay", "replay",
-                     "whole", "replay", "whole", "replay", "whole", "replay"], kinds
+    # The short sequence replays its 5 generated positions one step each (as the decode steps that made them),
+    # the long ones' prompts go in chunks beside them; one step for the short sequence as soon as it is whole
+    # (the first new token), then the replay ends.
+    assert kinds == ["replay"] * 6 + ["whole", "replay"], kinds
 
 
 def test_nothing_is_admitted_into_a_micro_batch_while_it_replays():

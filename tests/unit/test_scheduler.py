@@ -11,6 +11,7 @@ import pytest
 from layerbus.broker.detokenizer import IncrementalDetokenizer
 from layerbus.broker.requests import GenerationRequest, GenerationResult
 from layerbus.planner.batching import BatchingConfig
+from layerbus.broker.scheduler import replay_chunk_end
 from layerbus.broker.scheduler import PlannedRow, Scheduler, StepPlan
 
 EOS = 0
@@ -448,6 +449,8 @@ def test_losing_every_cache_at_random_steps_changes_no_output(seed: int) -> None
 
 
 def test_reset_caches_re_prefills_prompt_and_generated_tokens_without_emitting() -> None:
+    """The prompt comes back as a chunk; each generated token's position one per step, as the decode step that
+    first computed it did (a chunk's kernels round differently: a near-tie could flip a later token)."""
     scheduler, stages = make(num_slots=2, micro_batches=1), FakeStages()
     submit_all(scheduler, [request("a", prompt_len=4, max_new_tokens=10)])
     for i in range(4):
@@ -457,12 +460,28 @@ def test_reset_caches_re_prefills_prompt_and_generated_tokens_without_emitting()
     assert scheduler.reset_caches() == 7
     assert scheduler.replaying == {0}
     plan = scheduler.plan_step(0, 5.0)
-    assert [(row.start, row.tokens, row.emit) for row in plan.rows] == [(0, seq.known, False)]
+    assert [(row.start, row.tokens, row.emit) for row in plan.rows] == [(0, seq.known[:4], False)]
     stages.history.clear()
-    scheduler.apply_result(plan, stages.run(plan), 5.0)
+    for position in range(4, 7):
+        scheduler.apply_result(plan, stages.run(plan), float(position))
+        plan = scheduler.plan_step(0, float(position) + 0.5)
+        assert [(row.start, row.tokens, row.emit) for row in plan.rows] == [(position, [seq.known[position]], False)]
+    scheduler.apply_result(plan, stages.run(plan), 8.0)
     assert scheduler.replaying == set()
-    plan = scheduler.plan_step(0, 6.0)
+    plan = scheduler.plan_step(0, 9.0)
     assert [(row.start, row.tokens, row.emit) for row in plan.rows] == [(7, [seq.generated[-1]], True)]
+
+
+@pytest.mark.parametrize("start, prompt, budget_end, end", [
+    (0, 10, 4, 4),  # within the prompt: as far as the budget allows
+    (0, 10, 64, 10),  # never past the prompt in one chunk
+    (8, 10, 64, 10),
+    (10, 10, 64, 11),  # a generated token's position: one at a time
+    (12, 10, 64, 13),
+    (12, 10, 12, 12),  # no budget left
+])
+def test_a_recomputed_chunk_stops_at_the_prompt_and_then_goes_one_position_at_a_time(start, prompt, budget_end, end):
+    assert replay_chunk_end(start, prompt, budget_end) == end
 
 
 def test_released_slots_are_reported_once_on_their_own_micro_batch() -> None:
