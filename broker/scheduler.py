@@ -217,11 +217,11 @@ class Scheduler:
             sequences = suspects[:1]
         decoding = [seq for seq in sequences if not seq.prefilling]
         rows = [PlannedRow(seq.slot, seq.cached, [seq.generated[-1]], emit=True) for seq in decoding]
-        budget = max(self.config.max_step_tokens - len(rows), self.config.min_prefill_chunk)
+        budget = self.config.max_step_tokens - len(rows)
         # A sequence saving a shared prefix goes first: the ones waiting for that prefix copy it once it is
         # saved, so a saver left behind them (an eval's fixed-size chunks wait for room) holds them all up.
         for seq in sorted(sequences, key=lambda s: s.prefix is None or s.prefix.save is None):
-            if not seq.prefilling or budget <= 0:
+            if not seq.prefilling or (budget <= 0 and any(len(row.tokens) > 1 for row in rows)):
                 continue
             if seq.feed is not None:
                 restore = None
@@ -264,7 +264,9 @@ class Scheduler:
                 seq.prefix = self.prefix_cache.plan_prompt(prompt_ids, seq.prefix_hashes)
                 restore = seq.prefix.restore
                 start = restore[1] if restore is not None else 0
-            chunk = known[start:replay_chunk_end(start, len(seq.request.prompt_ids), start + budget)]
+            chunk = known[start:prefill_chunk_end(start, len(seq.request.prompt_ids), self.config.max_step_tokens)]
+            if len(chunk) > budget and any(len(row.tokens) > 1 for row in rows) and restore is None:
+                continue  # it waits for a step with room rather than be cut elsewhere (prefill_chunk_end)
             budget -= len(chunk)
             end = start + len(chunk)
             save = _save_reached(seq, end)
@@ -376,9 +378,10 @@ class Scheduler:
         self.replayed_last[micro_batch] = True
         rows, budget = [], self.config.max_step_tokens
         for seq in replaying:
-            if budget <= 0:
-                break
-            end = min(seq.replay_end, replay_chunk_end(seq.cached, len(seq.request.prompt_ids), seq.cached + budget))
+            end = min(seq.replay_end, prefill_chunk_end(seq.cached, len(seq.request.prompt_ids),
+                                                        self.config.max_step_tokens))
+            if end - seq.cached > budget and any(len(row.tokens) > 1 for row in rows):
+                continue  # its chunk waits for the next replay step, cut where it was first cut
             rows.append(PlannedRow(seq.slot, seq.cached, seq.known[seq.cached:end], emit=False))
             budget -= end - seq.cached
         released, self.pending_release[micro_batch] = self.pending_release[micro_batch], []
@@ -580,15 +583,17 @@ class Scheduler:
         raise KeyError(slot)
 
 
-def replay_chunk_end(start: int, prompt_length: int, budget_end: int) -> int:
-    """Where a chunk of known tokens starting at `start` ends: within the prompt, at the budget or the prompt's
-    end; past it (the tokens it generated, recomputed after a re-plan), one position, as a decode step first
-    computed each. A position's keys and values are then the very bits the stages had before (a chunk's kernels
-    round differently), so every later token is the one an uninterrupted run picks, even where the model's two
-    best tokens are within float rounding of each other."""
+def prefill_chunk_end(start: int, prompt_length: int, chunk_tokens: int) -> int:
+    """Where a chunk of a sequence's known tokens that starts at `start` ends. Within the prompt: at the next
+    multiple of `chunk_tokens` (the step budget) or the prompt's end, so the prompt is cut at the same places
+    whatever else shares the step, in a re-prefill after a re-plan, and in a rerun; past it (the tokens it
+    generated, recomputed after a re-plan): one position, as the decode step that first computed it. A
+    position's keys and values are then the very bits an uninterrupted run computes (a kernel given another
+    cut rounds differently), so a later greedy token never flips where the model's two best tokens are within
+    float rounding of each other (a soak of 3,000 items met one 2e-6 apart)."""
     if start < prompt_length:
-        return min(budget_end, prompt_length)
-    return min(budget_end, start + 1)
+        return min(prompt_length, (start // chunk_tokens + 1) * chunk_tokens)
+    return start + 1
 
 
 def _token_texts(seq: Sequence) -> dict[int, str] | None:

@@ -17,8 +17,10 @@ class BatchingConfig:
     micro_batch_size: int = 32  # sequences per micro-batch when num_slots is 0: decode reads every weight
     # once per micro-batch step, so on a CPU tokens/s grows with this until compute-bound. 0 = chosen by
     # the broker from the stages' profiles and the job (planner.batch_sizing; 32 where it cannot choose)
-    max_step_tokens: int = 256  # tokens one micro-batch step may carry (decode rows + prefill chunks); 0 = chosen
-    min_prefill_chunk: int = 16  # a prefill advances at least this much per step, even in a full batch
+    # Tokens one micro-batch step may carry (decode rows + prefill chunks); 0 = chosen. Prompts are cut into chunks
+    # at its multiples (broker.scheduler.prefill_chunk_end); a chunk that does not fit waits, unless it is the
+    # step's first, which then runs over rather than starve.
+    max_step_tokens: int = 256
     max_context: int = 2048  # prompt + generated tokens per sequence (capped by the model's own limit)
     max_step_failures: int = 3  # a sequence whose step fails this many times alone fails with the stage's error
     # Shared prompt prefixes kept on every stage and copied instead of computed (broker/prefix_cache.py).
@@ -32,8 +34,8 @@ class BatchingConfig:
         if self.num_slots < 0 or self.micro_batch_size < 0 or self.num_micro_batches < 0:
             raise ValueError(f"need num_slots >= 0, micro_batch_size >= 0 (0 = chosen) and num_micro_batches >= 0, got "
                              f"{self.num_slots=}, {self.micro_batch_size=}, {self.num_micro_batches=}")
-        if self.max_step_tokens < 0 or self.min_prefill_chunk < 1:
-            raise ValueError("max_step_tokens must be >= 0 (0 = chosen) and min_prefill_chunk >= 1")
+        if self.max_step_tokens < 0:
+            raise ValueError(f"max_step_tokens must be >= 0 (0 = chosen), got {self.max_step_tokens}")
         if self.max_step_failures < 1:
             raise ValueError(f"max_step_failures must be >= 1, got {self.max_step_failures}")
         if self.max_context < 2:

@@ -73,9 +73,8 @@ def test_shared_prefixes_match_transformers_with_the_cache_on_and_off(tiny_model
     requests = shared_prefix_requests(tokenizer)
     # 2 slots for 8 prompts: later prompts arrive once the shared prefix is saved.
     on, on_stats, stages = run_and_read_stages(model_dir, num_stages, requests, num_slots=2, max_step_tokens=16,
-                                               min_prefill_chunk=8,
                                                prefix_cache=PrefixCacheConfig(budget_tokens=512, block_tokens=8))
-    off, _ = run_pipeline(model_dir, num_stages, requests, num_slots=2, max_step_tokens=16, min_prefill_chunk=8,
+    off, _ = run_pipeline(model_dir, num_stages, requests, num_slots=2, max_step_tokens=16,
                           prefix_cache=PrefixCacheConfig(budget_tokens=0))
     shared = len(tokenizer(SYSTEM).input_ids) // 8 * 8 - 8  # at least this much restored per late prompt
     figures = on_stats.prefix_cache
@@ -107,7 +106,7 @@ def test_eval_contexts_sharing_examples_score_as_a_full_pass_with_the_cache(tiny
     # 4 slots: the cache may hold a quarter of their positions (4 x 256 / 4), room for the 160 shared. One
     # micro-batch: the schedule does not depend on which stage's result comes back first.
     results, stats, stages = run_and_read_stages(model_dir, num_stages, requests, num_slots=4, num_micro_batches=1,
-                                                 max_step_tokens=16, min_prefill_chunk=8,
+                                                 max_step_tokens=16,
                                                  prefix_cache=PrefixCacheConfig(budget_tokens=512, block_tokens=8))
     shared = len(examples) // 8 * 8  # every late question restores the examples' whole blocks
     figures = stats.prefix_cache
@@ -155,13 +154,13 @@ def test_the_next_job_on_the_same_stages_restores_what_the_last_one_saved(tiny_m
     model_dir = tiny_models("llama", num_hidden_layers=4)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     requests = shared_prefix_requests(tokenizer)
-    batching = BatchingConfig(num_slots=2, max_step_tokens=16, min_prefill_chunk=8,
+    batching = BatchingConfig(num_slots=2, max_step_tokens=16,
                               prefix_cache=PrefixCacheConfig(budget_tokens=512, block_tokens=8))
     with LocalCluster(BrokerConfig(str(model_dir), 2, batching=batching), LocalStageOptions(threads_per_stage=1)) as cluster:
         first, _ = cluster.broker.generate(requests[:4])
         second, stats = cluster.broker.generate(requests[4:])
     assert stats.prefix_cache["hits"] == 4 and stats.prefix_cache["saved_entries"] == 0, stats.prefix_cache
-    off, _ = run_pipeline(model_dir, 2, requests, num_slots=2, max_step_tokens=16, min_prefill_chunk=8,
+    off, _ = run_pipeline(model_dir, 2, requests, num_slots=2, max_step_tokens=16,
                           prefix_cache=PrefixCacheConfig(budget_tokens=0))
     assert [r.token_ids for r in first + second] == [r.token_ids for r in off]
 

@@ -30,8 +30,7 @@ def one_stage_outputs(tiny_models):
     def get(weights: str) -> list[list[int]]:
         if weights not in outputs:
             model_dir = tiny_models("llama", num_hidden_layers=4)
-            results, _ = run_pipeline(model_dir, 1, _requests(model_dir), num_slots=4, max_step_tokens=16,
-                                      min_prefill_chunk=8, weights=weights)
+            results, _ = run_pipeline(model_dir, 1, _requests(model_dir), num_slots=4, max_step_tokens=16, weights=weights)
             outputs[weights] = [r.token_ids for r in results]
         return outputs[weights]
 
@@ -45,8 +44,7 @@ def test_quantized_stages_match_one_stage(tiny_models, one_stage_outputs, weight
     2-core machine the planner may rightly leave stages of a 4-layer model out (a CI run dropped 2 of 3)."""
     model_dir = tiny_models("llama", num_hidden_layers=4)
     reported = []
-    results, stats = run_pipeline(model_dir, num_stages, _requests(model_dir), num_slots=4, max_step_tokens=16,
-                                  min_prefill_chunk=8, weights=weights, partition="equal",
+    results, stats = run_pipeline(model_dir, num_stages, _requests(model_dir), num_slots=4, max_step_tokens=16, weights=weights, partition="equal",
                                   check=lambda broker: reported.extend(s.weights for s in broker.chain))
     assert all(r.error is None for r in results)
     assert [r.token_ids for r in results] == one_stage_outputs(weights)

@@ -39,8 +39,7 @@ def test_tiny_models_match_transformers(tiny_models, arch, num_stages):
     requests = [GenerationRequest(f"p{i}", tokenizer(p).input_ids, max_new_tokens=6 + (i * 5) % 23, want_logprobs=True)
                 for i, p in enumerate(TINY_PROMPTS)]
     # 4 slots for 10 prompts: slots are refilled; max_step_tokens 16 chunks the longer prompts.
-    results, stats = run_pipeline(model_dir, num_stages, requests, num_slots=4, max_step_tokens=16,
-                                  min_prefill_chunk=8)
+    results, stats = run_pipeline(model_dir, num_stages, requests, num_slots=4, max_step_tokens=16)
     assert assert_equivalent(model, requests, results) >= len(requests) - 1
     assert len({len(r.token_ids) for r in results}) > 3, "outputs should end at different lengths"
     assert stats.finished == len(requests)
@@ -73,7 +72,7 @@ def test_prompt_scores_match_transformers(tiny_models):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     requests = [GenerationRequest(f"s{i}", tokenizer(p).input_ids, max_new_tokens=1, score_prompt=True)
                 for i, p in enumerate(TINY_PROMPTS[:4])]
-    results, _ = run_pipeline(model_dir, 2, requests, num_slots=2, max_step_tokens=8, min_prefill_chunk=4)
+    results, _ = run_pipeline(model_dir, 2, requests, num_slots=2, max_step_tokens=8)
     for request, result in zip(requests, results):
         ids = torch.tensor([request.prompt_ids])
         with torch.no_grad():
@@ -101,7 +100,7 @@ def test_score_requests_match_a_full_pass(tiny_models, num_stages):
         if i % 2:  # a second window, as rolling log-likelihood sends
             segments.append(ScoreSegment(tuple(ids[-3:]), (tuple(ids[:5]),)))
         requests.append(ScoreRequest(f"q{i}", tuple(segments)))
-    results, stats = run_pipeline(model_dir, num_stages, requests, num_slots=3, max_step_tokens=8, min_prefill_chunk=4)
+    results, stats = run_pipeline(model_dir, num_stages, requests, num_slots=3, max_step_tokens=8)
     for request, result in zip(requests, results):
         assert result.error is None, result.error
         pairs = [(list(s.context_ids), list(c)) for s in request.segments for c in s.continuations]

@@ -111,7 +111,7 @@ def test_clear_forgets_every_entry() -> None:
 # -- the scheduler and the wire ---------------------------------------------------------------------
 
 def test_the_scheduler_starts_a_restored_row_past_its_prefix_and_saves_where_the_chunk_reaches() -> None:
-    config = BatchingConfig(num_slots=1, num_micro_batches=1, max_step_tokens=6, min_prefill_chunk=2,
+    config = BatchingConfig(num_slots=1, num_micro_batches=1, max_step_tokens=6,
                             prefix_cache=PrefixCacheConfig(budget_tokens=64, block_tokens=BLOCK))
     scheduler = Scheduler(config, 1, eos_ids={0}, prefix_cache=PrefixIndex(config.prefix_cache))
     rows_seen = []
@@ -155,7 +155,7 @@ def run_scores(scheduler: Scheduler, seed: int, fail_first_restore: bool = False
 
 
 def score_scheduler() -> Scheduler:
-    config = BatchingConfig(num_slots=1, num_micro_batches=1, max_step_tokens=6, min_prefill_chunk=2,
+    config = BatchingConfig(num_slots=1, num_micro_batches=1, max_step_tokens=6,
                             prefix_cache=PrefixCacheConfig(budget_tokens=64, block_tokens=BLOCK))
     return Scheduler(config, 1, eos_ids={0}, prefix_cache=PrefixIndex(config.prefix_cache))
 
@@ -204,7 +204,7 @@ def test_prefix_ops_are_checked_against_their_rows() -> None:
 def test_prompts_wait_a_step_for_a_prefix_being_saved_rather_than_compute_it() -> None:
     """At a job's start every slot holds an item with the same system prompt: after the first repeat starts
     saving it, the rest wait for the save instead of all computing it (unless the step would be empty)."""
-    config = BatchingConfig(num_slots=6, num_micro_batches=1, max_step_tokens=64, min_prefill_chunk=2,
+    config = BatchingConfig(num_slots=6, num_micro_batches=1, max_step_tokens=64,
                             prefix_cache=PrefixCacheConfig(budget_tokens=64, block_tokens=BLOCK))
     scheduler = Scheduler(config, 1, eos_ids={0}, prefix_cache=PrefixIndex(config.prefix_cache))
     for seed in range(6):
@@ -231,7 +231,7 @@ def test_a_new_run_keeps_what_every_stage_holds_and_drops_unfinished_saves() -> 
 def grouped_run(lookahead: int) -> tuple[list[str], PrefixIndex]:
     """Two tasks' items interleaved in the queue (each task's 12-token prefix, then 3 of the item's own),
     through one slot, with room in the cache for one task's prefix only: the admission order, and the index."""
-    config = BatchingConfig(num_slots=1, num_micro_batches=1, max_step_tokens=32, min_prefill_chunk=2,
+    config = BatchingConfig(num_slots=1, num_micro_batches=1, max_step_tokens=32,
                             prefix_cache=PrefixCacheConfig(budget_tokens=12, block_tokens=BLOCK,
                                                            admit_lookahead=lookahead))
     cache = PrefixIndex(config.prefix_cache)
@@ -262,7 +262,7 @@ def test_admission_groups_items_that_share_a_prefix_so_the_cache_restores_it():
 
 
 def test_an_item_passed_over_for_shared_prefixes_waits_at_most_the_lookahead():
-    config = BatchingConfig(num_slots=1, num_micro_batches=1, max_step_tokens=32, min_prefill_chunk=2,
+    config = BatchingConfig(num_slots=1, num_micro_batches=1, max_step_tokens=32,
                             prefix_cache=PrefixCacheConfig(budget_tokens=64, block_tokens=BLOCK, admit_lookahead=3))
     scheduler = Scheduler(config, 1, eos_ids={0}, prefix_cache=PrefixIndex(config.prefix_cache))
     scheduler.submit(GenerationRequest("shared0", prompt(12, 3, 0), max_new_tokens=1), now=0.0)

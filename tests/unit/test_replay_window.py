@@ -66,8 +66,7 @@ def test_replay_window_matches_its_definition_on_every_small_case():
 
 
 def scheduler(slots: int = 4, micro_batches: int = 2) -> Scheduler:
-    return Scheduler(BatchingConfig(num_slots=slots, num_micro_batches=micro_batches, max_step_tokens=8,
-                                    min_prefill_chunk=8), 2, {99})
+    return Scheduler(BatchingConfig(num_slots=slots, num_micro_batches=micro_batches, max_step_tokens=8), 2, {99})
 
 
 def test_a_replay_covers_each_cached_position_once_over_the_window_then_decoding_goes_on():
@@ -110,42 +109,43 @@ def test_a_replay_covers_each_cached_position_once_over_the_window_then_decoding
     assert c.generated, "the prompt it was prefilling went on in its micro-batch's turns, and ended with a token"
 
 
-def test_sequences_whole_again_decode_every_other_step_while_the_rest_replay():
-    s = scheduler(slots=2, micro_batches=1)
-    s.submit(GenerationRequest("short", [1, 2, 3], max_new_tokens=8), 0.0)
-    s.submit(GenerationRequest("long", list(range(10, 30)), max_new_tokens=8), 0.0)  # 20 tokens: 3 replay steps
-    while any(seq.cached == 0 or seq.prefilling for seq in s.active.values()) or len(s.active) < 2:
+def settle(s, *prompts: tuple[str, int]) -> None:
+    """Admit these prompts (max 30 new tokens) and run until every sequence is past its prefill."""
+    for name, length in prompts:
+        s.submit(GenerationRequest(name, list(range(1, length + 1)), max_new_tokens=30), 0.0)
+    while s.waiting or any(seq.prefilling for seq in s.active.values()):
         plan = s.plan_step(0, 0.0)
         s.apply_result(plan, {row.slot: (7, -0.1) for row in plan.rows if row.emit}, 0.0)
+
+
+def test_sequences_whole_again_decode_every_other_step_while_the_rest_replay():
+    s = scheduler(slots=2, micro_batches=1)
+    settle(s, ("long", 20))  # 20 prompt tokens and one generated: chunks of 8, 8 and 4, then one position
+    settle(s, ("short", 3))  # 3 prompt tokens: one chunk, which waits until the long one's leave room
     s.replay_layers((1, 2))
     kinds = []
     for _ in range(8):
         plan = s.plan_step(0, 0.0)
         kinds.append("replay" if plan.window else "+".join(f"{row.slot}:{len(row.tokens)}" for row in plan.rows))
         s.apply_result(plan, {row.slot: (7, -0.1) for row in plan.rows if row.emit}, 0.0)
-    # Slot 0 (3 prompt tokens and 2 generated cached) replays its prompt in the first step, which also takes 5
-    # of slot 1's 20, then each generated position in a step of its own (as the decode steps that made them):
-    # whole after the third, it decodes while slot 1 replays its last position, after which both decode together.
-    assert kinds == ["replay", "replay", "replay", "0:1", "replay", "0:1+1:1", "0:1+1:1", "0:1+1:1"], kinds
+    # Slot 1 is whole after the third replay step (its chunk beside slot 0's last one); it decodes while slot 0
+    # replays its generated position, after which both decode together.
+    assert kinds == ["replay", "replay", "replay", "1:1", "replay", "0:1+1:1", "0:1+1:1", "0:1+1:1"], kinds
 
 
 def test_a_lone_whole_sequence_gets_one_early_step_then_waits_until_the_whole_ones_are_as_many():
     s = scheduler(slots=3, micro_batches=1)
-    for name, length in (("short", 3), ("long1", 20), ("long2", 20)):
-        s.submit(GenerationRequest(name, list(range(1, length + 1)), max_new_tokens=8), 0.0)
-    while any(seq.prefilling for seq in s.active.values()) or len(s.active) < 3:
-        plan = s.plan_step(0, 0.0)
-        s.apply_result(plan, {row.slot: (7, -0.1) for row in plan.rows if row.emit}, 0.0)
+    settle(s, ("long1", 20), ("long2", 20))
+    settle(s, ("short", 3))
     s.replay_layers((1, 2))
     kinds = []
     while not s.can_replay_layers():
         plan = s.plan_step(0, 0.0)
         kinds.append("replay" if plan.window else "whole")
         s.apply_result(plan, {row.slot: (7, -0.1) for row in plan.rows if row.emit}, 0.0)
-    # The short sequence replays its 5 generated positions one step each (as the decode steps that made them),
-    # the long ones' prompts go in chunks beside them; one step for the short sequence as soon as it is whole
-    # (the first new token), then the replay ends.
-    assert kinds == ["replay"] * 6 + ["whole", "replay"], kinds
+    # One step for the short sequence as soon as it is whole (the first new token), then the replay goes on
+    # alone while one sequence is whole against two replaying.
+    assert kinds == ["replay", "replay", "replay", "whole", "replay", "replay", "replay", "replay"], kinds
 
 
 def test_nothing_is_admitted_into_a_micro_batch_while_it_replays():

@@ -11,7 +11,7 @@ import pytest
 from layerbus.broker.detokenizer import IncrementalDetokenizer
 from layerbus.broker.requests import GenerationRequest, GenerationResult
 from layerbus.planner.batching import BatchingConfig
-from layerbus.broker.scheduler import replay_chunk_end
+from layerbus.broker.scheduler import prefill_chunk_end
 from layerbus.broker.scheduler import PlannedRow, Scheduler, StepPlan
 
 EOS = 0
@@ -79,10 +79,10 @@ class FakeStages:
         return out
 
 
-def make(num_slots: int = 4, micro_batches: int = 2, max_step_tokens: int = 256, min_prefill_chunk: int = 16,
+def make(num_slots: int = 4, micro_batches: int = 2, max_step_tokens: int = 256,
          max_context: int = 2048, stop_strings: bool = True) -> Scheduler:
     config = BatchingConfig(num_slots=num_slots, num_micro_batches=micro_batches, max_step_tokens=max_step_tokens,
-                            min_prefill_chunk=min_prefill_chunk, max_context=max_context)
+                            max_context=max_context)
     return Scheduler(config, num_stages=1, eos_ids={EOS}, new_detokenizer=letters if stop_strings else None)
 
 
@@ -135,10 +135,9 @@ def test_micro_batches_own_adjacent_slots(num_slots: int, micro_batches: int, nu
     # 0 micro-batch size and 0 step tokens mean "chosen by the broker": only negatives are refused.
     ({"num_slots": -1}, r"need num_slots >= 0, micro_batch_size >= 0 \(0 = chosen\) and num_micro_batches >= 0"),
     ({"micro_batch_size": -1}, r"self.micro_batch_size=-1"),
-    ({"max_step_tokens": -1}, r"max_step_tokens must be >= 0 \(0 = chosen\) and min_prefill_chunk >= 1"),
-    ({"min_prefill_chunk": 0}, r"max_step_tokens must be >= 0 \(0 = chosen\) and min_prefill_chunk >= 1"),
+    ({"max_step_tokens": -1}, r"max_step_tokens must be >= 0 \(0 = chosen\), got -1"),
     ({"max_context": 1}, r"max_context must be >= 2, got 1"),
-], ids=["negative slots", "negative micro-batches", "negative step budget", "no prefill chunk", "context of one"])
+], ids=["negative slots", "negative micro-batches", "negative step budget", "context of one"])
 def test_batching_config_rejects_bad_budgets(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         BatchingConfig(**fields)
@@ -202,7 +201,7 @@ def test_freed_slot_is_refilled_at_its_micro_batch_next_step() -> None:
 # -- chunked prefill ------------------------------------------------------------------------------
 
 def test_long_prompt_is_prefilled_in_chunks_and_emits_only_on_the_last() -> None:
-    scheduler, stages = make(num_slots=1, micro_batches=1, max_step_tokens=8, min_prefill_chunk=3), FakeStages()
+    scheduler, stages = make(num_slots=1, micro_batches=1, max_step_tokens=8), FakeStages()
     submit_all(scheduler, [request("p", prompt_len=20, max_new_tokens=2, first=100)])
     chunks = []
     for _ in range(3):
@@ -214,17 +213,16 @@ def test_long_prompt_is_prefilled_in_chunks_and_emits_only_on_the_last() -> None
     assert scheduler.active[0].generated == [next_token(list(range(100, 120)))]
 
 
-@pytest.mark.parametrize("decoding, max_step_tokens, min_chunk, expected_chunk", [
-    (2, 8, 3, 6),
-    (5, 8, 3, 3),
-    (6, 8, 3, 3),
-    (7, 8, 1, 1),
-], ids=["budget left after decodes", "minimum chunk when budget nearly spent", "minimum chunk past the budget",
-        "minimum of one"])
-def test_prefill_chunk_takes_what_the_decode_rows_leave(decoding: int, max_step_tokens: int, min_chunk: int,
-                                                        expected_chunk: int) -> None:
-    scheduler = make(num_slots=decoding + 1, micro_batches=1, max_step_tokens=max_step_tokens,
-                     min_prefill_chunk=min_chunk)
+@pytest.mark.parametrize("decoding, max_step_tokens, expected_chunk", [
+    (2, 8, 8),  # the decode rows leave 6: the chunk goes whole, the step runs over rather than cut it elsewhere
+    (7, 8, 8),
+    (2, 16, 16),
+], ids=["budget left after decodes", "budget nearly spent", "room enough"])
+def test_a_prompt_chunk_is_cut_at_a_multiple_of_the_budget_whatever_the_decode_rows_leave(
+        decoding: int, max_step_tokens: int, expected_chunk: int) -> None:
+    """The same cuts in every run (a re-plan's re-prefill, a rerun, another batch): a kernel given another cut
+    rounds differently, and a greedy token at a near-tie could flip."""
+    scheduler = make(num_slots=decoding + 1, micro_batches=1, max_step_tokens=max_step_tokens)
     stages = FakeStages()
     submit_all(scheduler, [request(f"d{i}", prompt_len=1, max_new_tokens=100, first=40) for i in range(decoding)])
     step(scheduler, stages, 0)
@@ -234,21 +232,22 @@ def test_prefill_chunk_takes_what_the_decode_rows_leave(decoding: int, max_step_
     (prefill,) = [row for row in plan.rows if row.start == 0]
     assert len(decode_rows) == decoding
     assert len(prefill.tokens) == expected_chunk
-    assert len(prefill.tokens) + decoding <= max(max_step_tokens, decoding + min_chunk)
 
 
-def test_two_prefills_share_the_budget_and_the_second_waits_when_it_is_spent() -> None:
-    scheduler, stages = make(num_slots=3, micro_batches=1, max_step_tokens=10, min_prefill_chunk=2), FakeStages()
+def test_two_prefills_share_the_budget_and_the_second_waits_when_it_does_not_fit() -> None:
+    scheduler, stages = make(num_slots=3, micro_batches=1, max_step_tokens=10), FakeStages()
     submit_all(scheduler, [request("a", prompt_len=4), request("b", prompt_len=9), request("c", prompt_len=9)])
     plan, _ = step(scheduler, stages, 0)
-    assert [(row.slot, row.start, len(row.tokens), row.emit) for row in plan.rows] == [(0, 0, 4, True),
-                                                                                        (1, 0, 6, False)]
+    # a's whole prompt (4), then b's (9) does not fit the 6 left: it waits rather than be cut there
+    assert [(row.slot, row.start, len(row.tokens), row.emit) for row in plan.rows] == [(0, 0, 4, True)]
     plan, _ = step(scheduler, stages, 0)
-    # a decodes (1), b finishes its prompt (3), c starts with what is left (6)
+    # a decodes (1), b's whole prompt fits the 9 left, c waits
     assert [(row.slot, row.start, len(row.tokens), row.emit) for row in plan.rows] == [(0, 4, 1, True),
-                                                                                        (1, 6, 3, True),
-                                                                                        (2, 0, 6, False)]
-    assert sum(len(row.tokens) for row in plan.rows) == 10
+                                                                                        (1, 0, 9, True)]
+    plan, _ = step(scheduler, stages, 0)
+    assert [(row.slot, row.start, len(row.tokens), row.emit) for row in plan.rows] == [(0, 5, 1, True),
+                                                                                        (1, 9, 1, True),
+                                                                                        (2, 0, 9, True)]
 
 
 # -- finishing ------------------------------------------------------------------------------------
@@ -419,7 +418,7 @@ def test_a_poison_item_fails_after_bounded_attempts_and_the_rest_match_the_refer
 def test_losing_every_cache_at_random_steps_changes_no_output(seed: int) -> None:
     """A re-plan empties the stages' caches: sequences re-prefill what they know and go on."""
     rng = random.Random(seed)
-    scheduler = make(num_slots=6, micro_batches=3, max_step_tokens=rng.choice([5, 16, 64]), min_prefill_chunk=2)
+    scheduler = make(num_slots=6, micro_batches=3, max_step_tokens=rng.choice([5, 16, 64]))
     stages = FakeStages()
     requests = [request(f"r{i}", prompt_len=rng.randint(1, 30), max_new_tokens=rng.randint(1, 25),
                         first=rng.randint(1, 90), score_prompt=rng.random() < 0.3) for i in range(14)]
@@ -472,16 +471,17 @@ def test_reset_caches_re_prefills_prompt_and_generated_tokens_without_emitting()
     assert [(row.start, row.tokens, row.emit) for row in plan.rows] == [(7, [seq.generated[-1]], True)]
 
 
-@pytest.mark.parametrize("start, prompt, budget_end, end", [
-    (0, 10, 4, 4),  # within the prompt: as far as the budget allows
-    (0, 10, 64, 10),  # never past the prompt in one chunk
-    (8, 10, 64, 10),
+@pytest.mark.parametrize("start, prompt, chunk, end", [
+    (0, 10, 4, 4),  # within the prompt: at the next multiple of the step budget
+    (3, 10, 4, 4),  # a chunk that began elsewhere (after a prefix copy) ends where a whole one would
+    (4, 10, 4, 8),
+    (8, 10, 4, 10),  # never past the prompt in one chunk
+    (0, 10, 64, 10),
     (10, 10, 64, 11),  # a generated token's position: one at a time
     (12, 10, 64, 13),
-    (12, 10, 12, 12),  # no budget left
 ])
-def test_a_recomputed_chunk_stops_at_the_prompt_and_then_goes_one_position_at_a_time(start, prompt, budget_end, end):
-    assert replay_chunk_end(start, prompt, budget_end) == end
+def test_a_prompt_is_cut_at_the_same_places_and_generated_positions_go_one_at_a_time(start, prompt, chunk, end):
+    assert prefill_chunk_end(start, prompt, chunk) == end
 
 
 def test_released_slots_are_reported_once_on_their_own_micro_batch() -> None:
@@ -519,18 +519,18 @@ def random_workload(rng: random.Random, count: int) -> list[GenerationRequest]:
     return requests
 
 
-@pytest.mark.parametrize("seed, num_slots, micro_batches, max_step_tokens, min_chunk", [
-    (0, 4, 2, 16, 4),
-    (1, 7, 3, 8, 2),
-    (2, 1, 1, 5, 5),
-    (3, 12, 4, 32, 1),
+@pytest.mark.parametrize("seed, num_slots, micro_batches, max_step_tokens", [
+    (0, 4, 2, 16),
+    (1, 7, 3, 8),
+    (2, 1, 1, 5),
+    (3, 12, 4, 32),
 ], ids=["4 slots/2 mbs", "7 slots/3 mbs, small budget", "one slot", "12 slots/4 mbs"])
 def test_every_request_finishes_exactly_once_with_the_reference_output(seed, num_slots, micro_batches,
-                                                                       max_step_tokens, min_chunk) -> None:
+                                                                       max_step_tokens) -> None:
     rng = random.Random(seed)
     max_context = 48
     scheduler = make(num_slots=num_slots, micro_batches=micro_batches, max_step_tokens=max_step_tokens,
-                     min_prefill_chunk=min_chunk, max_context=max_context)
+                     max_context=max_context)
     stages = FakeStages()
     workload = random_workload(rng, 60)
     late = workload[40:]
@@ -553,9 +553,14 @@ def test_every_request_finishes_exactly_once_with_the_reference_output(seed, num
                 assert set(plan.released) <= set(scheduler.slots_of[mb])
                 prompt_len = {row.slot: len(scheduler.active[row.slot].request.prompt_ids) for row in plan.rows}
                 decodes = [row for row in plan.rows if row.start >= prompt_len[row.slot]]
-                prefill = sum(len(row.tokens) for row in plan.rows if row.start < prompt_len[row.slot])
+                chunks = [row for row in plan.rows if row.start < prompt_len[row.slot]]
                 assert all(len(row.tokens) == 1 for row in decodes)
-                assert prefill <= max(max_step_tokens - len(decodes), min_chunk)
+                # Each chunk ends where the prompt is cut in any run; only a step's first may run over budget.
+                assert all(row.start + len(row.tokens) == min(prompt_len[row.slot], (row.start // max_step_tokens + 1)
+                                                              * max_step_tokens) for row in chunks)
+                total = sum(len(row.tokens) for row in chunks) + len(decodes)
+                longest = max((len(row.tokens) for row in chunks if len(row.tokens) > 1), default=0)
+                assert total - longest <= max_step_tokens
                 in_flight[mb] = plan
         if not in_flight:
             continue

@@ -64,9 +64,9 @@ class FakeScoringStages:
         return scores
 
 
-def make(num_slots=4, micro_batches=2, max_step_tokens=256, min_prefill_chunk=16, max_context=2048) -> Scheduler:
+def make(num_slots=4, micro_batches=2, max_step_tokens=256, max_context=2048) -> Scheduler:
     config = BatchingConfig(num_slots=num_slots, num_micro_batches=micro_batches, max_step_tokens=max_step_tokens,
-                            min_prefill_chunk=min_prefill_chunk, max_context=max_context)
+                            max_context=max_context)
     return Scheduler(config, num_stages=1, eos_ids={0})
 
 
@@ -143,7 +143,7 @@ def run(scheduler: Scheduler, stages: FakeScoringStages, rng: random.Random | No
 def test_scores_do_not_depend_on_chunking_interleaving_or_lost_caches(seed: int) -> None:
     rng = random.Random(seed)
     scheduler = make(num_slots=rng.choice([1, 3, 6]), micro_batches=rng.choice([1, 2, 3]),
-                     max_step_tokens=rng.choice([3, 8, 64]), min_prefill_chunk=rng.choice([1, 2, 16]))
+                     max_step_tokens=rng.choice([3, 8, 64]))
     requests = [random_request(rng, f"r{i}") for i in range(12)]
     for request in requests:
         assert scheduler.submit(request, 0.0) is None
@@ -209,12 +209,12 @@ def test_a_requests_chunks_do_not_depend_on_what_shares_its_steps() -> None:
     """Same cuts alone or among others: its scores cannot move with the batch (lm-eval #704, #1645)."""
     from layerbus.broker.requests import GenerationRequest
 
-    alone = chunks_of("t", make(num_slots=1, micro_batches=1, max_step_tokens=16, min_prefill_chunk=4),
+    alone = chunks_of("t", make(num_slots=1, micro_batches=1, max_step_tokens=16),
                       FakeScoringStages())
     rng = random.Random(3)
     crowd = [random_request(rng, f"o{i}") for i in range(6)] + [GenerationRequest(f"g{i}", [1, 2, 3], 20)
                                                                  for i in range(3)]
-    crowded = chunks_of("t", make(num_slots=5, micro_batches=1, max_step_tokens=16, min_prefill_chunk=4),
+    crowded = chunks_of("t", make(num_slots=5, micro_batches=1, max_step_tokens=16),
                         FakeScoringStages(), crowd)
     assert crowded == alone
     assert alone == [(0, 16), (16, 16), (32, 7), (39, 3), (39, 16), (55, 13)]
