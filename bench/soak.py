@@ -141,6 +141,7 @@ class Cluster:
         self.broker_done = [False] * config.brokers
         self.stages: dict[str, tuple[int, subprocess.Popen]] = {}  # name -> (broker index, process)
         self.stage_started: dict[str, float] = {}
+        self.stage_log_from: dict[str, int] = {}  # where the running process's lines begin in its log
         self.stage_restart_at: dict[str, float] = {}
         self.stopped: dict[str, float] = {}  # SIGSTOPped stages -> when to SIGCONT them
         self.late = 0
@@ -164,7 +165,9 @@ class Cluster:
         self.broker_restart_at[i] = None
 
     def start_stage(self, i: int, name: str) -> None:
-        with open(self.logs / f"{name}.log", "a") as log:
+        path = self.logs / f"{name}.log"
+        self.stage_log_from[name] = path.stat().st_size if path.exists() else 0
+        with open(path, "a") as log:
             process = subprocess.Popen(
                 [layerbus_executable(), "-v", "stage", "--broker", f"tcp://127.0.0.1:{self.ports[i]}", "--name", name,
                  "--threads", "1", "--broker-timeout", "60"],
@@ -212,11 +215,19 @@ class Cluster:
         return time.monotonic() - self.broker_started[i] if up else 0.0
 
     def stages_ready(self, min_up_s: float) -> list[str]:
-        """Stages alive, not stopped, up for a while, whose broker is up for a while: a fault on them is seen."""
+        """Stages alive, not stopped, registered and answered, up for a while, whose broker is up for a while: a
+        fault on them is seen."""
         now = time.monotonic()
         return sorted(name for name, (i, process) in self.stages.items()
                       if process.poll() is None and name not in self.stopped and self.up_for(i) >= min_up_s
-                      and now - self.stage_started[name] >= min_up_s)
+                      and now - self.stage_started[name] >= min_up_s and self.registered(name))
+
+    def registered(self, name: str) -> bool:
+        """The running process of this stage has registered and its broker answered (its log says so)."""
+        with open(self.logs / f"{name}.log", "rb") as log:
+            log.seek(self.stage_log_from[name])
+            text = log.read().decode(errors="replace")
+        return " answered (after " in text
 
     def placing_since(self, i: int, since: float) -> bool:
         """Broker i logged a placement ("placing ...") after `since` (seconds of the epoch)."""
@@ -330,12 +341,35 @@ def run_round(work: Path, model: Path, items: Path, db: str, config: SoakConfig,
         report.seconds = time.monotonic() - started
     finally:
         cluster.stop()
-    check_round(report, db, job_id, reference, env, [p.returncode for p in cluster.brokers if p is not None])
+    check_round(report, db, job_id, reference, env, [p.returncode for p in cluster.brokers if p is not None], model,
+                items)
     return report
 
 
+def closest_call(model: Path, items: Path, custom_id: str) -> str:
+    """For a greedy item: the smallest gap between the model's two best next-token logits along transformers'
+    own greedy run of it (a gap within float rounding, ~1e-5, is a near-tie that any change in how the positions
+    were cut may flip); for a sampled item, that it was sampled."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    line = next(json.loads(text) for text in items.read_text().splitlines() if f'"{custom_id}"' in text)
+    body = line["body"]
+    if body.get("temperature", 0):
+        return "sampled"
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    ids = torch.tensor([tokenizer.encode(body["prompt"], add_special_tokens=False)])
+    with torch.no_grad():
+        out = hf.generate(ids, max_new_tokens=body["max_tokens"], do_sample=False, output_scores=True,
+                          return_dict_in_generate=True)
+    gaps = [float(torch.topk(scores[0], 2).values.diff().abs()) for scores in out.scores]
+    step = min(range(len(gaps)), key=gaps.__getitem__)
+    return f"greedy; closest call at token {step}: the two best logits {gaps[step]:.1e} apart"
+
+
 def check_round(report: RoundReport, db: str, job_id: str, reference: dict[str, str], env: dict,
-                broker_codes: list[int | None]) -> None:
+                broker_codes: list[int | None], model: Path, items: Path) -> None:
     import pyarrow.parquet as pq
     from sqlalchemy import create_engine, text
 
@@ -364,7 +398,9 @@ def check_round(report: RoundReport, db: str, job_id: str, reference: dict[str, 
     differ = sorted(custom_id for custom_id in reference if outputs.get(custom_id) != reference[custom_id])
     checks["outputs_identical"] = not differ
     if differ:
-        report.problems.append(f"{len(differ)} output(s) differ from the fault-free run, e.g. {differ[:5]}")
+        report.problems.append(f"{len(differ)} output(s) differ from the fault-free run: "
+                               + "; ".join(f"{custom_id} ({closest_call(model, items, custom_id)})"
+                                           for custom_id in differ[:5]))
     for fault in report.faults:
         fault.seen = seen(fault, events)
     unseen = [f"{f.kind} {f.target} at {f.round_s:.1f} s" for f in report.faults if not f.seen]
@@ -380,7 +416,7 @@ def seen(fault: Fault, events) -> bool:
     after = [e for e in events if e.at.timestamp() >= datetime.fromisoformat(fault.at).timestamp() - 1.0]
     if fault.kind in ("broker-kill", "finalizing-kill"):
         pid = fault.target.split("pid ")[1]
-        return any(e.kind == "worker_lost" and f":{pid}:" in e.message for e in after)
+        return any(e.kind in ("worker_lost", "lease_expired", "resumed") and f":{pid}:" in e.message for e in after)
     names = fault.target.split(",")
     if fault.kind == "late-stage":
         return any(names[0] in e.message for e in after)

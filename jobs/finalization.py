@@ -52,6 +52,7 @@ def finish_job(store: JobStore, job_id: str, writer: ResultWriter, settings: Job
             return status
         claim = store.claim_finalization(job_id, worker, leases.lease_s, gone=gone)
         if claim.claimed:
+            note_lost_workers(store, job_id, worker)  # brokers of the job that died: said before it is done
             finished = _finalize(store, job_id, writer, settings, worker, leases)
             if finished is not None:
                 return finished

@@ -129,9 +129,8 @@ class BrokerLink:
             self.last_heard = self.clock()
             if not self.admitted:
                 self.admitted, self._next_registration = True, float("inf")
-                waited = self.last_heard - self.waiting_since
-                if waited > WAITING_LOG_EVERY_S:
-                    log.info("stage %s: the broker at %s answered after %.0f s", self.name, self.config.broker, waited)
+                log.info("stage %s: the broker at %s answered (after %.1f s)", self.name, self.config.broker,
+                         self.last_heard - self.waiting_since)
             try:
                 message = decode(frames, 1 << 20)
             except WireError as error:
