@@ -11,89 +11,31 @@ decoding sequences move between micro-batches so that none runs full while anoth
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from layerbus.broker.detokenizer import IncrementalDetokenizer
 from layerbus.broker.prefix_cache import PrefixIndex, PrefixPlan
 from layerbus.broker.requests import GenerationRequest, GenerationResult, ScoreRequest
+from layerbus.broker.cache_rebuilds import CacheRebuilds
 from layerbus.broker.scoring import ScoringFeed
+from layerbus.broker.sequences import (  # noqa: F401 - the scheduler's records, imported from here too
+    PlannedRow,
+    Request,
+    Sequence,
+    StepPlan,
+    _carries_a_chunk,
+    _save_reached,
+    prefill_chunk_end,
+)
 from layerbus.planner.batching import BatchingConfig
 from layerbus.wire.constraint import Constraint
 
 if TYPE_CHECKING:
     from layerbus.broker.grammar import TokenGrammar
 
-Request = GenerationRequest | ScoreRequest
 
 
-@dataclass
-class Sequence:
-    """A request in a slot: its prompt, what is cached on the stages, what it has generated (or, for
-    a ScoreRequest, its feed: the phases to send and the scores so far)."""
-
-    request: Request
-    slot: int
-    admitted_at: float
-    # The micro-batch whose steps carry it: its slot's at admission; at a job's tail the scheduler may move
-    # it to another (Scheduler._balance_tail). Stages key caches by slot only, so a move is bookkeeping.
-    micro_batch: int = 0
-    cached: int = 0  # tokens whose keys/values every stage holds
-    generated: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # with request.top_logprobs
-    prompt_logprobs: list[float] = field(default_factory=list)
-    failures: int = 0  # steps with only this sequence that a stage failed to run
-    suspect: bool = False  # in a failed step: runs alone until a step with it succeeds
-    detokenizer: IncrementalDetokenizer | None = None  # the output text as it grows (None: no tokenizer given)
-    stop_at: int | None = None  # where the first stop string found in the output text begins
-    feed: ScoringFeed | None = None  # a ScoreRequest's progress (None: a generation)
-    prefix: PrefixPlan | None = None  # what its prefill restores and saves (None: not planned yet, or no cache)
-    prefix_hashes: list[bytes] | None = None  # its prompt's block hashes, once the cache has looked
-    grammar: TokenGrammar | None = None  # a constrained request's grammar state (None: unconstrained)
-    # After a re-plan that kept caches (Scheduler.replay_layers): the positions [cached, replay_end) still
-    # to replay over the window's layers before anything else runs for it (None: not replaying).
-    replay_end: int | None = None
-
-    @property
-    def known(self) -> list[int]:
-        """The tokens whose keys/values the stages must hold before the next decode: the prompt, plus
-        every generated token but the last (which the next decode step feeds)."""
-        return self.request.prompt_ids + self.generated[:-1] if self.generated else self.request.prompt_ids
-
-    @property
-    def prefilling(self) -> bool:
-        """Still filling the stages' caches: the prompt at first, or all known tokens after a
-        recovery emptied them (see Scheduler.reset_caches). A scoring sequence only ever prefills."""
-        if self.feed is not None:
-            return not self.feed.done
-        return self.cached < len(self.request.prompt_ids) + max(len(self.generated) - 1, 0)
-
-
-@dataclass(frozen=True)
-class PlannedRow:
-    slot: int
-    start: int  # position of the first token sent
-    tokens: list[int]  # token ids fed to the first stage
-    emit: bool  # the last stage returns a token for this row
-    targets: list[int] | None = None  # next prompt tokens to score (score_prompt requests)
-    restore: tuple[int, int] | None = None  # (prefix entry, positions) copied into the slot before computing
-    save: tuple[int, int] | None = None  # (prefix entry, positions) copied out of the slot once computed
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """One micro-batch step: its rows and the slots whose caches the stages may drop."""
-
-    micro_batch: int
-    rows: list[PlannedRow]
-    released: list[int]
-    dropped_prefixes: list[int] = field(default_factory=list)  # prefix entries the stages may free
-    # A replay step (Scheduler.replay_layers): the stages run only these layers [w0, w1), and emit nothing.
-    window: tuple[int, int] | None = None
-
-
-class Scheduler:
+class Scheduler(CacheRebuilds):
     """Slots, micro-batches and sequences. `new_detokenizer` gives each admitted sequence its own
     detokenizer, for stop strings and the result's text; without one, both are left out."""
 
@@ -178,15 +120,45 @@ class Scheduler:
 
     # -- planning -----------------------------------------------------------------------------
     def plan_step(self, micro_batch: int, now: float) -> StepPlan | None:
-        """The next step for a micro-batch, admitting waiting requests into its free slots.
-
-        When fewer sequences are known than there are slots (a small job, or a job's tail), each
-        micro-batch takes at most its even share of them: filling the first micro-batch's slots and
-        leaving the others empty would leave stages idle for want of micro-batches in flight."""
+        """The next step for a micro-batch, admitting waiting requests into its free slots: a decode row for
+        every sequence past its prefill, then prefill chunks (of prompts, or of an eval's contexts and
+        continuations) as far as the step's token budget goes."""
         replay = self._plan_replay(micro_batch)
         if replay is not None:
             return replay
         self._balance_tail(micro_batch)
+        self._admit(micro_batch, now)
+        released, self.pending_release[micro_batch] = self.pending_release[micro_batch], []
+        # (Sequences still replaying after a re-plan go only in replay steps: _plan_replay.)
+        sequences = [seq for seq in self._members(micro_batch) if seq.replay_end is None]
+        suspects = [seq for seq in sequences if seq.suspect]
+        if suspects:
+            # After a failed step, its sequences run one per step until each has passed one, so a
+            # sequence that fails alone is the one to blame (see fail_step).
+            sequences = suspects[:1]
+        decoding = [seq for seq in sequences if not seq.prefilling]
+        rows = [PlannedRow(seq.slot, seq.cached, [seq.generated[-1]], emit=True) for seq in decoding]
+        budget = self.config.max_step_tokens - len(rows)
+        # A sequence saving a shared prefix goes first: the ones waiting for that prefix copy it once it is
+        # saved, so a saver left behind them (an eval's fixed-size chunks wait for room) holds them all up.
+        for seq in sorted(sequences, key=lambda s: s.prefix is None or s.prefix.save is None):
+            if not seq.prefilling or (budget <= 0 and _carries_a_chunk(rows)):
+                continue
+            chunk = (self._scoring_chunk(seq, rows, budget, len(decoding)) if seq.feed is not None
+                     else self._prompt_chunk(seq, rows, budget))
+            if chunk is not None:
+                rows.append(chunk)
+                budget -= len(chunk.tokens)
+        if not rows and not released:
+            return None
+        drops = self.prefix_cache.take_drops() if self.prefix_cache is not None else []
+        return StepPlan(micro_batch, sorted(rows, key=lambda row: row.slot), released, drops)
+
+    def _admit(self, micro_batch: int, now: float) -> None:
+        """Waiting requests into the micro-batch's free slots. When fewer sequences are known than there are
+        slots (a small job, or a job's tail), each micro-batch takes at most its even share of them: filling the
+        first micro-batch's slots and leaving the others empty would leave stages idle for want of
+        micro-batches in flight."""
         share = -(-(len(self.waiting) + len(self.active)) // self.num_micro_batches)
         # (Capped at its size: after a tail's moves it may carry sequences of other micro-batches' slots.)
         share = min(share, self.config.micro_batch_size)
@@ -207,81 +179,63 @@ class Scheduler:
                                              detokenizer=detokenizer,
                                              grammar=self.grammars.pop(request.request_id, None),
                                              prefix_hashes=self._taken_hashes(request))
-        released, self.pending_release[micro_batch] = self.pending_release[micro_batch], []
-        # (Sequences still replaying after a re-plan go only in replay steps: _plan_replay.)
-        sequences = [seq for seq in self._members(micro_batch) if seq.replay_end is None]
-        suspects = [seq for seq in sequences if seq.suspect]
-        if suspects:
-            # After a failed step, its sequences run one per step until each has passed one, so a
-            # sequence that fails alone is the one to blame (see fail_step).
-            sequences = suspects[:1]
-        decoding = [seq for seq in sequences if not seq.prefilling]
-        rows = [PlannedRow(seq.slot, seq.cached, [seq.generated[-1]], emit=True) for seq in decoding]
-        budget = self.config.max_step_tokens - len(rows)
-        # A sequence saving a shared prefix goes first: the ones waiting for that prefix copy it once it is
-        # saved, so a saver left behind them (an eval's fixed-size chunks wait for room) holds them all up.
-        for seq in sorted(sequences, key=lambda s: s.prefix is None or s.prefix.save is None):
-            if not seq.prefilling or (budget <= 0 and any(len(row.tokens) > 1 for row in rows)):
-                continue
-            if seq.feed is not None:
-                restore = None
-                context = seq.feed.opening_context() if self.prefix_cache is not None and seq.prefix is None else None
-                if context is not None:
-                    # An eval's context (its few-shot examples, its instructions) goes through the prefix
-                    # cache like a prompt: restored where an earlier request saved it, saved when seen again.
-                    if seq.prefix_hashes is None:
-                        seq.prefix_hashes = self.prefix_cache.hashes(context)
-                    if rows and self.prefix_cache.should_wait(context, seq.prefix_hashes):
-                        continue
-                    seq.prefix = self.prefix_cache.plan_prompt(context, seq.prefix_hashes, seq.feed.positions)
-                    restore = seq.prefix.restore
-                    if restore is not None:
-                        seq.feed.skip_restored(restore[1])
-                # Chunks of max_step_tokens, cut at the same places whatever else shares the step, so a
-                # document's scores depend on its neighbours, the batch or a re-plan only through the
-                # rounding of padded batches (<= 1e-5), never through what it attends over (lm-eval's move
-                # with batch size: its issues #704, #1645). A chunk that does not fit what is
-                # left of the step waits for the next one, unless the step carries no other chunk yet (decode
-                # rows alone never hold it back: the step then runs a little over budget rather than starve it).
-                # (A restored context starts its chunks past the copy: the same places for the same cache.)
-                chunk = seq.feed.next_chunk(self.config.max_step_tokens)
-                if len(chunk.tokens) > budget and len(rows) > len(decoding) and restore is None:
-                    continue
-                budget -= len(chunk.tokens)
-                save = _save_reached(seq, chunk.start + len(chunk.tokens)) if chunk.targets is None else None
-                rows.append(PlannedRow(seq.slot, chunk.start, chunk.tokens, emit=False, targets=chunk.targets,
-                                       restore=restore, save=save))
-                continue
-            known = seq.known
-            start, restore = seq.cached, None
-            if (self.prefix_cache is not None and seq.cached == 0 and seq.prefix is None
-                    and not seq.request.score_prompt):  # scored prompts need every position's logits
-                prompt_ids = seq.request.prompt_ids
-                if seq.prefix_hashes is None:
-                    seq.prefix_hashes = self.prefix_cache.hashes(prompt_ids)
-                if rows and self.prefix_cache.should_wait(prompt_ids, seq.prefix_hashes):
-                    continue  # its prefix is being saved: copy it in a step or two rather than compute it
-                seq.prefix = self.prefix_cache.plan_prompt(prompt_ids, seq.prefix_hashes)
-                restore = seq.prefix.restore
-                start = restore[1] if restore is not None else 0
-            chunk = known[start:prefill_chunk_end(start, len(seq.request.prompt_ids), self.config.max_step_tokens)]
-            if len(chunk) > budget and any(len(row.tokens) > 1 for row in rows) and restore is None:
-                continue  # it waits for a step with room rather than be cut elsewhere (prefill_chunk_end)
-            budget -= len(chunk)
-            end = start + len(chunk)
-            save = _save_reached(seq, end)
-            prompt = seq.request.prompt_ids
-            # Prompt scoring covers prompt positions only; a re-prefill after a recovery scores them again.
-            targets = prompt[start + 1:min(end, len(prompt)) + 1] if seq.request.score_prompt else None
-            targets = targets[:len(chunk)] if targets else None
-            # Only the first prefill ends with a new token: after a re-prefill, the last generated
-            # token is already known and the next decode step feeds it.
-            rows.append(PlannedRow(seq.slot, start, chunk, emit=end == len(known) and not seq.generated,
-                                   targets=targets, restore=restore, save=save))
-        if not rows and not released:
+
+    def _scoring_chunk(self, seq: Sequence, rows: list[PlannedRow], budget: int, decode_rows: int) -> PlannedRow | None:
+        """An eval sequence's next chunk (its context, then its continuations), or None: it waits."""
+        restore = None
+        context = seq.feed.opening_context() if self.prefix_cache is not None and seq.prefix is None else None
+        if context is not None:
+            # An eval's context (its few-shot examples, its instructions) goes through the prefix
+            # cache like a prompt: restored where an earlier request saved it, saved when seen again.
+            if seq.prefix_hashes is None:
+                seq.prefix_hashes = self.prefix_cache.hashes(context)
+            if rows and self.prefix_cache.should_wait(context, seq.prefix_hashes):
+                return None
+            seq.prefix = self.prefix_cache.plan_prompt(context, seq.prefix_hashes, seq.feed.positions)
+            restore = seq.prefix.restore
+            if restore is not None:
+                seq.feed.skip_restored(restore[1])
+        # Chunks of max_step_tokens, cut at the same places whatever else shares the step, so a
+        # document's scores depend on its neighbours, the batch or a re-plan only through the
+        # rounding of padded batches (<= 1e-5), never through what it attends over (lm-eval's move
+        # with batch size: its issues #704, #1645). A chunk that does not fit what is
+        # left of the step waits for the next one, unless the step carries no other chunk yet (decode
+        # rows alone never hold it back: the step then runs a little over budget rather than starve it).
+        # (A restored context starts its chunks past the copy: the same places for the same cache.)
+        chunk = seq.feed.next_chunk(self.config.max_step_tokens)
+        if len(chunk.tokens) > budget and len(rows) > decode_rows and restore is None:
             return None
-        drops = self.prefix_cache.take_drops() if self.prefix_cache is not None else []
-        return StepPlan(micro_batch, sorted(rows, key=lambda row: row.slot), released, drops)
+        save = _save_reached(seq, chunk.start + len(chunk.tokens)) if chunk.targets is None else None
+        return PlannedRow(seq.slot, chunk.start, chunk.tokens, emit=False, targets=chunk.targets, restore=restore,
+                          save=save)
+
+    def _prompt_chunk(self, seq: Sequence, rows: list[PlannedRow], budget: int) -> PlannedRow | None:
+        """A generating sequence's next chunk of what it knows (its prompt, or after a re-plan its generated
+        tokens too), cut where every run cuts it (prefill_chunk_end); None: it waits."""
+        known = seq.known
+        start, restore = seq.cached, None
+        if (self.prefix_cache is not None and seq.cached == 0 and seq.prefix is None
+                and not seq.request.score_prompt):  # scored prompts need every position's logits
+            prompt_ids = seq.request.prompt_ids
+            if seq.prefix_hashes is None:
+                seq.prefix_hashes = self.prefix_cache.hashes(prompt_ids)
+            if rows and self.prefix_cache.should_wait(prompt_ids, seq.prefix_hashes):
+                return None  # its prefix is being saved: copy it in a step or two rather than compute it
+            seq.prefix = self.prefix_cache.plan_prompt(prompt_ids, seq.prefix_hashes)
+            restore = seq.prefix.restore
+            start = restore[1] if restore is not None else 0
+        chunk = known[start:prefill_chunk_end(start, len(seq.request.prompt_ids), self.config.max_step_tokens)]
+        if len(chunk) > budget and _carries_a_chunk(rows) and restore is None:
+            return None  # it waits for a step with room rather than be cut elsewhere
+        end = start + len(chunk)
+        prompt = seq.request.prompt_ids
+        # Prompt scoring covers prompt positions only; a re-prefill after a recovery scores them again.
+        targets = prompt[start + 1:min(end, len(prompt)) + 1] if seq.request.score_prompt else None
+        targets = targets[:len(chunk)] if targets else None
+        # Only the first prefill ends with a new token: after a re-prefill, the last generated
+        # token is already known and the next decode step feeds it.
+        return PlannedRow(seq.slot, start, chunk, emit=end == len(known) and not seq.generated, targets=targets,
+                          restore=restore, save=_save_reached(seq, end))
 
     def _members(self, micro_batch: int) -> list[Sequence]:
         """The active sequences this micro-batch's steps carry, in slot order."""
@@ -352,93 +306,6 @@ class Scheduler:
         """The hashes the admission order computed for `request`, now admitted (None: none computed)."""
         known = self.waiting_hashes.pop(id(request), None)
         return known[1] if known is not None and known[0] is request else None
-
-    def _plan_replay(self, micro_batch: int) -> StepPlan | None:
-        """A replay step for the micro-batch while any of its sequences replays (replay_layers): those
-        sequences' cached positions, chunked as prefill is, over the window's layers only. Nothing else
-        shares it (a replay step runs only some layers). None: no replay, or the turn of its sequences
-        that are whole again (plan_step plans them as usual, without the replaying ones)."""
-        if self.window is None:  # no replay under way: nothing to look at on the per-step path
-            return None
-        members = self._members(micro_batch)
-        replaying = [seq for seq in members if seq.replay_end is not None]
-        if not replaying:
-            return None
-        # Its sequences that are whole again get a step of their own (they decode, new items start): once
-        # as soon as there are any, so the first new tokens come a few steps after a re-plan rather than
-        # after the whole micro-batch's replay; then every other step once they are as many as those
-        # replaying. Sooner, their steps would be a row or two that pass over every layer for little, and
-        # they would slow the replay that all the others wait for.
-        whole = sum(seq.replay_end is None for seq in members)
-        turns = self.whole_turns[micro_batch]
-        if whole and self.replayed_last[micro_batch] and (turns == 0 or whole >= len(replaying)):
-            self.replayed_last[micro_batch] = False
-            self.whole_turns[micro_batch] = turns + 1
-            return None
-        self.replayed_last[micro_batch] = True
-        rows, budget = [], self.config.max_step_tokens
-        for seq in replaying:
-            end = min(seq.replay_end, prefill_chunk_end(seq.cached, len(seq.request.prompt_ids),
-                                                        self.config.max_step_tokens))
-            if end - seq.cached > budget and any(len(row.tokens) > 1 for row in rows):
-                continue  # its chunk waits for the next replay step, cut where it was first cut
-            rows.append(PlannedRow(seq.slot, seq.cached, seq.known[seq.cached:end], emit=False))
-            budget -= end - seq.cached
-        released, self.pending_release[micro_batch] = self.pending_release[micro_batch], []
-        return StepPlan(micro_batch, rows, released, window=self.window)
-
-    def can_replay_layers(self) -> bool:
-        """Whether the active sequences can replay a window of layers after a re-plan (replay_layers):
-        not while an earlier replay is unfinished (its caches are partly rebuilt), nor for scored
-        sequences, whose every position's logits are recomputed (reset_caches)."""
-        return all(seq.replay_end is None and seq.feed is None and not seq.request.score_prompt
-                   for seq in self.active.values())
-
-    def replay_layers(self, window: tuple[int, int]) -> int:
-        """The stages kept their caches but for the layers in `window` (broker.replay_window): every
-        active sequence replays its cached positions over those layers before going on where it was.
-        Returns the number of positions to replay."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.clear()  # the stages' new arenas hold no prefix entries
-        self.window = window
-        self.replayed_last = [False] * self.num_micro_batches
-        self.whole_turns = [0] * self.num_micro_batches
-        total = 0
-        self.replaying = set()
-        for seq in self.active.values():
-            if seq.prefix is not None:
-                seq.prefix = PrefixPlan()  # a save it planned is gone with the entries; a restore was done
-            if seq.cached == 0:
-                continue
-            seq.replay_end, seq.cached = seq.cached, 0
-            self.replaying.add(seq.slot)
-            total += seq.replay_end
-        return total
-
-    def reset_caches(self) -> int:
-        """The stages lost their caches (a re-plan): every active sequence re-prefills what it knows,
-        keeping its generated tokens. Returns the number of tokens to re-prefill."""
-        self.window = None
-        for releases in self.pending_release.values():
-            releases.clear()  # the new stages start with empty caches
-        if self.prefix_cache is not None:
-            self.prefix_cache.clear()  # and no prefix entries
-        total = 0
-        self.replaying = set(self.active)
-        for seq in self.active.values():
-            seq.cached, seq.replay_end = 0, None
-            seq.prefix = None  # its re-prefill may restore a prefix saved again by then
-            if seq.feed is not None:
-                seq.feed.restart()  # its phases rewind the slot anyway: start over, scores recomputed
-                total += seq.feed.positions
-                continue
-            if seq.request.score_prompt:
-                seq.prompt_logprobs.clear()  # scored again, identically, during the re-prefill
-            if seq.grammar is not None:
-                # From the tokens alone, so the next mask is the one an uninterrupted run would send.
-                seq.grammar.rebuild(seq.generated)
-            total += len(seq.known)
-        return total
 
     def token_mask(self, slot: int) -> bytes | None:
         """The allow-bitmask for the next token of the sequence in `slot`, None when it is unconstrained."""
@@ -583,19 +450,6 @@ class Scheduler:
         raise KeyError(slot)
 
 
-def prefill_chunk_end(start: int, prompt_length: int, chunk_tokens: int) -> int:
-    """Where a chunk of a sequence's known tokens that starts at `start` ends. Within the prompt: at the next
-    multiple of `chunk_tokens` (the step budget) or the prompt's end, so the prompt is cut at the same places
-    whatever else shares the step, in a re-prefill after a re-plan, and in a rerun; past it (the tokens it
-    generated, recomputed after a re-plan): one position, as the decode step that first computed it. A
-    position's keys and values are then the very bits an uninterrupted run computes (a kernel given another
-    cut rounds differently), so a later greedy token never flips where the model's two best tokens are within
-    float rounding of each other (a soak of 3,000 items met one 2e-6 apart)."""
-    if start < prompt_length:
-        return min(prompt_length, (start // chunk_tokens + 1) * chunk_tokens)
-    return start + 1
-
-
 def _token_texts(seq: Sequence) -> dict[int, str] | None:
     """Each generated and top token (and a scored prompt's tokens) decoded alone, for logprobs' "token" fields
     (None without a tokenizer)."""
@@ -614,9 +468,3 @@ def _failed(request: Request, error: str) -> GenerationResult:
         prompt_tokens = len(request.prompt_ids)
     return GenerationResult(request_id=request.request_id, token_ids=[], finish_reason="error",
                             prompt_tokens=prompt_tokens, error=error)
-
-
-def _save_reached(seq: Sequence, end: int) -> tuple[int, int] | None:
-    """The prefix save a row ending at position `end` carries: the sequence's pending one, once its chunk reaches it."""
-    save = seq.prefix.save if seq.prefix is not None else None
-    return save if save is not None and save[1] <= end else None

@@ -205,19 +205,30 @@ def held_profile(tmp_path: Path) -> tuple[Path, dict]:
     return hold, {"LAYERBUS_HOLD_PROFILE_WHILE": str(hold)}
 
 
+def join_mid_job(home: Path, db: str, port: int, logs: Path, model: Path, job_id: str, env: dict,
+                 processes: list[subprocess.Popen]) -> subprocess.Popen:
+    """A broker on one slowed stage, its first items done, then stage-1 started (its profile held) and
+    registered; the processes started are appended to `processes`; stage-1's."""
+    processes += [start_broker(home, port, logs, "--model", str(model), "--stages", "1", "--db", db, "--job", job_id,
+                               *LIVENESS, *FEW_SLOTS),
+                  start_stage(home, port, "stage-0", logs, *SLOW_STAGE)]
+    with JobStore.open(db) as store:
+        wait_until(lambda: store.job_status(job_id).completed >= 2, "the first items", processes, logs)
+    joining = start_stage(home, port, "stage-1", logs, env=env)
+    processes.append(joining)
+    broker_log = logs / "broker.log"
+    wait_until(lambda: "stage stage-1 registered" in broker_log.read_text(), "stage-1 registered", processes, logs)
+    return joining
+
+
 def test_a_stage_that_joins_is_measured_while_the_steps_go_on(setup, tmp_path, model, corpus, one_brokers_outputs):
     home, db, port, logs = setup
     job_id = submit(home, corpus, model, db)
     hold, env = held_profile(tmp_path)
-    processes = [start_broker(home, port, logs, "--model", str(model), "--stages", "1", "--db", db, "--job", job_id,
-                              *FEW_SLOTS),
-                 start_stage(home, port, "stage-0", logs, *SLOW_STAGE)]
+    processes: list[subprocess.Popen] = []
     try:
+        join_mid_job(home, db, port, logs, model, job_id, env, processes)
         with JobStore.open(db) as store:
-            wait_until(lambda: store.job_status(job_id).completed >= 2, "the first items", processes, logs)
-            processes.append(start_stage(home, port, "stage-1", logs, env=env))
-            broker_log = logs / "broker.log"
-            wait_until(lambda: "stage stage-1 registered" in broker_log.read_text(), "stage-1 registered", processes, logs)
             joined_at = store.job_status(job_id).completed
             wait_until(lambda: store.job_status(job_id).completed >= min(ITEMS, joined_at + 3),
                        "steps while stage-1's profile is held", processes, logs)
@@ -236,20 +247,13 @@ def test_a_joining_stage_killed_before_its_profile_answer_leaves_the_job_running
     home, db, port, logs = setup
     job_id = submit(home, corpus, model, db)
     hold, env = held_profile(tmp_path)
-    processes = [start_broker(home, port, logs, "--model", str(model), "--stages", "1", "--db", db, "--job", job_id,
-                              *LIVENESS, *FEW_SLOTS),
-                 start_stage(home, port, "stage-0", logs, *SLOW_STAGE)]
+    processes: list[subprocess.Popen] = []
     try:
-        with JobStore.open(db) as store:
-            wait_until(lambda: store.job_status(job_id).completed >= 2, "the first items", processes, logs)
-            joining = start_stage(home, port, "stage-1", logs, env=env)
-            processes.append(joining)
-            broker_log = logs / "broker.log"
-            wait_until(lambda: "stage stage-1 registered" in broker_log.read_text(), "stage-1 registered", processes, logs)
-            time.sleep(1.0)  # its profile asked for, and held
-            processes.remove(joining)
-            joining.send_signal(signal.SIGKILL)
-            joining.wait(30)
+        joining = join_mid_job(home, db, port, logs, model, job_id, env, processes)
+        time.sleep(1.0)  # its profile asked for, and held
+        processes.remove(joining)
+        joining.send_signal(signal.SIGKILL)
+        joining.wait(30)
         assert processes[0].wait(TIMEOUT_S) == 0, logs_of(logs)
     finally:
         hold.unlink(missing_ok=True)
