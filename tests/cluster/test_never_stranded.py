@@ -36,6 +36,7 @@ from tests.helpers.store_items import GHOST
 
 BROKER_TIMEOUT = ("--broker-timeout", "2")  # the stages' patience once the broker has spoken
 HOLD_S = 6.0  # how long a long phase is held: three broker timeouts
+PREPARING = "the broker is busy: preparing the model"  # what a stage logs when told of that phase
 LIVENESS = ("--liveness-window", "2")
 # A stage that profiles as a card 5x slower (a plan with a second stage is much faster) and serves steps 250x
 # slower than this machine's (its profile does not see that part): the job lasts while another stage joins.
@@ -137,7 +138,13 @@ def test_no_stage_leaves_while_its_broker_prepares_the_model(setup, model, corpu
     real = broker_service.resolve_model
 
     def slow_preparation(name):
-        time.sleep(HOLD_S)  # a download and an import, as on a fresh home
+        # A download and an import, as on a fresh home: held until both stages have been told (however long
+        # their own start takes on a loaded machine), then for three broker timeouts more.
+        told = lambda: all(PREPARING in (logs / f"stage-{i}.log").read_text() for i in range(2))  # noqa: E731
+        deadline = time.monotonic() + TIMEOUT_S
+        while not told() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(HOLD_S)
         return real(name)
 
     monkeypatch.setattr(broker_service, "resolve_model", slow_preparation)
@@ -149,7 +156,7 @@ def test_no_stage_leaves_while_its_broker_prepares_the_model(setup, model, corpu
     finally:
         finish(processes)
     assert_completed_as_one_broker(home, db, job_id, one_brokers_outputs, logs)
-    assert all("the broker is busy: preparing the model" in (logs / f"stage-{i}.log").read_text() for i in range(2))
+    assert all(PREPARING in (logs / f"stage-{i}.log").read_text() for i in range(2))
 
 
 def test_no_stage_leaves_while_its_broker_waits_on_the_store(setup, model, corpus, one_brokers_outputs, monkeypatch):
