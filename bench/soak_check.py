@@ -4,6 +4,7 @@ faults: every id once, the outputs of a fault-free run, nothing stranded, exact 
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -88,4 +89,5 @@ def seen(fault: Fault, events) -> bool:
     names = fault.target.split(",")
     if fault.kind == "late-stage":
         return any(names[0] in e.message for e in after)
-    return all(any(e.kind == "stage_lost" and f"stage {name} " in e.message for e in after) for name in names)
+    return all(any(e.kind == "stage_lost" and re.search(rf"\bstage {re.escape(name)}\b", e.message) for e in after)
+               for name in names)

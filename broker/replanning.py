@@ -67,7 +67,8 @@ class Replanner:
                 continue
             except (StageLost, NoReply) as gone:  # measured, or waited beside one measured: left out
                 self.drop(gone.stage)
-                report("stage_lost", f"{gone} (while the broker measured the stages for a re-plan); placing "
+                lost = gone if isinstance(gone, StageLost) else StageLost(gone.stage, gone.reason)
+                report("stage_lost", f"{lost} (while the broker measured the stages for a re-plan); placing "
                                      "again without it", stage=gone.stage.name)
                 continue
             try:
