@@ -19,7 +19,7 @@ from pathlib import Path
 from layerbus.evals.documents import DOC_TYPES
 from layerbus.evals.encoding import Encoder
 from layerbus.evals.suites import LoadedTask, MetricSpec, Suite, SuiteTask, load_suite, load_suite_tasks
-from layerbus.evals.task_yaml import FilterStep
+from layerbus.evals.task_yaml import FilterStep, yaml_task_name
 from layerbus.storage import JobSettings, JobStore
 from layerbus.storage.eval_records import EvalMetric, EvalRun, canonical_fingerprint
 
@@ -54,7 +54,9 @@ def select_tasks(options: EvalOptions) -> tuple[Suite, tuple[LoadedTask, ...]]:
         tasks, names = [], set()
         for given in options.task_paths:
             path = Path(given).expanduser()
-            name = path.stem if path.suffix else path.name
+            # As lm-eval names it: a task YAML by its `task:` field; other files by their stem, folders by name.
+            named = yaml_task_name(path) if path.suffix in (".yaml", ".yml") else None
+            name = named or (path.stem if path.suffix else path.name)
             while name in names:  # two files of one name in different folders
                 name += "_"
             names.add(name)

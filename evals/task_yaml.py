@@ -17,6 +17,7 @@ import ast
 import random
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import yaml
 from jinja2 import StrictUndefined
@@ -100,6 +101,17 @@ class TaskYaml:
     filters: dict[str, tuple[FilterStep, ...]] = field(default_factory=dict)
     # The YAML as read, recorded in the results JSON's configs.
     raw: dict = field(default_factory=dict)
+
+
+def yaml_task_name(path: Path) -> str | None:
+    """The `task:` field of a task YAML file, as lm-eval names the task by it; None where the file has none (or
+    is not a readable mapping: loading the task says what is wrong with it)."""
+    try:
+        config = yaml.load(path.read_text(encoding="utf-8"), Loader=_TaskLoader)  # noqa: S506 - see parse_task_yaml
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    name = config.get("task") if isinstance(config, dict) else None
+    return name if isinstance(name, str) and name else None
 
 
 def parse_task_yaml(text: str, source: str = "<task yaml>") -> TaskYaml:

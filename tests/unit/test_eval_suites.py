@@ -127,3 +127,22 @@ def test_a_task_file_has_no_filters(tmp_path):
     (tmp_path / "suite.toml").write_text('name = "n"\n' + GOOD_TASK)
     (task,) = load_suite_tasks(load_suite(tmp_path / "suite.toml"))
     assert task.filters == {}
+
+
+def test_tasks_given_on_the_command_line_are_named_as_lm_eval_names_them(tmp_path):
+    """A task YAML by its `task:` field, whatever its file is called; a task file by its stem; two of one name
+    apart by a suffix."""
+    from layerbus.evals.eval_run import EvalOptions, select_tasks
+
+    (tmp_path / "q.jsonl").write_text('{"q": "2+2?", "a": "4"}\n')
+    yaml_task = "output_type: generate_until\ndataset_path: json\ndata_files: {test: q.jsonl}\ndoc_to_text: '{{q}}'\n" \
+                "doc_to_target: a\nmetric_list:\n  - {metric: exact_match}\n"
+    (tmp_path / "shots.yaml").write_text("task: hidden_mc_shots\n" + yaml_task)
+    (tmp_path / "unnamed.yaml").write_text(yaml_task)
+    (tmp_path / "t.jsonl").write_text('{"id": "a", "context": "c", "choices": [" x", " y"], "gold": 0}\n')
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "t.jsonl").write_text('{"id": "a", "context": "c", "choices": [" x", " y"], "gold": 0}\n')
+    given = [tmp_path / "shots.yaml", tmp_path / "unnamed.yaml", tmp_path / "t.jsonl", tmp_path / "other" / "t.jsonl"]
+    suite, tasks = select_tasks(EvalOptions(task_paths=tuple(str(p) for p in given)))
+    assert [t.name for t in suite.tasks] == ["hidden_mc_shots", "unnamed", "t", "t_"]
+    assert [t.name for t in tasks] == ["hidden_mc_shots", "unnamed", "t", "t_"]
