@@ -129,14 +129,10 @@ def run_locally(store: JobStore, job_id: str, model_dir: Path, args: argparse.Na
 
     log_dir = stage_log_dir(job_id)
     trace = getattr(args, "trace", None)  # `eval run` shares this function and has no --trace
-    # The plan prices this job's own prompts and output budgets, and sizes the batches for it.
+    # The plan prices this job's own prompts and output budgets (an eval's: the positions it scores), and
+    # sizes the batches, the step budget and the KV caches for it.
     workload = job_workload(store, job_id, load_tokenizer(model_dir))
     batching = batching_from_args(args)
-    if workload is None:  # scoring (evals): chunks are cut at the step budget, so it stays the fixed default
-        from dataclasses import replace
-
-        batching = replace(batching, micro_batch_size=batching.micro_batch_size or 32,
-                           max_step_tokens=batching.max_step_tokens or 256)
     config = BrokerConfig(str(model_dir), args.stages, partition=args.partition,
                           batching=batching, pipeline=pipeline_from_args(args),
                           workload=workload, **wire_from_args(args), weights=args.weights, trace=trace,

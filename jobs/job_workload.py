@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from layerbus.broker.requests import GenerationRequest
+from layerbus.broker.requests import GenerationRequest, ScoreRequest
 from layerbus.planner.workload import ASSUMED_OUTPUT_SHARES, Workload
 from layerbus.jobs.runner import StoreSource
 from layerbus.jobs.samples import samples_of
@@ -37,8 +37,7 @@ def job_workload(store: JobStore, job_id: str, tokenizer: Any, sample_items: int
     """The generation items of `job_id` in queue order (items refused at submit have no prompt and
     are left out), with the shares of their budgets outputs are expected to use (`output_shares`);
     of a job of more than `sample_items` items, an evenly spread sample of that many, standing for
-    all of them. None for a job with scoring items (evals): their chunks are cut at the step budget,
-    which must not move with the job, and they generate nothing to plan for."""
+    all of them. Scoring items (evals) count as the positions they feed (scored_positions)."""
     settings = store.job_settings(job_id)
     source = StoreSource(store, job_id, tokenizer, settings, "planner")
     items, total = _items_to_read(store, job_id, settings.task, sample_items)
@@ -51,10 +50,17 @@ def job_workload(store: JobStore, job_id: str, tokenizer: Any, sample_items: int
         request = source.request_for(ClaimedItem(item_id=item.seq, job_id=job_id, custom_id=item.custom_id,
                                                  seq=item.seq, input=item.input, prompt=item.prompt,
                                                  params=item.params, attempts=0))
-        if not isinstance(request, GenerationRequest):
+        if isinstance(request, ScoreRequest):
+            # Scored as it is fed (broker/scoring.py): each context once, then every continuation after it,
+            # nothing generated. Planned as that many prompt positions and one new token: the KV caches, the
+            # slots and the step budget are sized from the job's own lengths, not from generation defaults.
+            prompts.append(scored_positions(request))
+            budgets.append(1)
+        elif isinstance(request, GenerationRequest):
+            prompts.append(request.prompt_ids)
+            budgets.append(request.max_new_tokens)
+        else:
             return None
-        prompts.append(request.prompt_ids)
-        budgets.append(request.max_new_tokens)
         samples.append(samples_of(item.params, source.settings.extra))  # each of an item's n samples is a sequence
     # Sequences the sample stands for: its own, as many times over as the job has items per item read
     # (refused items and n > 1 samples are then as frequent in the job as in the sample).
@@ -65,6 +71,17 @@ def job_workload(store: JobStore, job_id: str, tokenizer: Any, sample_items: int
     if not shares:  # nothing like it has ended yet: the outputs end somewhere up to their budgets
         return workload.with_output_shares(ASSUMED_OUTPUT_SHARES, assumed=True) if workload.items else workload
     return workload.with_output_shares(shares)
+
+
+def scored_positions(request: ScoreRequest) -> list[int]:
+    """The tokens a scoring request feeds, as one prompt: each segment's context, then its continuations
+    (their first blocks shared with other requests' where the contexts are, as the prefix cache shares them)."""
+    fed: list[int] = []
+    for segment in request.segments:
+        fed += segment.context_ids
+        for continuation in segment.continuations:
+            fed += continuation
+    return fed
 
 
 def _items_to_read(store: JobStore, job_id: str, task: str, sample_items: int) -> tuple[Iterable[NewItem], int | None]:

@@ -143,12 +143,16 @@ def test_a_job_no_larger_than_the_sample_is_read_whole(store, tokenizer) -> None
     assert workload.represents is None and counting.encoded == 96  # the 4 refused items are not tokenized
 
 
-def test_an_eval_job_is_read_whole_so_one_scoring_item_among_many_still_means_no_workload(store, tokenizer) -> None:
+def test_an_eval_job_is_read_whole_and_its_scoring_items_count_as_the_positions_they_feed(store, tokenizer) -> None:
     params = item_params({}, add_special_tokens=False)
     generation = [NewItem(f"g{i}", "x", "one two", params, seq=i) for i in range(200)]
     scoring = NewItem("s", "x", "three", {"score": [[[1, 2, 3], [[4], [5, 6]]]]}, seq=200)
     job = store.create_job(JobSettings(task="eval", model="tiny"), generation + [scoring])
-    assert job_workload(store, job, tokenizer, sample_items=10) is None  # a sample of 10 would miss it
+    workload = job_workload(store, job, tokenizer, sample_items=10)  # a sample of 10 would miss the scoring item
+    assert workload.represents is None and workload.items == 201
+    # The context (3 tokens) once, then both continuations (1 and 2 tokens); nothing generated but the one
+    # position the plan counts for every item.
+    assert (workload.prompt_lengths[-1], workload.max_new_tokens[-1]) == (6, 1)
 
 
 def test_a_job_with_nothing_completed_is_not_paged_through_for_where_outputs_end(store, tokenizer,
