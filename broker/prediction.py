@@ -32,7 +32,8 @@ def prediction_of_run(keeper: ChainKeeper, workload: Workload | None, before: di
         inputs = keeper.plan_inputs(keeper.chain)
         produced = estimate_split([p for name in plan.order for p in keeper.profiles if p.name == name],
                                   plan.spans, inputs.memory, keeper.batching, plan.options, job, inputs.network)
-    report = prediction_report(plan, before, stats.stage_stats, stats.new_tokens, stats.wall_s, produced)
+    report = prediction_report(plan, before, stats.stage_stats, stats.new_tokens, stats.wall_s, produced,
+                               finished=stats.finished, prompt_tokens=stats.prompt_tokens)
     lines = format_prediction(report)
     for line in lines[:-1]:
         log.info("%s", line)

@@ -188,10 +188,12 @@ def _at(host: str) -> str:
 
 
 def prediction_report(plan: Plan, before: dict[str, dict], after: dict[str, dict], new_tokens: int, wall_s: float,
-                      produced: SplitEstimate | None = None) -> dict:
+                      produced: SplitEstimate | None = None, finished: int = 0, prompt_tokens: int = 0) -> dict:
     """Predicted against measured for a run: tokens/s of the whole run and, per stage, busy time per
     step (from the stages' busy_s/steps stats) and the tokens/s its busy time alone would allow.
-    `produced`: the same plan priced for the output lengths the run really produced."""
+    `produced`: the same plan priced for the output lengths the run really produced. A run that generated
+    nothing but finished items scored them (an eval): the plan counts one new token per scored item, so
+    its tokens/s are documents/s, reported as such with the tokens scored (`scored`)."""
     stages = {}
     for stage in plan.stages:
         start, end = before.get(stage.name, {}), after.get(stage.name, {})
@@ -204,6 +206,11 @@ def prediction_report(plan: Plan, before: dict[str, dict], after: dict[str, dict
             "measured_ms_per_step": 1000 * busy / steps if steps > 0 else None,
             "predicted_tok_s": plan.chosen.new_tokens / predicted_busy if predicted_busy > 0 else None,
             "measured_tok_s": new_tokens / busy if busy > 0 else None}
+    if new_tokens == 0 and finished > 0:
+        return {"tok_s": plan.tokens_per_s, "measured_tok_s": finished / wall_s if wall_s > 0 else None,
+                "tok_s_for_produced_lengths": None, "predicted_steps": plan.chosen.steps,
+                "predicted_new_tokens": plan.chosen.new_tokens, "new_tokens": 0, "wall_s": wall_s, "stages": stages,
+                "scored": {"documents": finished, "tokens": prompt_tokens}}
     return {"tok_s": plan.tokens_per_s, "measured_tok_s": new_tokens / wall_s if wall_s > 0 else None,
             "tok_s_for_produced_lengths": produced.tokens_per_s if produced is not None else None,
             "predicted_steps": plan.chosen.steps, "predicted_new_tokens": plan.chosen.new_tokens,
@@ -220,9 +227,15 @@ def format_prediction(report: dict) -> list[str]:
                      f"{_num(s['measured_tok_s']):>9}")
     produced = report["tok_s_for_produced_lengths"]
     measured = report["measured_tok_s"]
-    line = f"run: {_num(report['tok_s'])} tok/s predicted, {_num(measured)} measured"
+    scored = report.get("scored")
+    unit = "documents/s" if scored else "tok/s"
+    line = f"run: {_num(report['tok_s'])} {unit} predicted, {_num(measured)} measured"
     if measured and report["tok_s"]:
         line += f" ({measured / report['tok_s'] - 1:+.0%})"
+    if scored:
+        lines.append(line + f"; {scored['tokens']} tokens scored for {scored['documents']} documents in "
+                            f"{report['wall_s']:.1f} s")
+        return lines
     if produced:
         line += f"; {_num(produced)} predicted for the output lengths produced ({measured / produced - 1:+.0%})"
     lines.append(line + f"; {report['new_tokens']} new tokens in {report['wall_s']:.1f} s")

@@ -244,6 +244,19 @@ def test_prediction_report_has_a_line_per_stage() -> None:
     assert lines[-1].startswith(f"run: {plan.tokens_per_s:.1f} tok/s predicted, 10.0 measured")
 
 
+def test_a_run_that_only_scored_reports_documents_per_second_and_tokens_scored() -> None:
+    """An eval generates nothing: the plan counts one new token per scored document, so the run's line is in
+    documents/s, with the positions scored, not "0 new tokens"."""
+    stages = [stage("a"), stage("b")]
+    plan = plan_placement(stages, MEMORY, SHAPES)
+    after = {"a": {"busy_s": 10.0, "steps": 100}, "b": {"busy_s": 8.0, "steps": 100}}
+    report = prediction_report(plan, {}, after, new_tokens=0, wall_s=20.0, finished=400, prompt_tokens=9000)
+    assert report["measured_tok_s"] == pytest.approx(20.0) and report["scored"] == {"documents": 400, "tokens": 9000}
+    run_line = format_prediction(report)[-1]
+    assert run_line.startswith(f"run: {plan.tokens_per_s:.1f} documents/s predicted, 20.0 measured")
+    assert run_line.endswith("; 9000 tokens scored for 400 documents in 20.0 s") and "new tokens" not in run_line
+
+
 @pytest.mark.parametrize("factors, want_ratio", [
     ((1.5, 1.5), 1.5),  # measured: each step 1.5x slower while the other serves, and the other always does
     ((1.0, 1.0), 1.0),  # measured: sharing costs nothing (two cores, enough memory bandwidth)
