@@ -74,6 +74,10 @@ class ControlPlane:
         # Set by a LocalCluster: its stage processes, looked at on every poll; `exits` is what they reported.
         self.children: ChildWatch | None = None
         self.exits: list[StageExit] = []
+        # Stages that went GONE (ended, left, or replaced by a new process under their name), for whoever
+        # says what was lost (Replanner.check_spares): a spare's StageInfo is held by no chain, and a
+        # restart under its name replaces it here before any liveness window could find it silent.
+        self.departed: list[StageInfo] = []
         # Refusals not yet in a job's events (the pipeline takes them), and those already logged: a peer
         # that keeps retrying is logged and recorded once.
         self.refusals: list[str] = []
@@ -119,7 +123,9 @@ class ControlPlane:
         self.exits.append(ended)
         stage = self.stages.get(ended.name.encode())
         if stage is not None and ended.pid in (stage.pid, 0) and stage.state.alive:  # 0: the launcher knew no pid
-            stage.state, stage.loaded, stage.error = StageState.GONE, None, f"its process {ended.why}"
+            why = ended.why if ended.why.startswith("its ") else f"its process {ended.why}"
+            stage.state, stage.loaded, stage.error = StageState.GONE, None, why
+            self.departed.append(stage)
         return ControlEvent("bye", ended.name, {"exited": ended.why})
 
     def _handle(self, arrival: Arrival) -> list[ControlEvent]:
@@ -178,6 +184,8 @@ class ControlPlane:
             log.error("stage %s rejected a message from %s: %s", stage.name, header.get("sender"), header.get("error"))
             return [ControlEvent("rejected", stage.name, header)]
         elif kind == protocol.BYE:
+            if stage.state.alive:
+                self.departed.append(stage)
             stage.state = StageState.GONE
             return [ControlEvent("bye", stage.name, header)]
         elif kind in (protocol.PROFILE_RESULT, protocol.PROBE_ECHO,  # read by broker.profiling
@@ -208,6 +216,7 @@ class ControlPlane:
             # process the chain knew is gone, now, and said so (the chain holds its StageInfo, which says it).
             known.state, known.loaded = StageState.GONE, None
             known.error = f"restarted: a new process (pid {_figure(header.get('pid')):.0f}) registered under its name"
+            self.departed.append(known)
         self.registered += 1
         self.stages[identity] = StageInfo(
             identity=identity, name=header["name"], device=header["device"], dtype=header["dtype"],

@@ -89,6 +89,13 @@ class Replanner:
         said, as a lost stage of the chain is: the next re-plan does not count on it."""
         chain = {stage.name for stage in self.keeper.chain}
         now = self.control.clock()
+        departed, self.control.departed = self.control.departed, []
+        for stage in departed:  # ended, left, or restarted under its name: no longer among the live stages
+            if any(stage is member for member in self.keeper.chain) or stage.state is not StageState.GONE:
+                continue  # the chain's own are found by check_stages; a LOST one was dropped and said already
+            self.drop(stage)
+            report("stage_lost", f"stage {stage.name} ({stage.host} pid {stage.pid}), a spare, lost: "
+                                 f"{stage.error or 'it left (stopped or shut down)'}", stage=stage.name)
         for stage in self.control.live_stages():
             if stage.name in chain or stage.state is StageState.LOADING:
                 continue
