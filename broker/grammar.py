@@ -4,7 +4,7 @@ The broker owns it, beside the sequence's generated tokens: a stage lost or a re
 and `TokenGrammar.rebuild` replays the generated tokens anyway after a re-plan, so the masks, and with them the
 outputs, are those of an uninterrupted run. Imported only when a job has a constrained item (the broker's
 `_new_grammar`), and by `layerbus submit` to check a constraint: llguidance needs neither torch nor
-transformers, so the light commands stay light. Why llguidance and not xgrammar: README, "Constrained decoding".
+transformers, so the light commands stay light. Why llguidance and not xgrammar: docs/jobs.md, "Constrained decoding".
 """
 
 from __future__ import annotations

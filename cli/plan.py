@@ -28,7 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         description="Plan the placement of the model's layers: per stage its layers, "
                                     "weight and KV bytes and predicted ms per step; the predicted tokens/s "
                                     "and bubble, beside the equal split's. For a cluster described in a "
-                                    "file (--cluster, JSON or TOML, see the README) or for N local stages "
+                                    "file (--cluster, JSON or TOML, see docs/placement.md) or for N local stages "
                                     "that profile themselves (--stages N).") as parser:
         add_model(parser, "Hugging Face model directory (default: SmolLM2-135M-Instruct)")
         source = parser.add_mutually_exclusive_group(required=True)

@@ -1,5 +1,6 @@
 """Reading a cluster description (JSON, or TOML through the standard library) into stage profiles,
-for planning a cluster one does not have at hand. The format is documented in the README.
+for planning a cluster one does not have at hand. The format is documented in docs/placement.md
+("`layerbus plan` and cluster files").
 
 Each stage gives its memory and either a relative `speed` (times then follow from the model's
 FLOPs at `speed x reference_gflops`) or measured per-layer times in milliseconds. Stages may name

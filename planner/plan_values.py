@@ -186,7 +186,7 @@ class ModelMemory:
                          f"{[self.full_format] + [f.name for f in self.formats]}")
 
     def workspace_bytes(self, step_tokens: int, rows: int, max_context: int, is_last: bool) -> int:
-        """Activation temporaries of one step (an approximation, documented in the README): a
+        """Activation temporaries of one step (an approximation: docs/placement.md, the memory a stage counts): a
         prefill chunk's MLP and attention activations, its attention scores over the full context
         (float32), and on the last stage the float32 logits, log-softmax and probabilities."""
         layer = step_tokens * (4 * self.hidden_size + 3 * self.intermediate_size) * self.dtype_bytes

@@ -27,7 +27,7 @@ class WireConfigError(ValueError):
 
 @dataclass(frozen=True)
 class QualityBudget:
-    """How much a codec may change the model's output, against the float32 wire (defaults: README)."""
+    """How much a codec may change the model's output, against the float32 wire (defaults: docs/weights-and-wire.md, "Wire codecs")."""
 
     max_mean_kl: float = 0.002  # mean KL(float32 || codec) per position, nats
     min_same_top: float = 0.995  # share of positions whose top token is unchanged

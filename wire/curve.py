@@ -13,7 +13,7 @@ a handshake of our own. The roles, as ZeroMQ wants them:
 Keys are ZeroMQ's certificate files (`zmq.auth.create_certificates`): NAME.key holds the public key,
 NAME.key_secret both; the secret file is readable by its owner only.
 
-In a cluster (README "Security"): the broker's control ROUTER and results PULL are servers with the
+In a cluster (docs/operations.md, "Security and keys"): the broker's control ROUTER and results PULL are servers with the
 broker's keypair, admitting the allowed stage keys and the broker's own (local stages share it); each
 stage's data PULL is a server with the stage's keypair, admitting only the hop before it, whose key
 the broker names in the stage's assignment (the broker's for the first stage). Every PUSH and DEALER
@@ -337,7 +337,7 @@ def unsecured_bind_message(endpoints: list[str], key_options: str) -> str:
     """Why a bind reachable from other machines is refused without keys, and the ways out."""
     return (f"refusing to bind {', '.join(endpoints)} without keys: anyone who can reach it could join the "
             f"cluster, read the activations or send steps. Make keys with `layerbus keys new KEYS --name NAME` and "
-            f"pass {key_options} (README: Security), bind a loopback address (tcp://127.0.0.1:PORT), or pass "
+            f"pass {key_options} (docs/operations.md: Security and keys), bind a loopback address (tcp://127.0.0.1:PORT), or pass "
             f"--insecure on a network you trust")
 
 
