@@ -86,9 +86,13 @@ def main(args: argparse.Namespace) -> int:
                                                                " (e.g. --suite nightly, the bundled suite)"))
     options = EvalOptions(tuple(args.tasks), suite_path(args.suite) if args.suite else None, args.limit,
                           args.num_fewshot, args.seed)
+    if args.queue and args.job:
+        raise UsageError(f"--queue queues a new run; job {args.job} is queued already: drop --queue")
+    if not args.queue:
+        from layerbus.launch.stage_launcher import warm_up
+
+        warm_up()  # the stages' imports go on while the tasks are read, tokenized and queued
     with open_store(args.db) as store:
-        if args.queue and args.job:
-            raise UsageError(f"--queue queues a new run; job {args.job} is queued already: drop --queue")
         job_id, model_dir = _queued(store, args, options) if not args.job else _existing(store, args)
         if args.queue:
             print(job_id)

@@ -96,6 +96,10 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _submit_and_run(args: argparse.Namespace, metrics: MetricsServer | None) -> tuple[JobStatus, list, list, str]:
+    from layerbus.launch.stage_launcher import warm_up
+
+    if getattr(args, "chains", 1) == 1:  # several chains start their own launchers, in processes of their own
+        warm_up()  # the stages' imports go on while the input is read, checked and queued
     with open_store(args.db) as store:
         if args.job:
             if args.task or args.model:

@@ -162,6 +162,19 @@ def shared_launcher() -> StageLauncher:
         return _shared
 
 
+def warm_up() -> None:
+    """Start this process's launcher now, where stages are forked: its imports of torch and transformers
+    (seconds) then overlap with what this process does before it starts stages (reading tasks or inputs,
+    tokenizing, queueing, planning), instead of following it. Never fails: a launcher that cannot start is
+    found again, and fallen back from, when a stage is spawned."""
+    if not forking_supported():
+        return
+    try:
+        shared_launcher()
+    except Exception:  # noqa: BLE001 (an optimisation: spawn() reports the real problem)
+        log.debug("the stage launcher did not start early", exc_info=True)
+
+
 def forking_supported(environ=os.environ) -> bool:
     """Linux, and not turned off with LAYERBUS_FORK_STAGES=0 (a device driver that dislikes fork, or to
     compare start-up times)."""

@@ -113,3 +113,23 @@ def test_the_launcher_and_so_its_stages_wait_passively_between_operations(monkey
             assert b"OMP_WAIT_POLICY=PASSIVE" in environ.read().split(b"\0")
     finally:
         launcher.close()
+
+
+def test_warm_up_starts_the_shared_launcher_at_once_and_only_where_stages_are_forked(monkeypatch):
+    """`run` and `eval run` call warm_up first thing, so the launcher's imports overlap their own work: the
+    launcher process is running when it returns (it does not wait for the imports), and the one spawn() uses."""
+    import layerbus.launch.stage_launcher as launching
+
+    monkeypatch.setattr(launching, "_shared", None)
+    monkeypatch.setenv("LAYERBUS_FORK_STAGES", "0")
+    launching.warm_up()
+    assert launching._shared is None, "not forking: nothing to start"
+    monkeypatch.delenv("LAYERBUS_FORK_STAGES")
+    launching.warm_up()
+    started = launching._shared
+    try:
+        assert started is not None and started.alive()
+        assert launching.shared_launcher() is started
+    finally:
+        started.close()
+        monkeypatch.setattr(launching, "_shared", None)
