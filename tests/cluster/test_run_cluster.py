@@ -1,5 +1,6 @@
 """run_cluster.sh: a broker and 2 local stages serving a job submitted from another process, then every
-process it started gone after SIGTERM to the script, or after Ctrl-C to its whole process group."""
+process it started gone after SIGTERM to the script, or after Ctrl-C to its whole process group; a remote
+stage started a minute before the cluster waits for its broker and serves."""
 
 from __future__ import annotations
 
@@ -135,3 +136,61 @@ def test_stage_mode_runs_a_stage_that_registers_and_stops_on_sigterm(tmp_path):
     finally:
         stage.kill()
         context.destroy(linger=0)
+
+
+REMOTE_EARLY_S = 60  # the remote stage starts this long before the cluster: four times its --broker-timeout
+
+
+def test_a_remote_stage_started_a_minute_before_the_cluster_waits_and_serves(tmp_path, tiny):
+    """`run_cluster.sh stage` on "another machine" a minute before `run_cluster.sh --remote-stages 1`: the stage
+    keeps registering until the broker answers (its --broker-timeout counts only once one has), then serves
+    beside the local stage, and the job's outputs are those of `layerbus run` on the same input."""
+    corpus = write_jsonl(tmp_path / "docs.jsonl",
+                         [{"id": f"doc-{i}", "text": f"Stage {i} waited for its broker."} for i in range(8)])
+    job_args = ("--task", "summarize", "--max-new-tokens", "8")
+    reference_home, reference_db = tmp_path / "reference", f"sqlite:///{tmp_path / 'reference.db'}"
+    run = layerbus(reference_home, "run", corpus, "--model", tiny, "--db", reference_db, *job_args, "--stages", "2",
+                   "--threads-per-stage", "1", timeout=300)
+    assert run.returncode == 0, run.stderr
+    expected = outputs_of(status_json(reference_home, re.search(r"job_[0-9a-f]+", run.stdout).group(), "--db",
+                                      reference_db)["results_path"])
+
+    home, logs, out = tmp_path / "home", tmp_path / "logs", tmp_path / "cluster.out"
+    db, port = f"sqlite:///{tmp_path / 'jobs.db'}", free_port_pair()
+    logs.mkdir()
+    with open(logs / "remote-1.log", "wb") as log:
+        remote = subprocess.Popen(["bash", str(SCRIPT), "stage", "--broker", f"tcp://127.0.0.1:{port}", "--name",
+                                   "remote-1", "--threads", "1", "--broker-timeout", "15", "--insecure"],
+                                  env=cli_env(home), cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    script = None
+    try:
+        time.sleep(REMOTE_EARLY_S)
+        assert remote.poll() is None, f"the remote stage gave up:\n{(logs / 'remote-1.log').read_text()}"
+        with open(out, "w") as handle:
+            script = subprocess.Popen(["bash", str(SCRIPT), "--stages", "1", "--remote-stages", "1", "--insecure",
+                                       "--model", str(tiny), "--db", db, "--log-dir", str(logs), "--port", str(port)],
+                                      env=cli_env(home), cwd=REPO, stdout=handle, stderr=subprocess.STDOUT)
+        submitted = layerbus(home, "submit", corpus, "--model", tiny, "--db", db, *job_args)
+        assert submitted.returncode == 0, submitted.stderr
+        job_id = submitted.stdout.strip()
+        wait_for(lambda: status_json(home, job_id, "--db", db)["status"] == "completed", "job completed", logs)
+        broker_log = (logs / "broker.log").read_text()
+        assert "stage remote-1 registered" in broker_log, broker_log[-3000:]
+        script.send_signal(signal.SIGTERM)
+        script.wait(60)
+        assert remote.wait(60) == 0, "the broker told the remote stage to stop"
+    finally:
+        for process in (script, remote):
+            if process is not None and process.poll() is None:
+                process.kill()
+    stage_log = (logs / "remote-1.log").read_text()
+    assert "waiting for the broker" in stage_log and "answered (after" in stage_log, stage_log
+    status = status_json(home, job_id, "--db", db)
+    assert status["request_counts"]["completed"] == 8
+    assert outputs_of(status["results_path"]) == expected
+
+
+def outputs_of(results_path: str) -> dict[str, str]:
+    import pyarrow.parquet as pq
+
+    return {row["custom_id"]: row["output"] for row in pq.read_table(results_path).to_pylist()}
