@@ -42,14 +42,13 @@ from layerbus.broker.run_state import (
 )
 from layerbus.planner.batching import BatchingConfig
 from layerbus.broker.scheduler import Scheduler, StepPlan
+from layerbus.broker.step_rows import step_rows
 from layerbus.broker.trace_file import BrokerTrace
 from layerbus.broker.run_replans import Replan, RunReplans
 from layerbus.wire import protocol
 from layerbus.wire.curve import secure_client
 from layerbus.wire.frames import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode, encode
-from layerbus.wire.constraint import MASK_KEY, Constraint, pack_mask
-from layerbus.wire.protocol import StepRow
-from layerbus.wire.sampling import TOP_LOGPROBS_KEY
+from layerbus.wire.constraint import Constraint
 
 if TYPE_CHECKING:
     from layerbus.broker.grammar import TokenGrammar
@@ -261,17 +260,7 @@ class Pipeline(RunReplans):
 
     def _transmit(self, scheduler: Scheduler, plan: StepPlan, step: int, attempt: int) -> None:
         began = self.tracer.now() if self.tracer is not None else 0.0
-        rows, tokens = [], []
-        for row in plan.rows:
-            request = scheduler.active[row.slot].request
-            sampling = request.sampling.to_json() if row.emit else {}  # only emitting rows sample
-            mask = scheduler.token_mask(row.slot) if row.emit and request.constraint is not None else None
-            if mask is not None:  # the grammar's allowed next tokens: the last stage masks its logits with them
-                sampling = {**sampling, MASK_KEY: pack_mask(mask)}
-            if row.emit and request.want_logprobs and request.top_logprobs:
-                sampling = {**sampling, TOP_LOGPROBS_KEY: request.top_logprobs}
-            rows.append(StepRow(row.slot, row.start, len(row.tokens), row.emit, sampling, row.targets))
-            tokens.extend(row.tokens)
+        rows, tokens = step_rows(scheduler, plan)
         prefill = sum(len(row.tokens) for row in plan.rows if len(row.tokens) > 1)
         self.work = Work(self.work.steps + 1, self.work.decode_rows + sum(len(row.tokens) == 1 for row in plan.rows),
                          self.work.prefill_tokens + prefill, self.work.emit_rows + sum(row.emit for row in plan.rows))
@@ -331,9 +320,16 @@ class Pipeline(RunReplans):
             # [slot, token, logprob] or, for a row that asked for top_logprobs, [slot, token, logprob, [[id, lp], ...]]
             tokens = {entry[0]: tuple(entry[1:]) for entry in header["tokens"]}
             scores = {entry[0]: (entry[1], entry[2]) for entry in header.get("scores", [])}
-            run.deliver(run.scheduler.apply_result(current.plan, tokens, self.clock(), scores))
+            # [slot, [[token, logprob(, top)], ...]]: the drafts accepted before the row's token (wire/sampling.py)
+            accepted = {entry[0]: entry[1] for entry in header.get("accepted", [])
+                        if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], list)}
+            if current.attempt == 0:  # a resent step's time says nothing of the chain's
+                run.scheduler.speculation.trip(sum(len(row.tokens) for row in current.plan.rows),
+                                               self.clock() - current.sent_at)
+            run.deliver(run.scheduler.apply_result(current.plan, tokens, self.clock(), scores, accepted))
             if tokens:
-                emitted = (run.stats.progress[-1][1] if run.stats.progress else 0) + len(tokens)
+                emitted = ((run.stats.progress[-1][1] if run.stats.progress else 0) + len(tokens)
+                           + sum(len(taken) for taken in accepted.values()))
                 run.stats.progress.append((self.clock(), emitted))
             self._note_replan_progress(run, bool(tokens))
             if tracer is not None:
