@@ -42,6 +42,7 @@ from layerbus.broker.run_state import (
 )
 from layerbus.planner.batching import BatchingConfig
 from layerbus.broker.scheduler import Scheduler, StepPlan
+from layerbus.broker.speculation import SpeculationStats
 from layerbus.broker.step_rows import step_rows
 from layerbus.broker.trace_file import BrokerTrace
 from layerbus.broker.run_replans import Replan, RunReplans
@@ -191,6 +192,7 @@ class Pipeline(RunReplans):
             self.tracer.collect(self.control, self.chain)
         run.stats.stage_stats = {s.name: dict(s.stats) for s in self.chain}
         self._report_prefix_cache(run)
+        self._report_speculation(run)
         return run.stats
 
     def _prefix_index(self) -> PrefixIndex | None:
@@ -219,6 +221,19 @@ class Pipeline(RunReplans):
         log.info("%s", message)
         if run.events is not None:
             run.events("prefix_cache", message, **figures)
+
+    def _report_speculation(self, run: RunState) -> None:
+        """The run's drafting figures: in its stats, the log and the job's events (status JOB shows them)."""
+        speculation = run.scheduler.speculation
+        if not speculation.enabled or not speculation.stats.trips:
+            return
+        figures = run.stats.speculation = dict(speculation.stats.to_json(), mode=speculation.config.mode)
+        message = (f"speculation ({figures['mode']}): {figures['accepted']} of {figures['proposed']} draft tokens "
+                   f"accepted ({100 * figures['acceptance']:.1f}%), {figures['tokens_per_trip']:.2f} tokens per trip "
+                   f"over {figures['trips']} decode trips")
+        log.info("%s", message)
+        if run.events is not None:
+            run.events("speculation", message, **figures)
 
     def _serve_once(self, run: RunState, poller: zmq.Poller) -> None:
         """Take in what arrived, keep heartbeats going, resend what is overdue, and raise StageLost
@@ -326,7 +341,10 @@ class Pipeline(RunReplans):
             if current.attempt == 0:  # a resent step's time says nothing of the chain's
                 run.scheduler.speculation.trip(sum(len(row.tokens) for row in current.plan.rows),
                                                self.clock() - current.sent_at)
+            drafting = run.scheduler.speculation.stats
+            before = (drafting.proposed, drafting.accepted, drafting.trips, drafting.tokens)
             run.deliver(run.scheduler.apply_result(current.plan, tokens, self.clock(), scores, accepted))
+            self._count_drafts(before, drafting)
             if tokens:
                 emitted = ((run.stats.progress[-1][1] if run.stats.progress else 0) + len(tokens)
                            + sum(len(taken) for taken in accepted.values()))
@@ -336,6 +354,13 @@ class Pipeline(RunReplans):
                 tracer.span("apply", APPLY, read, tracer.now(), mb=header["mb"], step=header["step"],
                             tokens=len(tokens), scores=len(scores))
             self._send(run, header["mb"])
+
+    def _count_drafts(self, before: tuple[int, int, int, int], after: SpeculationStats) -> None:
+        counts = self.counts
+        counts.drafts_proposed += after.proposed - before[0]
+        counts.drafts_accepted += after.accepted - before[1]
+        counts.decode_trips += after.trips - before[2]
+        counts.decode_tokens += after.tokens - before[3]
 
     def _read_result(self) -> dict | None:
         """The next result's header, or None for a malformed one (logged, dropped)."""
