@@ -93,6 +93,21 @@ class TokenGrammar:
             return None
         return f"token {token} breaks the constraint ({self.matcher.get_error()})"
 
+    def lookahead(self, drafts: list[int]) -> tuple[int, list[bytes]]:
+        """How many of `drafts` the grammar allows one after another, and the mask at the position after each
+        allowed one (the masks the last stage verifies those positions with); the state is left as it was."""
+        allowed = self.matcher.validate_tokens(drafts) if drafts else 0
+        masks = []
+        taken = 0
+        for token in drafts[:allowed]:
+            if not self.matcher.consume_token(token):
+                break
+            taken += 1
+            masks.append(self.matcher.compute_bitmask())
+        if taken:
+            self.matcher.rollback(taken)
+        return taken, masks
+
     def rebuild(self, tokens: list[int]) -> str | None:
         """Start over and take `tokens` again: the state after a re-plan is a function of the tokens alone."""
         self.matcher.reset()

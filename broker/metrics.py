@@ -201,6 +201,14 @@ def counter_families(counts: BrokerCounts, ready: bool, epoch: int) -> list[Fami
                "alone, then fail).", (Sample((), counts.failed_steps),)),
         Family("layerbus_step_retries_total", "counter", "Steps sent again: not back in time, or the next hop "
                "could not be reached.", (Sample((), counts.resent_steps),)),
+        Family("layerbus_draft_tokens_total", "counter", "Draft tokens sent for the last stage to verify "
+               "(state=proposed) and those it accepted (state=accepted).",
+               (Sample((("state", "proposed"),), counts.drafts_proposed),
+                Sample((("state", "accepted"),), counts.drafts_accepted))),
+        Family("layerbus_decode_trips_total", "counter", "Decode rows sent down the chain; with "
+               "layerbus_decode_trip_tokens_total, the tokens per trip.", (Sample((), counts.decode_trips),)),
+        Family("layerbus_decode_trip_tokens_total", "counter", "Tokens the decode trips yielded (one each, plus "
+               "the drafts accepted).", (Sample((), counts.decode_tokens),)),
     ]
 
 

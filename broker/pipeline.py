@@ -42,14 +42,14 @@ from layerbus.broker.run_state import (
 )
 from layerbus.planner.batching import BatchingConfig
 from layerbus.broker.scheduler import Scheduler, StepPlan
+from layerbus.broker.speculation import SpeculationStats
+from layerbus.broker.step_rows import step_rows
 from layerbus.broker.trace_file import BrokerTrace
 from layerbus.broker.run_replans import Replan, RunReplans
 from layerbus.wire import protocol
 from layerbus.wire.curve import secure_client
 from layerbus.wire.frames import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode, encode
-from layerbus.wire.constraint import MASK_KEY, Constraint, pack_mask
-from layerbus.wire.protocol import StepRow
-from layerbus.wire.sampling import TOP_LOGPROBS_KEY
+from layerbus.wire.constraint import Constraint
 
 if TYPE_CHECKING:
     from layerbus.broker.grammar import TokenGrammar
@@ -192,6 +192,7 @@ class Pipeline(RunReplans):
             self.tracer.collect(self.control, self.chain)
         run.stats.stage_stats = {s.name: dict(s.stats) for s in self.chain}
         self._report_prefix_cache(run)
+        self._report_speculation(run)
         return run.stats
 
     def _prefix_index(self) -> PrefixIndex | None:
@@ -220,6 +221,19 @@ class Pipeline(RunReplans):
         log.info("%s", message)
         if run.events is not None:
             run.events("prefix_cache", message, **figures)
+
+    def _report_speculation(self, run: RunState) -> None:
+        """The run's drafting figures: in its stats, the log and the job's events (status JOB shows them)."""
+        speculation = run.scheduler.speculation
+        if not speculation.enabled or not speculation.stats.trips:
+            return
+        figures = run.stats.speculation = dict(speculation.stats.to_json(), mode=speculation.config.mode)
+        message = (f"speculation ({figures['mode']}): {figures['accepted']} of {figures['proposed']} draft tokens "
+                   f"accepted ({100 * figures['acceptance']:.1f}%), {figures['tokens_per_trip']:.2f} tokens per trip "
+                   f"over {figures['trips']} decode trips")
+        log.info("%s", message)
+        if run.events is not None:
+            run.events("speculation", message, **figures)
 
     def _serve_once(self, run: RunState, poller: zmq.Poller) -> None:
         """Take in what arrived, keep heartbeats going, resend what is overdue, and raise StageLost
@@ -261,17 +275,7 @@ class Pipeline(RunReplans):
 
     def _transmit(self, scheduler: Scheduler, plan: StepPlan, step: int, attempt: int) -> None:
         began = self.tracer.now() if self.tracer is not None else 0.0
-        rows, tokens = [], []
-        for row in plan.rows:
-            request = scheduler.active[row.slot].request
-            sampling = request.sampling.to_json() if row.emit else {}  # only emitting rows sample
-            mask = scheduler.token_mask(row.slot) if row.emit and request.constraint is not None else None
-            if mask is not None:  # the grammar's allowed next tokens: the last stage masks its logits with them
-                sampling = {**sampling, MASK_KEY: pack_mask(mask)}
-            if row.emit and request.want_logprobs and request.top_logprobs:
-                sampling = {**sampling, TOP_LOGPROBS_KEY: request.top_logprobs}
-            rows.append(StepRow(row.slot, row.start, len(row.tokens), row.emit, sampling, row.targets))
-            tokens.extend(row.tokens)
+        rows, tokens = step_rows(scheduler, plan)
         prefill = sum(len(row.tokens) for row in plan.rows if len(row.tokens) > 1)
         self.work = Work(self.work.steps + 1, self.work.decode_rows + sum(len(row.tokens) == 1 for row in plan.rows),
                          self.work.prefill_tokens + prefill, self.work.emit_rows + sum(row.emit for row in plan.rows))
@@ -331,15 +335,32 @@ class Pipeline(RunReplans):
             # [slot, token, logprob] or, for a row that asked for top_logprobs, [slot, token, logprob, [[id, lp], ...]]
             tokens = {entry[0]: tuple(entry[1:]) for entry in header["tokens"]}
             scores = {entry[0]: (entry[1], entry[2]) for entry in header.get("scores", [])}
-            run.deliver(run.scheduler.apply_result(current.plan, tokens, self.clock(), scores))
+            # [slot, [[token, logprob(, top)], ...]]: the drafts accepted before the row's token (wire/sampling.py)
+            accepted = {entry[0]: entry[1] for entry in header.get("accepted", [])
+                        if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], list)}
+            if current.attempt == 0:  # a resent step's time says nothing of the chain's
+                run.scheduler.speculation.trip(sum(len(row.tokens) for row in current.plan.rows),
+                                               self.clock() - current.sent_at)
+            drafting = run.scheduler.speculation.stats
+            before = (drafting.proposed, drafting.accepted, drafting.trips, drafting.tokens)
+            run.deliver(run.scheduler.apply_result(current.plan, tokens, self.clock(), scores, accepted))
+            self._count_drafts(before, drafting)
             if tokens:
-                emitted = (run.stats.progress[-1][1] if run.stats.progress else 0) + len(tokens)
+                emitted = ((run.stats.progress[-1][1] if run.stats.progress else 0) + len(tokens)
+                           + sum(len(taken) for taken in accepted.values()))
                 run.stats.progress.append((self.clock(), emitted))
             self._note_replan_progress(run, bool(tokens))
             if tracer is not None:
                 tracer.span("apply", APPLY, read, tracer.now(), mb=header["mb"], step=header["step"],
                             tokens=len(tokens), scores=len(scores))
             self._send(run, header["mb"])
+
+    def _count_drafts(self, before: tuple[int, int, int, int], after: SpeculationStats) -> None:
+        counts = self.counts
+        counts.drafts_proposed += after.proposed - before[0]
+        counts.drafts_accepted += after.accepted - before[1]
+        counts.decode_trips += after.trips - before[2]
+        counts.decode_tokens += after.tokens - before[3]
 
     def _read_result(self) -> dict | None:
         """The next result's header, or None for a malformed one (logged, dropped)."""

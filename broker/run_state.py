@@ -110,6 +110,7 @@ class RunStats:
     progress: list[tuple[float, int]] = field(default_factory=list)
     source_exhausted_at: float | None = None  # clock when the last request was taken from the source
     prefix_cache: dict | None = None  # broker.prefix_cache.PrefixStats of the run (None: the cache was off)
+    speculation: dict | None = None  # broker.speculation.SpeculationStats of the run (None: speculation was off)
 
 
 @dataclass
@@ -122,6 +123,10 @@ class BrokerCounts:
     replans_joined: int = 0  # placements made again to put stages that registered mid-job to work
     failed_steps: int = 0  # steps a stage reported failed (their items are retried alone, or fail)
     resent_steps: int = 0  # steps sent again: overdue, or the next hop could not be reached
+    drafts_proposed: int = 0  # draft tokens sent for the last stage to verify (broker/speculation.py)
+    drafts_accepted: int = 0  # of which it accepted
+    decode_trips: int = 0  # decode rows sent down the chain
+    decode_tokens: int = 0  # tokens those trips yielded (more than the trips where drafts were accepted)
 
 
 @dataclass

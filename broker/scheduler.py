@@ -18,14 +18,18 @@ from layerbus.broker.prefix_cache import PrefixIndex, PrefixPlan
 from layerbus.broker.requests import GenerationRequest, GenerationResult, ScoreRequest
 from layerbus.broker.cache_rebuilds import CacheRebuilds
 from layerbus.broker.scoring import ScoringFeed
+from layerbus.broker.speculation import Speculation, taken_tokens
 from layerbus.broker.sequences import (  # noqa: F401 - the scheduler's records, imported from here too
     PlannedRow,
     Request,
     Sequence,
     StepPlan,
     _carries_a_chunk,
+    _failed,
     _save_reached,
+    _token_texts,
     prefill_chunk_end,
+    read_new_text,
 )
 from layerbus.planner.batching import BatchingConfig
 from layerbus.wire.constraint import Constraint
@@ -73,6 +77,7 @@ class Scheduler(CacheRebuilds):
         self.window: tuple[int, int] | None = None  # the layers replayed after a re-plan that kept caches
         self.replayed_last = [False] * self.num_micro_batches  # whether a micro-batch's last step was a replay
         self.whole_turns = [0] * self.num_micro_batches  # steps given to its whole sequences during the replay
+        self.speculation = Speculation(config.speculation)  # drafts on decode rows (off: none)
 
     # -- queue --------------------------------------------------------------------------------
     def submit(self, request: Request, now: float) -> GenerationResult | None:
@@ -137,8 +142,8 @@ class Scheduler(CacheRebuilds):
             # sequence that fails alone is the one to blame (see fail_step).
             sequences = suspects[:1]
         decoding = [seq for seq in sequences if not seq.prefilling]
-        rows = [PlannedRow(seq.slot, seq.cached, [seq.generated[-1]], emit=True) for seq in decoding]
-        budget = self.config.max_step_tokens - len(rows)
+        rows = self.speculation.decode_rows(decoding, len(decoding), self.eos_ids, self.config.max_context)
+        budget = self.config.max_step_tokens - sum(len(row.tokens) for row in rows)
         # A sequence saving a shared prefix goes first: the ones waiting for that prefix copy it once it is
         # saved, so a saver left behind them (an eval's fixed-size chunks wait for room) holds them all up.
         for seq in sorted(sequences, key=lambda s: s.prefix is None or s.prefix.save is None):
@@ -314,9 +319,11 @@ class Scheduler(CacheRebuilds):
 
     # -- results ------------------------------------------------------------------------------
     def apply_result(self, plan: StepPlan, tokens: dict[int, tuple[int, float]], now: float,
-                     scores: dict[int, tuple[list[float], list[bool]]] | None = None) -> list[GenerationResult]:
+                     scores: dict[int, tuple[list[float], list[bool]]] | None = None,
+                     accepted: dict[int, list] | None = None) -> list[GenerationResult]:
         """Advance each row's sequence; `tokens` maps slot -> (token, logprob) for emitting rows,
-        `scores` slot -> (log-probs of the row's targets, whether each target was the argmax)."""
+        `scores` slot -> (log-probs of the row's targets, whether each target was the argmax), `accepted`
+        slot -> the (token, logprob) of each draft the last stage accepted before that token."""
         finished = []
         for row in plan.rows:
             seq = self.active[row.slot]
@@ -329,7 +336,10 @@ class Scheduler(CacheRebuilds):
                     self.replaying.discard(row.slot)
                     finished.append(self._finish(seq, "stop", now))
                 continue
-            seq.cached = row.start + len(row.tokens)
+            taken = taken_tokens(row, tokens[row.slot], (accepted or {}).get(row.slot)) if row.drafts else None
+            # A row's rejected drafts are not cached: the next step starts after its accepted ones, and each stage
+            # rewinds the slot there, dropping the rest (stages/kv_cache.py, prepare_rows).
+            seq.cached = row.start + (len(taken) if taken is not None else len(row.tokens))
             seq.suspect = False
             if plan.window is not None:
                 if seq.cached >= seq.replay_end:
@@ -345,20 +355,29 @@ class Scheduler(CacheRebuilds):
                 seq.prompt_logprobs.extend((scores or {}).get(row.slot, ([], []))[0])
             if not row.emit:
                 continue
-            token, logprob, *top = tokens[row.slot]
-            seq.generated.append(token)
-            seq.logprobs.append(logprob)
-            if seq.request.top_logprobs:
-                seq.top_logprobs.append([(int(i), float(lp)) for i, lp in top[0]] if top else [])
-            broken = seq.grammar.advance(token) if seq.grammar is not None and token not in self.eos_ids else None
-            if broken:  # the last stage ignored the mask (a stage of another version): never hand it back as valid
-                finished.append(self._finish(seq, "error", now, broken))
-                continue
-            self._read_new_text(seq, token)
-            reason = self._finish_reason(seq)
-            if reason:
-                finished.append(self._finish(seq, reason, now))
+            entries = taken if taken is not None else [tokens[row.slot]]
+            if seq.generated:  # a decode row (not a prompt's last chunk): a trip of the sequence down the chain
+                self.speculation.verified(row.drafts, len(entries) - 1, len(entries))
+            for entry in entries:
+                result = self._take_token(seq, entry, now)
+                if result is not None:  # it ended here: any tokens after this one are dropped, as a run without
+                    finished.append(result)  # drafts never computes them
+                    break
         return finished
+
+    def _take_token(self, seq: Sequence, entry: tuple, now: float) -> GenerationResult | None:
+        """Append one picked token (token, logprob[, top]) to the sequence; its result when it ends there."""
+        token, logprob, *top = entry
+        seq.generated.append(token)
+        seq.logprobs.append(logprob)
+        if seq.request.top_logprobs:
+            seq.top_logprobs.append([(int(i), float(lp)) for i, lp in top[0]] if top else [])
+        broken = seq.grammar.advance(token) if seq.grammar is not None and token not in self.eos_ids else None
+        if broken:  # the last stage ignored the mask (a stage of another version): never hand it back as valid
+            return self._finish(seq, "error", now, broken)
+        read_new_text(seq, token)
+        reason = self._finish_reason(seq)
+        return self._finish(seq, reason, now) if reason else None
 
     def _prefix_ops_done(self, seq: Sequence, row: PlannedRow) -> None:
         """The row's restore and save came back from the last stage: the save is held everywhere now."""
@@ -404,20 +423,9 @@ class Scheduler(CacheRebuilds):
             return "length"
         return None
 
-    def _read_new_text(self, seq: Sequence, token: int) -> None:
-        """Decode the new token and look for stop strings in the text it changed, plus the
-        max(len(stop)) - 1 characters before, where a stop split across tokens begins."""
-        stops = [stop for stop in seq.request.stop if stop]
-        if seq.detokenizer is None or not stops or seq.stop_at is not None:
-            return  # without stop strings the text is needed only at the end: `_finish` decodes it once
-        unchanged = seq.detokenizer.add(token)
-        start = max(0, unchanged - (max(map(len, stops)) - 1))
-        new_text = seq.detokenizer.visible_from(start)
-        hits = [start + at for at in (new_text.find(stop) for stop in stops) if at >= 0]
-        seq.stop_at = min(hits, default=None)
-
     def _finish(self, seq: Sequence, reason: str, now: float, error: str | None = None) -> GenerationResult:
         del self.active[seq.slot]
+        self.speculation.finished(seq)
         if seq.prefix is not None and seq.prefix.save is not None:
             self.prefix_cache.abandon(seq.prefix.save)  # it ended before its prefill reached the save
         self.replaying.discard(seq.slot)
@@ -448,23 +456,3 @@ class Scheduler(CacheRebuilds):
             if slots and slots[0] <= slot <= slots[-1]:
                 return j
         raise KeyError(slot)
-
-
-def _token_texts(seq: Sequence) -> dict[int, str] | None:
-    """Each generated and top token (and a scored prompt's tokens) decoded alone, for logprobs' "token" fields
-    (None without a tokenizer)."""
-    if seq.detokenizer is None:
-        return None
-    ids = set(seq.generated) | {i for top in seq.top_logprobs for i, _ in top}
-    if seq.request.score_prompt:
-        ids |= set(seq.request.prompt_ids)
-    return {i: seq.detokenizer.tokenizer.decode([i]) for i in sorted(ids)}
-
-
-def _failed(request: Request, error: str) -> GenerationResult:
-    if isinstance(request, ScoreRequest):
-        prompt_tokens = ScoringFeed(request).positions if request.segments else 0
-    else:
-        prompt_tokens = len(request.prompt_ids)
-    return GenerationResult(request_id=request.request_id, token_ids=[], finish_reason="error",
-                            prompt_tokens=prompt_tokens, error=error)

@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING
 
 from layerbus.broker.detokenizer import IncrementalDetokenizer
 from layerbus.broker.prefix_cache import PrefixPlan
-from layerbus.broker.requests import GenerationRequest, ScoreRequest
+from layerbus.broker.requests import GenerationRequest, GenerationResult, ScoreRequest
 from layerbus.broker.scoring import ScoringFeed
 
 if TYPE_CHECKING:
+    from layerbus.broker.drafting import SequenceLookup
     from layerbus.broker.grammar import TokenGrammar
 
 Request = GenerationRequest | ScoreRequest
@@ -45,6 +46,7 @@ class Sequence:
     # After a re-plan that kept caches (Scheduler.replay_layers): the positions [cached, replay_end) still
     # to replay over the window's layers before anything else runs for it (None: not replaying).
     replay_end: int | None = None
+    lookup: SequenceLookup | None = None  # its tokens' n-grams, once a drafter looked (broker/drafting.py)
 
     @property
     def known(self) -> list[int]:
@@ -70,6 +72,10 @@ class PlannedRow:
     targets: list[int] | None = None  # next prompt tokens to score (score_prompt requests)
     restore: tuple[int, int] | None = None  # (prefix entry, positions) copied into the slot before computing
     save: tuple[int, int] | None = None  # (prefix entry, positions) copied out of the slot once computed
+    # Draft tokens after the first (tokens[1:]): the last stage verifies them (broker/speculation.py).
+    drafts: int = 0
+    # With a grammar: the allow-bitmask at each draft's position, as if the drafts before it were taken.
+    draft_masks: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -106,3 +112,36 @@ def _save_reached(seq: Sequence, end: int) -> tuple[int, int] | None:
     """The prefix save a row ending at position `end` carries: the sequence's pending one, once its chunk reaches it."""
     save = seq.prefix.save if seq.prefix is not None else None
     return save if save is not None and save[1] <= end else None
+
+
+def read_new_text(seq: Sequence, token: int) -> None:
+    """Decode the new token and look for stop strings in the text it changed, plus the
+    max(len(stop)) - 1 characters before, where a stop split across tokens begins."""
+    stops = [stop for stop in seq.request.stop if stop]
+    if seq.detokenizer is None or not stops or seq.stop_at is not None:
+        return  # without stop strings the text is needed only at the end: `_finish` decodes it once
+    unchanged = seq.detokenizer.add(token)
+    start = max(0, unchanged - (max(map(len, stops)) - 1))
+    new_text = seq.detokenizer.visible_from(start)
+    hits = [start + at for at in (new_text.find(stop) for stop in stops) if at >= 0]
+    seq.stop_at = min(hits, default=None)
+
+
+def _token_texts(seq: Sequence) -> dict[int, str] | None:
+    """Each generated and top token (and a scored prompt's tokens) decoded alone, for logprobs' "token" fields
+    (None without a tokenizer)."""
+    if seq.detokenizer is None:
+        return None
+    ids = set(seq.generated) | {i for top in seq.top_logprobs for i, _ in top}
+    if seq.request.score_prompt:
+        ids |= set(seq.request.prompt_ids)
+    return {i: seq.detokenizer.tokenizer.decode([i]) for i in sorted(ids)}
+
+
+def _failed(request: Request, error: str) -> GenerationResult:
+    if isinstance(request, ScoreRequest):
+        prompt_tokens = ScoringFeed(request).positions if request.segments else 0
+    else:
+        prompt_tokens = len(request.prompt_ids)
+    return GenerationResult(request_id=request.request_id, token_ids=[], finish_reason="error",
+                            prompt_tokens=prompt_tokens, error=error)

@@ -142,6 +142,12 @@ def add_cluster_options(parser: argparse.ArgumentParser, partition: bool = True)
                              "values) and copies instead of computing again (default: 4096; 0 = off)")
     parser.add_argument("--no-prefix-cache", action="store_true",
                         help="compute every prompt whole, shared prefixes included (as --prefix-cache-tokens 0)")
+    parser.add_argument("--speculate", metavar="MODE", default="auto",
+                        help="draft tokens for the last stage to verify, several tokens per trip down the chain with "
+                             "the same outputs: auto (prompt lookup, then the job's own outputs; how far to draft is "
+                             "chosen per step from the measured acceptance and trip times, none included), ngram "
+                             "(prompt lookup), suffix (the job's finished outputs), off; model:DIR (a draft model) is "
+                             "not available yet (default: auto)")
     parser.add_argument("--no-keep-caches", action="store_true",
                         help="stages keep nothing for a re-plan: saves each stage but the last one hidden state per "
                              "slot-position, and after a lost or slowed stage every layer is recomputed, not only "
@@ -297,12 +303,18 @@ def batching_from_args(args: argparse.Namespace):
     from layerbus.planner.prefix_budget import PrefixCacheConfig
     from layerbus.planner.batching import BatchingConfig
 
+    from layerbus.planner.speculation import parse_speculate
+
     prefix_tokens = 0 if getattr(args, "no_prefix_cache", False) else getattr(args, "prefix_cache_tokens", 4096)
+    try:
+        speculation = parse_speculate(getattr(args, "speculate", "off"))
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     return BatchingConfig(num_slots=args.slots, micro_batch_size=args.micro_batch_size,
                           num_micro_batches=args.micro_batches, max_step_tokens=args.max_step_tokens,
                           max_context=args.max_context, max_step_failures=args.max_step_failures,
                           prefix_cache=PrefixCacheConfig(budget_tokens=prefix_tokens),
-                          keep_caches=not getattr(args, "no_keep_caches", False))
+                          keep_caches=not getattr(args, "no_keep_caches", False), speculation=speculation)
 
 
 def pipeline_from_args(args: argparse.Namespace):

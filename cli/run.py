@@ -81,6 +81,7 @@ def main(args: argparse.Namespace) -> int:
                          + (", not both" if args.input else ""))
     check_chains(args)
     stage_budgets(args)  # a bad size is refused before anything is queued
+    batching_from_args(args)  # so is a bad --speculate
     metrics = start_metrics(args)  # first: an address it cannot listen on is refused before anything is queued
     try:
         status, events, workers, job_id = _submit_and_run(args, metrics)

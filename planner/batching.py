@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from layerbus.planner.prefix_budget import PrefixCacheConfig
+from layerbus.planner.speculation import SpeculationConfig
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class BatchingConfig:
     # re-plan only the layers nobody kept are recomputed (broker.replay_window); False (--no-keep-caches):
     # no memory for it, and a re-plan recomputes every layer of every active sequence.
     keep_caches: bool = True
+    # Draft tokens on decode rows, verified by the last stage (broker/speculation.py); off: one token per trip.
+    speculation: SpeculationConfig = SpeculationConfig()
 
     def __post_init__(self) -> None:
         if self.num_slots < 0 or self.micro_batch_size < 0 or self.num_micro_batches < 0:

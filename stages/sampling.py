@@ -6,6 +6,8 @@ stage count produced them, so rerunning a job reproduces its sampled outputs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy
 import torch
 
@@ -13,7 +15,13 @@ from layerbus.stages.forward import head_logits
 from layerbus.stages.shard import StageShard
 from layerbus.wire.constraint import MASK_KEY, unpack_mask
 from layerbus.wire.protocol import StepRow
-from layerbus.wire.sampling import MAX_TOP_LOGPROBS, TOP_LOGPROBS_KEY, SamplingParams
+from layerbus.wire.sampling import (
+    DRAFT_MASKS_KEY,
+    MAX_TOP_LOGPROBS,
+    TOP_LOGPROBS_KEY,
+    SamplingParams,
+    row_drafts,
+)
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) over the seed space
 
@@ -64,18 +72,28 @@ def target_log_probs(logits: torch.Tensor, targets: list[int]) -> tuple[list[flo
     return log_probs.gather(1, index).squeeze(1).tolist(), greedy.tolist()
 
 
-def _greedy_picks(rows: list[StepRow], params: list[SamplingParams], logits: torch.Tensor,
+@dataclass(frozen=True)
+class Pick:
+    """One token the last stage picks: after a plain emitting row's last position, or after each position of a
+    row with drafts (the drafts are then accepted while each equals the pick before it)."""
+
+    row: int  # index into the step's emitting rows
+    at: int  # index into the step's hidden states
+    position: int  # the sampler's position: that of the token picked
+    mask: str | None  # the packed allow-mask of a constrained row at this position
+
+
+def _greedy_picks(picks: list[Pick], params: list[SamplingParams], logits: torch.Tensor,
                   log_probs: torch.Tensor) -> dict[int, tuple[int, float]]:
-    """Token and log-prob of each greedy row without a grammar mask, by index into `rows`: one argmax over
-    all of them where the logits are. On a GPU this is what keeps [rows, vocab] float32 logits (50 MB
+    """Token and log-prob of each greedy pick without a grammar mask, by index into `picks`: one argmax over
+    all of them where the logits are. On a GPU this is what keeps [picks, vocab] float32 logits (50 MB
     for 256 rows of a 49k vocabulary) from crossing to the CPU every step, with a single-threaded
     log-softmax and an argmax per row after them. torch.argmax takes the first of equal maxima on CPU
     and CUDA alike, as choose_token's does."""
-    plain = [i for i, (row, row_params) in enumerate(zip(rows, params))
-             if row_params.greedy and MASK_KEY not in row.sampling]
+    plain = [i for i, pick in enumerate(picks) if params[pick.row].greedy and pick.mask is None]
     if not plain:
         return {}
-    if len(plain) < len(rows):
+    if len(plain) < len(picks):
         index = torch.tensor(plain, device=logits.device)
         logits, log_probs = logits.index_select(0, index), log_probs.index_select(0, index)
     best = logits.argmax(dim=-1)
@@ -83,21 +101,37 @@ def _greedy_picks(rows: list[StepRow], params: list[SamplingParams], logits: tor
     return dict(zip(plain, zip(best.tolist(), best_log_probs.tolist())))
 
 
+def _picks_of(rows: list[StepRow]) -> tuple[list[StepRow], list[Pick], list[list[int]]]:
+    """The emitting rows, the picks they ask for, and each emitting row's drafts (empty for a plain row)."""
+    emitting, picks, drafts = [], [], []
+    offset = 0
+    for row in rows:
+        if row.emit:
+            index = len(emitting)
+            emitting.append(row)
+            own = row_drafts(row.sampling, row.length)
+            drafts.append(own)
+            if own:
+                masks = [row.sampling.get(MASK_KEY), *row.sampling.get(DRAFT_MASKS_KEY, [None] * len(own))]
+                picks.extend(Pick(index, offset + i, row.start + i + 1, masks[i]) for i in range(row.length))
+            else:
+                picks.append(Pick(index, offset + row.length - 1, row.start + row.length, row.sampling.get(MASK_KEY)))
+        offset += row.length
+    return emitting, picks, drafts
+
+
 def last_stage_outputs(shard: StageShard, rows: list[StepRow], hidden: torch.Tensor) -> dict:
-    """The result of a step on the last stage: each emitting row's next token with its log-prob, and each
-    scored row's log-probs of its targets (the result message's tokens and scores)."""
-    tokens, scores, emitting, last_positions = [], [], [], []
+    """The result of a step on the last stage: each emitting row's next token with its log-prob, each scored
+    row's log-probs of its targets, and the drafts accepted before the token of each row that carried drafts
+    (the result message's tokens, scores and accepted)."""
+    scores = []
     scored_rows, scored_positions = [], []
     offset = 0
     for row in rows:
-        end = offset + row.length
         if row.targets:
             scored_rows.append(row)
             scored_positions.extend(range(offset, offset + len(row.targets)))
-        if row.emit:
-            emitting.append(row)
-            last_positions.append(end - 1)
-        offset = end
+        offset += row.length
     if scored_rows:
         # One head matmul for every scored position of the step (an eval step scores dozens of short
         # rows; one call each would read the head's weights, the largest a stage holds, once per row).
@@ -109,33 +143,58 @@ def last_stage_outputs(shard: StageShard, rows: list[StepRow], hidden: torch.Ten
             count = len(row.targets)
             scores.append([row.slot, *target_log_probs(logits[start:start + count], row.targets)])
             start += count
-    if emitting:
-        # One head matmul for all emitting rows: the head is the largest weight a stage reads.
-        logits = head_logits(shard, hidden[last_positions])
-        log_probs = torch.log_softmax(logits, dim=-1)  # one pass for the whole batch, where the logits are
-        params = [SamplingParams.from_json(row.sampling) for row in emitting]
-        picked = _greedy_picks(emitting, params, logits, log_probs)
-        # The other rows (sampled with a seed on the CPU's generator, or masked by a grammar) get their own
-        # logits on the CPU; a greedy job sends none of them there.
-        others = [i for i in range(len(emitting)) if i not in picked]
-        if others:
-            cpu_rows = dict(zip(others, zip(logits[others].cpu(), log_probs[others].cpu())))
-        for i, (row, row_params) in enumerate(zip(emitting, params)):
-            if i in picked:
-                token, logprob = picked[i]
-            else:
-                row_logits, row_log_probs = cpu_rows[i]
-                if MASK_KEY in row.sampling:
-                    # Constrained: the broker's grammar says which tokens may come next. The log-prob returned
-                    # stays the model's own (row_log_probs, unmasked), as OpenAI's logprobs are.
-                    allowed = allowed_tokens(row.sampling[MASK_KEY], row_logits.numel())
-                    row_logits = row_logits.masked_fill(~allowed, float("-inf"))
-                token, logprob = choose_token(row_logits, row_params, row.start + row.length, row_log_probs)
-            top = row.sampling.get(TOP_LOGPROBS_KEY)
-            if isinstance(top, int) and 0 < top <= MAX_TOP_LOGPROBS:
-                # The model's own distribution (unmasked, untempered), as OpenAI's top_logprobs are.
-                values, ids = torch.topk(log_probs[i], min(top, log_probs.shape[-1]))
-                tokens.append([row.slot, token, logprob, [list(pair) for pair in zip(ids.tolist(), values.tolist())]])
-            else:
-                tokens.append([row.slot, token, logprob])
-    return {"tokens": tokens, "scores": scores}
+    emitting, picks, drafts = _picks_of(rows)
+    if not picks:
+        return {"tokens": [], "scores": scores}
+    chosen = _choose(shard, emitting, picks, hidden)
+    tokens, accepted = [], []
+    first = 0
+    for i, row in enumerate(emitting):
+        count = len(drafts[i]) + 1
+        row_chosen = chosen[first:first + count]
+        first += count
+        taken = 0
+        while taken < len(drafts[i]) and row_chosen[taken][1] == drafts[i][taken]:
+            taken += 1
+        if drafts[i]:
+            accepted.append([row.slot, [entry[1:] for entry in row_chosen[:taken]]])
+        tokens.append(row_chosen[taken])
+    result = {"tokens": tokens, "scores": scores}
+    if accepted:
+        result["accepted"] = accepted
+    return result
+
+
+def _choose(shard: StageShard, emitting: list[StepRow], picks: list[Pick], hidden: torch.Tensor) -> list[list]:
+    """[slot, token, logprob(, top)] for each pick, in order."""
+    # One head matmul for all picks: the head is the largest weight a stage reads.
+    logits = head_logits(shard, hidden[[pick.at for pick in picks]])
+    log_probs = torch.log_softmax(logits, dim=-1)  # one pass for the whole batch, where the logits are
+    params = [SamplingParams.from_json(row.sampling) for row in emitting]
+    picked = _greedy_picks(picks, params, logits, log_probs)
+    # The other picks (sampled with a seed on the CPU's generator, or masked by a grammar) get their own
+    # logits on the CPU; a greedy job sends none of them there.
+    others = [i for i in range(len(picks)) if i not in picked]
+    if others:
+        cpu_rows = dict(zip(others, zip(logits[others].cpu(), log_probs[others].cpu())))
+    chosen = []
+    for i, pick in enumerate(picks):
+        row, row_params = emitting[pick.row], params[pick.row]
+        if i in picked:
+            token, logprob = picked[i]
+        else:
+            row_logits, row_log_probs = cpu_rows[i]
+            if pick.mask is not None:
+                # Constrained: the broker's grammar says which tokens may come next. The log-prob returned
+                # stays the model's own (row_log_probs, unmasked), as OpenAI's logprobs are.
+                allowed = allowed_tokens(pick.mask, row_logits.numel())
+                row_logits = row_logits.masked_fill(~allowed, float("-inf"))
+            token, logprob = choose_token(row_logits, row_params, pick.position, row_log_probs)
+        top = row.sampling.get(TOP_LOGPROBS_KEY)
+        if isinstance(top, int) and 0 < top <= MAX_TOP_LOGPROBS:
+            # The model's own distribution (unmasked, untempered), as OpenAI's top_logprobs are.
+            values, ids = torch.topk(log_probs[i], min(top, log_probs.shape[-1]))
+            chosen.append([row.slot, token, logprob, [list(pair) for pair in zip(ids.tolist(), values.tolist())]])
+        else:
+            chosen.append([row.slot, token, logprob])
+    return chosen

@@ -16,6 +16,7 @@ import torch
 
 from layerbus.wire import codecs, protocol
 from layerbus.wire.frames import Message, WireError, decode
+from layerbus.wire.sampling import row_drafts
 
 STEP_FIELDS = {"mb": int, "step": int, "attempt": int, "epoch": int, "rows": list, "release": list}
 
@@ -66,6 +67,12 @@ def validate_step(frames, expect: StepExpectations) -> tuple[Message, float]:
     message.header["parsed_rows"] = protocol.rows_from_json(message.header["rows"])
     message.header["parsed_prefix"] = protocol.prefix_ops_from_json(message.header.get("prefix"),
                                                                     message.header["parsed_rows"])
+    for row in message.header["parsed_rows"]:
+        try:
+            if row_drafts(row.sampling, row.length) and not row.emit:
+                raise ValueError("a row with drafts must emit: its drafts are verified where it picks its token")
+        except ValueError as error:
+            raise WireError(f"step row of slot {row.slot}: {error}") from None
     covered = sum(row.length for row in message.header["parsed_rows"])
     if covered != tensor.shape[0] and not (window is not None and tensor.shape[0] == 0):
         raise WireError(f"rows cover {covered} positions, tensor has {tensor.shape[0]}")

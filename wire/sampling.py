@@ -45,3 +45,29 @@ class SamplingParams:
             return cls()
         return cls(temperature=float(value["t"]), top_k=int(value["k"]), top_p=float(value["p"]),
                    seed=int(value["s"]))
+
+
+# Speculative decoding (broker/speculation.py). A decode row of length k + 1 carries its k draft tokens under this
+# sampling key: its positions are the fed token, then the drafts. The last stage picks the token after each
+# position and accepts drafts while each equals its pick; the result's `accepted` field gives, per such row,
+# [slot, [[token, logprob(, top)], ...]] for the accepted drafts, and its `tokens` entry is the pick after them.
+DRAFT_KEY = "d"
+# With a token mask (wire/constraint.py's MASK_KEY, for the first position): the packed mask of each later
+# position, as if the drafts before it were taken.
+DRAFT_MASKS_KEY = "dm"
+
+
+def row_drafts(sampling: dict, length: int) -> list[int]:
+    """A row's draft tokens (none when it carries none); ValueError when they do not fill the row's length - 1
+    positions after the first, or a draft mask list does not match them."""
+    drafts = sampling.get(DRAFT_KEY)
+    if drafts is None:
+        return []
+    if (not isinstance(drafts, list) or len(drafts) != length - 1
+            or not all(type(t) is int and t >= 0 for t in drafts)):
+        raise ValueError(f"a row of {length} positions carries {length - 1} draft token ids, got {drafts!r:.80}")
+    masks = sampling.get(DRAFT_MASKS_KEY)
+    if masks is not None and (not isinstance(masks, list) or len(masks) != len(drafts)
+                              or not all(isinstance(m, str) for m in masks)):
+        raise ValueError(f"draft masks must be one packed mask per draft ({len(drafts)}), got {masks!r:.80}")
+    return drafts
