@@ -116,6 +116,16 @@ def add_job_options(parser: argparse.ArgumentParser) -> None:
     constrain.add_argument("--regex", metavar="R", default=None, help="every output fully matches this regex")
     constrain.add_argument("--choices", metavar="A,B,C", default=None,
                            help="every output is exactly one of these comma-separated strings")
+    columns = parser.add_argument_group("columns", "which column (or JSON key) holds each item's id and content; "
+                                        "a nested field is dotted (translation.de); without them, inferred when "
+                                        "only one column fits, and other columns are then ignored")
+    columns.add_argument("--id-column", metavar="NAME", default=None, help="the item's id (default: id or custom_id)")
+    columns.add_argument("--text-column", metavar="NAME", default=None,
+                         help="the document (summarize, translate) or a raw prompt (generate) (default: text)")
+    columns.add_argument("--prompt-column", metavar="NAME", default=None,
+                         help="a raw prompt, sent as is (generate) (default: prompt)")
+    columns.add_argument("--messages-column", metavar="NAME", default=None,
+                         help="chat messages, through the chat template (generate) (default: messages)")
     add_db(parser)
     parser.add_argument("--skip-invalid", action="store_true",
                         help="queue the valid items and record invalid ones as failed (default: refuse the input)")

@@ -23,7 +23,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     with command_parser(subparsers, "submit", main, help="queue a job (prints its id)",
                         description="Check INPUT, render its prompts and queue a job. Prints the job id "
                                     "on stdout; run it with `layerbus broker` or `layerbus run --job`.") as parser:
-        parser.add_argument("input", metavar="INPUT", help=".jsonl/.json, .csv, .parquet, or a folder of .txt files")
+        parser.add_argument("input", metavar="INPUT", help=".jsonl/.json, .csv, .tsv, .parquet, .arrow, a folder "
+                                                           "HF datasets saved, or a folder of .txt files")
         add_job_options(parser)
 
 
@@ -41,6 +42,7 @@ def submit_job(store: JobStore, args: argparse.Namespace, check_model: Callable[
     The input is read, checked, rendered and stored a chunk at a time (jobs/intake.py), so memory does not
     grow with it; the job stays validating (never claimed) until the whole input passed.
     """
+    from layerbus.jobs.columns import column_options
     from layerbus.jobs.inputs import FirstIds, input_problem, stream_outcomes
     from layerbus.jobs.intake import ItemsRefused, JobIntake
     from layerbus.jobs.records import InputError
@@ -77,7 +79,8 @@ def submit_job(store: JobStore, args: argparse.Namespace, check_model: Callable[
                            name=args.name, input_path=str(path.absolute()), extra=_job_extra(args))
     ids, prepare = FirstIds(), _preparer(renderer, model_dir, names)
     intake = JobIntake(store, settings, ids, args.skip_invalid, str(path))
-    intake.add_all(stream_outcomes(path, spec.task, ids), prepare)  # interrupted or broken: nothing stays behind
+    found = stream_outcomes(path, spec.task, ids, column_options(args))
+    intake.add_all(found, prepare)  # interrupted or broken: nothing stays behind
     try:
         job_id = intake.finish()
     except ItemsRefused as refused:
