@@ -42,19 +42,30 @@ def read_arrow(path: Path, task: str, columns: ColumnMap = NO_COLUMNS) -> Found:
 def parquet_outcomes(path: Path, task: str, columns: ColumnMap = NO_COLUMNS) -> Iterator[ItemOutcome | InputProblem]:
     """Each row's outcome as its batch is read, then any whole-table problem."""
     import pyarrow as pa
-    import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
 
     try:
-        dataset = ds.dataset(str(path), format="parquet", partitioning="hive")
-        schema = dataset.schema
+        # A file is read a batch at a time with no read-ahead; a folder of parts through pyarrow's
+        # datasets (which read a few batches ahead, and cost 50 MB to import: only for a folder).
+        table = pq.ParquetFile(str(path)) if path.is_file() else _parquet_folder(path)
+        schema = table.schema_arrow if path.is_file() else table.schema
     except (OSError, pa.ArrowException) as e:
         yield InputProblem(str(path), 0, f"cannot read as Parquet: {e}")
         return
 
     def batches(names: list[str]) -> Iterator:
-        yield from dataset.to_batches(columns=names, batch_size=BATCH_ROWS)
+        if path.is_file():
+            yield from table.iter_batches(batch_size=BATCH_ROWS, columns=names, use_threads=False)
+        else:
+            yield from table.to_batches(columns=names, batch_size=BATCH_ROWS)
 
     yield from _table_outcomes(path, task, columns, schema, batches, "Parquet")
+
+
+def _parquet_folder(path: Path):
+    import pyarrow.dataset as ds
+
+    return ds.dataset(str(path), format="parquet", partitioning="hive")
 
 
 def arrow_outcomes(path: Path, task: str, columns: ColumnMap = NO_COLUMNS) -> Iterator[ItemOutcome | InputProblem]:
@@ -168,10 +179,12 @@ def _table_outcomes(path: Path, task: str, columns: ColumnMap, schema, batches, 
 
 
 def _row(path: Path, task: str, columns: ColumnMap, number: int, row: dict) -> ItemOutcome:
-    raw = json.dumps(row, ensure_ascii=False, default=str)
-    outcome = ItemOutcome(str(path), number, raw, f"row {number}", f"row-{number}")
+    outcome = ItemOutcome(str(path), number, "", f"row {number}", f"row-{number}")
     values = {name: value for name, value in row.items() if value is not None}
-    return row_outcome(values, columns, task, str(path), outcome)
+    outcome = row_outcome(values, columns, task, str(path), outcome)
+    if outcome.problems:  # the row as the failed-item record keeps it; a valid row's input is its text
+        outcome.raw = json.dumps(row, ensure_ascii=False, default=str)
+    return outcome
 
 
 def _listed(found: Iterable[ItemOutcome | InputProblem]) -> Found:

@@ -150,3 +150,21 @@ def test_choose_columns(names, given, expected):
         assert (chosen, problem) == (expected, None)
     else:
         assert chosen is None and expected in problem
+
+
+@pytest.mark.parametrize("kind", ["parquet", "csv", "jsonl"])
+def test_submit_takes_the_column_options_and_stores_one_item_per_row(tmp_path, tiny_models, kind, capsys):
+    from layerbus.cli.main import main
+    from layerbus.storage import JobStore
+
+    path = write_table(tmp_path, kind)
+    db = f"sqlite:///{tmp_path / 'store.db'}"
+    common = ["submit", str(path), "--task", "summarize", "--model", str(tiny_models("llama")), "--db", db]
+    assert main([*common, "--id-column", "doc_id", "--text-column", "body"]) == 0
+    job_id = capsys.readouterr().out.strip()
+    with JobStore.open(db) as store:
+        assert [(item.custom_id, item.input) for item in store.job_items(job_id)] == [
+            ("d1", "First body."), ("d2", "Second body.")]
+    assert main([*common, "--id-column", "doc_id", "--text-column", "summary"]) != 0
+    message = capsys.readouterr().err
+    assert "no column --text-column 'summary'" in message and "doc_id, body, highlights" in message
