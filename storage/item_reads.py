@@ -77,10 +77,11 @@ class ItemReads:
         with `cancelled` (the job was cancelled), its still-queued items too, as the cancelled items they are
         (storage/item_counts.py)."""
         columns = [ITEM[name] for name in RESULT_COLUMNS if name != "sample_index"] + [ITEM.samples]
-        states = FINISHED_ITEM_STATES + (("queued",) if cancelled else ())
+        states = FINISHED_ITEM_STATES + (("queued", "waiting") if cancelled else ())
         last_seq: int | None = None
         while True:
-            query = select(*columns).where(ITEM.job_id == job_id, ITEM.status.in_(states))
+            # One row per document: a long document's parts (parent_id set) are not results of their own.
+            query = select(*columns).where(ITEM.job_id == job_id, ITEM.status.in_(states), ITEM.parent_id.is_(None))
             if last_seq is not None:
                 query = query.where(ITEM.seq > last_seq)
             with self._db.read() as conn:
@@ -88,7 +89,7 @@ class ItemReads:
             for row in page:
                 fields = dict(row)
                 samples = fields.pop("samples")
-                if row["status"] == "queued":
+                if row["status"] in ("queued", "waiting"):
                     yield {**_as_cancelled(fields), "sample_index": 0}
                 else:
                     yield from expand_samples(fields, samples)
