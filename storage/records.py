@@ -60,8 +60,9 @@ class NewItem:
     custom_id: str
     # The user's text as given (document, prompt or JSON messages), echoed in the results.
     input: str
-    # The rendered model prompt text the stages tokenize.
-    prompt: str
+    # The rendered model prompt text the stages tokenize; None for a reduce, whose prompt is made from its
+    # parts' outputs when it is claimed.
+    prompt: str | None
     # Per-item overrides of the job settings: max_tokens, temperature, top_p, top_k, seed, stop.
     params: dict[str, Any]
     # Position in the input (0- or 1-based, the caller's choice); unique within the job; results keep this order.
