@@ -94,7 +94,7 @@ def test_a_failed_piece_fails_its_document_and_the_job_still_ends(store: JobStor
     items = [document("doc", 1, "join"), piece("doc", 0), piece("doc", 1)]
     job_id = store.create_job(SETTINGS, items, now=T0)
     claimed = by_id(store, job_id)
-    failed = ItemResult(claimed["doc#0-1"].item_id, None, "error", None, None, 0.1, error="stage crashed")
+    failed = ItemResult(claimed["doc#0-1"].item_id, None, "error", 0, 0, 0.1, error="stage crashed")
     store.complete_items([ok(claimed["doc#0-0"].item_id), failed], now=T0, holder=W)
     [row] = store.item_results(job_id)
     assert (row["status"], row["error"]) == ("failed", "part 2 of 2 failed: stage crashed")
