@@ -58,6 +58,14 @@ class ItemReads:
                 return
             last_seq = page[-1].seq
 
+    def part_outputs(self, job_id: str, parent_id: str) -> list[str]:
+        """The outputs of the parts of a long document's item, in their order (storage/document_parts.py):
+        what its reduce prompt is made from."""
+        query = (select(ITEM.output).where(ITEM.job_id == job_id, ITEM.parent_id == parent_id)
+                 .order_by(ITEM.position))
+        with self._db.read() as conn:
+            return [output or "" for output in conn.execute(query).scalars()]
+
     def sample_items(self, job_id: str, count: int) -> ItemSample:
         """At most `count` items of a job as it was queued, spread evenly over it in seq order (all of
         them when it has no more), and how many it has: what the planner reads of a job too large to

@@ -24,7 +24,7 @@ description is. The parts share one StoreDb (storage/store_db.py):
   report_store.JobReports         add_job_event, job_events, record_stage_snapshots, stage_snapshots
   job_reads.JobReads              job_status, list_jobs, latest_job_id, find_job_by_name, next_runnable_job,
                                   job_settings
-  item_reads.ItemReads            item_results, job_items, sample_items
+  item_reads.ItemReads            item_results, job_items, part_outputs, sample_items
   eval_store.EvalStore            record_eval_run, finish_eval_run, eval_run, eval_runs, previous_eval_run,
                                   eval_metrics, eval_history
 
@@ -259,6 +259,10 @@ class JobStore:
     def job_items(self, job_id: str) -> Iterator[NewItem]:
         """Every item of a job as it was queued, in seq order, read in pages."""
         return self._items.job_items(job_id)
+
+    def part_outputs(self, job_id: str, parent_id: str) -> list[str]:
+        """The outputs of a long document's item's parts, in order: what its reduce prompt is made from."""
+        return self._items.part_outputs(job_id, parent_id)
 
     def sample_items(self, job_id: str, count: int) -> ItemSample:
         """At most `count` items of a job as it was queued, spread evenly over it, and how many it has."""
