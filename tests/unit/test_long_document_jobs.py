@@ -76,6 +76,10 @@ def test_a_summarized_long_document_is_mapped_and_reduced_into_one_row(tmp_path,
     names = [item.custom_id for item in items]
     assert sum(name.startswith("long#map-") for name in names) >= 4
     assert any(name.startswith("long#reduce-1-") for name in names), "the summaries did not fit one reduce"
+    assert main(["status", job_id, "--db", db]) == 0
+    report = capsys.readouterr().out
+    parts = len(names) - 2
+    assert re.search(rf"\ndocuments +2 total, 1 split \(1 done\) into {parts} part\(s\), {parts} done\n", report)
 
 
 def test_a_translated_long_document_is_joined_in_order_without_a_reduce(tmp_path, tiny_models, tokenizer, capsys):
@@ -102,6 +106,16 @@ def test_documents_that_fit_are_stored_and_answered_as_without_splitting(tmp_pat
         outputs.append(([(i.custom_id, i.prompt, i.params, i.seq) for i in items],
                         [(r["custom_id"], r["output"], r["prompt_tokens"]) for r in rows.values()]))
     assert outputs[0] == outputs[1]
+
+
+def test_status_counts_the_documents_their_parts_and_the_reduce_levels_to_go(tmp_path, tiny_models, capsys):
+    db, job_id = submit(tmp_path, tiny_models("llama"), capsys, "summarize", "--max-chunk-tokens", "40")
+    assert main(["status", job_id, "--db", db, "--json"]) == 0
+    documents = json.loads(capsys.readouterr().out)["documents"]
+    assert (documents["total"], documents["split"], documents["parts_done"]) == (2, 1, 0)
+    assert documents["reduce_levels_remaining"] == 2, "the reduces of level 1 and the document's own"
+    with JobStore.open(db) as store:  # the full store's path, where the driver's alone cannot answer
+        assert store.document_progress(job_id).levels_remaining == 2
 
 
 def test_an_interrupted_reduce_resumes_to_the_same_results(tmp_path, tiny_models, tokenizer, capsys):
