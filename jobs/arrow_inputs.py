@@ -47,7 +47,9 @@ def parquet_outcomes(path: Path, task: str, columns: ColumnMap = NO_COLUMNS) -> 
     try:
         # A file is read a batch at a time with no read-ahead; a folder of parts through pyarrow's
         # datasets (which read a few batches ahead, and cost 50 MB to import: only for a folder).
-        table = pq.ParquetFile(str(path)) if path.is_file() else _parquet_folder(path)
+        # buffer_size: a column chunk's pages are read through a 1 MiB buffer, not the whole chunk at once
+        # (pandas and pyarrow write row groups of up to a million rows).
+        table = pq.ParquetFile(str(path), buffer_size=1 << 20) if path.is_file() else _parquet_folder(path)
         schema = table.schema_arrow if path.is_file() else table.schema
     except (OSError, pa.ArrowException) as e:
         yield InputProblem(str(path), 0, f"cannot read as Parquet: {e}")

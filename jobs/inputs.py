@@ -117,21 +117,27 @@ def _refuse_duplicates(outcomes: list[ItemOutcome]) -> None:
 class FirstIds:
     """Each id's first item, for refusing later items that repeat it: an id belongs to its first item.
 
-    Keeps the id and where its item is (a line number where that says it), not the item, so a
-    million-line input costs a dict of a million short strings.
+    Keeps the id and where its item is (its line or row number where that says it, as an int: one input
+    numbers all its items one way), not the item, so a million-line input costs a dict of a million short
+    strings.
     """
 
     def __init__(self) -> None:
         self.first: dict[str, int | str] = {}
+        self._numbered_as = "line"  # what an int in `first` counts: lines, or a table's rows
 
     def check(self, outcome: ItemOutcome) -> None:
         if outcome.custom_id is None:
             return
         earlier = self.first.get(outcome.custom_id)
         if earlier is None:
-            self.first[outcome.custom_id] = outcome.line if outcome.where == f"line {outcome.line}" else outcome.where
+            word = outcome.where.split(" ", 1)[0]
+            numbered = word in ("line", "row") and outcome.where == f"{word} {outcome.line}"
+            if numbered:
+                self._numbered_as = word
+            self.first[outcome.custom_id] = outcome.line if numbered else outcome.where
             return
-        earlier_text = f"line {earlier}" if isinstance(earlier, int) else earlier
+        earlier_text = f"{self._numbered_as} {earlier}" if isinstance(earlier, int) else earlier
         outcome.refuse([f"duplicate id {show(outcome.custom_id)}: {earlier_text} has it already"])
         outcome.custom_id = None  # the failed-item record must not reuse the id the first item holds
 
