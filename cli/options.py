@@ -136,6 +136,9 @@ def add_job_options(parser: argparse.ArgumentParser) -> None:
     long.add_argument("--chunk-overlap-tokens", metavar="N", type=non_negative_int, default=0,
                       help="tokens of a piece's last sentences repeated at the start of the next (summarize; "
                            "default: 0)")
+    long.add_argument("--map-template", metavar="FILE", default=None,
+                      help="what the prompt of each piece of a split document asks: a text file with {document} "
+                           "where the piece goes (default: the task's own instruction)")
     long.add_argument("--reduce-template", metavar="FILE", default=None,
                       help="what a reduce asks of the summaries of a document's pieces: a text file with "
                            "{summaries} where they go")

@@ -146,6 +146,7 @@ def _long_documents(args: argparse.Namespace, task: str, model_dir: Path) -> Lon
     mode = getattr(args, "long_documents", None)
     if task == "generate":
         given = [option for option, value in (("--long-documents", mode), ("--max-chunk-tokens", args.max_chunk_tokens),
+                                              ("--map-template", args.map_template),
                                               ("--reduce-template", args.reduce_template)) if value is not None]
         if given and mode != "fail":
             raise UsageError(f"{', '.join(given)}: a generate prompt is sent as it is, never split or cut; for "
@@ -154,17 +155,25 @@ def _long_documents(args: argparse.Namespace, task: str, model_dir: Path) -> Lon
         return None
     if mode == "fail":
         return None
-    template = REDUCE_TEMPLATE
-    if args.reduce_template is not None:
-        try:
-            template = Path(args.reduce_template).read_text()
-        except OSError as error:
-            raise UsageError(f"--reduce-template {args.reduce_template}: cannot read it: {error.strerror}") from None
-        if "{summaries}" not in template:
-            raise UsageError(f"--reduce-template {args.reduce_template}: write {{summaries}} where the summaries of "
-                             "the pieces go")
+    reduce_template = _template(args.reduce_template, "--reduce-template", "{summaries}",
+                                "the summaries of the pieces") or REDUCE_TEMPLATE
+    map_template = _template(args.map_template, "--map-template", "{document}", "each piece's text")
     context = min(model_context(model_dir), getattr(args, "max_context", None) or 2048)
-    return LongDocuments(mode or "split", context, args.max_chunk_tokens, args.chunk_overlap_tokens, template)
+    return LongDocuments(mode or "split", context, args.max_chunk_tokens, args.chunk_overlap_tokens, reduce_template,
+                         map_template)
+
+
+def _template(path: str | None, option: str, marker: str, what: str) -> str | None:
+    """A template file's text, checked to hold its marker; None when not given."""
+    if path is None:
+        return None
+    try:
+        template = Path(path).read_text()
+    except OSError as error:
+        raise UsageError(f"{option} {path}: cannot read it: {error.strerror}") from None
+    if marker not in template:
+        raise UsageError(f"{option} {path}: it has no {marker}: write {marker} in it, to mark the place of {what}")
+    return template
 
 
 def _preparer(renderer: PromptRenderer, model_dir: Path, names: Container[str],

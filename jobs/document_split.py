@@ -27,6 +27,7 @@ from layerbus.jobs.item_params import item_params
 from layerbus.jobs.long_documents import REDUCE_TEMPLATE, reduce_fan_in, reduce_prompt_text, reduce_tree, split_text
 from layerbus.jobs.prompts import PromptRenderer
 from layerbus.jobs.records import InputRecord
+from layerbus.jobs.tasks import RenderedPrompt
 from layerbus.storage.records import NewItem
 
 # The first seq of a long document's parts: above any input's line numbers, within a 32-bit column.
@@ -55,10 +56,14 @@ class LongDocuments:
     overlap_tokens: int = 0
     # What a reduce asks around the summaries ({summaries} marks where they go).
     reduce_template: str = REDUCE_TEMPLATE
+    # What a piece's prompt asks around its text ({document} marks where it goes); None: the task's own
+    # instruction, as a whole document's prompt has it.
+    map_template: str | None = None
 
     def to_extra(self) -> dict[str, Any]:
         return {"mode": self.mode, "context_tokens": self.context_tokens, "max_chunk_tokens": self.max_chunk_tokens,
-                "overlap_tokens": self.overlap_tokens, "reduce_template": self.reduce_template}
+                "overlap_tokens": self.overlap_tokens, "reduce_template": self.reduce_template,
+                "map_template": self.map_template}
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> LongDocuments | None:
@@ -124,7 +129,7 @@ class DocumentSplitter:
         over_chunk = self.policy.max_chunk_tokens is not None and text_tokens > self.policy.max_chunk_tokens
         if not over_chunk and self.count(item.prompt or "", special) <= budget:
             return [item]
-        frame = self.count(self.renderer.render(replace(record, text="")).text, special)
+        frame = self.count(self._render(record, "").text, special)
         piece_budget = min(budget - frame - SLACK_TOKENS, self.policy.max_chunk_tokens or budget)
         if piece_budget < MIN_PIECE_TOKENS:
             # The output budget leaves no room for a piece's text: the item runs as it always has (the
@@ -175,9 +180,14 @@ class DocumentSplitter:
                            special)
         return reduce_tree(pieces, reduce_fan_in(budget - SLACK_TOKENS, frame, max_new))
 
+    def _render(self, record: InputRecord, text: str) -> RenderedPrompt:
+        if self.policy.map_template is None:
+            return self.renderer.render(replace(record, text=text))
+        return self.renderer.render_message(self.policy.map_template.replace("{document}", text))
+
     def _item(self, record: InputRecord, item: NewItem, text: str, custom_id: str, seq: int,
               extra: dict[str, Any]) -> NewItem:
-        prompt = self.renderer.render(replace(record, text=text))
+        prompt = self._render(record, text)
         params = {**item_params(record.params, prompt.add_special_tokens, record.endpoint), **extra}
         return NewItem(custom_id, text, prompt.text, params, seq)
 

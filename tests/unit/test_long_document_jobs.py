@@ -160,3 +160,22 @@ def test_truncate_keeps_one_item_per_document_whose_prompt_holds_only_its_first_
     assert [item.custom_id for item in items] == ["short", "long"]
     assert "Paragraph 1 opens" in items[1].prompt and "Paragraph 2 opens" not in items[1].prompt
     assert rows["long"]["input"] == numbered(12) and rows["long"]["output"] == "P1"
+
+
+def test_the_map_and_reduce_prompts_are_templates_the_user_replaces(tmp_path, tiny_models, tokenizer, capsys):
+    (tmp_path / "map.txt").write_text("Note the gist of this part:\n{document}")
+    (tmp_path / "reduce.txt").write_text("Merge these notes:\n{summaries}")
+    db, job_id = submit(tmp_path, tiny_models("llama"), capsys, "summarize", "--max-chunk-tokens", "40",
+                        "--map-template", str(tmp_path / "map.txt"), "--reduce-template", str(tmp_path / "reduce.txt"))
+    broker = ParagraphBroker(tokenizer, batch=3)
+    status, rows, items = run(db, job_id, tokenizer, tmp_path, broker)
+    pieces = [item for item in items if item.custom_id.startswith("long#map-")]
+    assert pieces and all("Note the gist of this part:" in item.prompt for item in pieces)
+    reduces = [tokenizer.decode(r.prompt_ids) for r in broker.requests if "Merge these notes:" in
+               tokenizer.decode(r.prompt_ids)]
+    assert reduces and "Part 1:\nP1" in reduces[0]
+    (tmp_path / "bad.txt").write_text("no marker")
+    code = main(["submit", str(tmp_path / "docs.jsonl"), "--task", "summarize", "--reduce-template",
+                 str(tmp_path / "bad.txt"), "--model", str(tiny_models("llama")), "--db", db])
+    assert code != 0 and "has no {summaries}: write {summaries} in it, to mark the place of the summaries" in \
+        capsys.readouterr().err
