@@ -28,6 +28,7 @@ from layerbus.jobs.long_documents import REDUCE_TEMPLATE, reduce_fan_in, reduce_
 from layerbus.jobs.prompts import PromptRenderer
 from layerbus.jobs.records import InputRecord
 from layerbus.jobs.tasks import RenderedPrompt
+from layerbus.storage.document_parts import JOIN_BEFORE_KEY
 from layerbus.storage.records import NewItem
 
 # The first seq of a long document's parts: above any input's line numbers, within a 32-bit column.
@@ -150,7 +151,7 @@ class DocumentSplitter:
     def _tree(self, record: InputRecord, item: NewItem, pieces: list, max_new: int, budget: int,
               special: bool) -> list[NewItem]:
         doc = item.custom_id
-        params = {key: value for key, value in item.params.items()}
+        params = item.params  # the document's own: its max_tokens, seed, ... hold for each of its parts
         label = "map" if self.task == "summarize" else "piece"
         parts: list[NewItem] = []
         levels = self._levels(len(pieces), max_new, budget, special)
@@ -159,7 +160,7 @@ class DocumentSplitter:
         names[-1] = [doc]
         parents = _parents(levels, names)
         for k, piece in enumerate(pieces):
-            extra = {"join_before": piece.join_before} if self.task == "translate" and k else {}
+            extra = {JOIN_BEFORE_KEY: piece.join_before} if self.task == "translate" and k else {}
             made = self._item(record, item, piece.text, f"{doc}#{label}-{k}", self._seq(), extra)
             parts.append(replace(made, parent_id=parents[0][k][0], position=parents[0][k][1], level=0))
         for level in range(1, top):

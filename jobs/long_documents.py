@@ -59,8 +59,7 @@ def split_text(text: str, count: Callable[[str], int], max_tokens: int, overlap_
         else:
             current.append(unit)
     pieces = [piece for piece in pieces if piece]
-    return [Piece(_joined(piece), "" if i == 0 else _join_before(piece, overlap_tokens))
-            for i, piece in enumerate(pieces)]
+    return [Piece(_joined(piece), "" if i == 0 else _join_before(piece)) for i, piece in enumerate(pieces)]
 
 
 @dataclass(frozen=True)
@@ -126,7 +125,7 @@ def _joined(units: list[_Unit]) -> str:
     return text
 
 
-def _join_before(piece: list[_Unit], overlap_tokens: int) -> str:
+def _join_before(piece: list[_Unit]) -> str:
     first_new = next(unit for unit in piece if not unit.overlap)
     return "\n\n" if first_new.starts_paragraph else " "
 
