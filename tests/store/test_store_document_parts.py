@@ -150,3 +150,14 @@ def test_an_older_sqlite_store_admits_the_waiting_state_when_opened(tmp_path) ->
         assert store.job_status(job_id).counts["waiting"] == 1
     with sqlite3.connect(tmp_path / "old.db") as conn:
         assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+
+
+def test_a_streamed_submit_stores_parts_beside_plain_items_and_counts_them(store: JobStore) -> None:
+    job_id = store.begin_job(SETTINGS, now=T0)
+    store.add_items(job_id, [*new_items(2), document("doc", 5, "join")], now=T0)
+    store.add_items(job_id, [piece("doc", 0), piece("doc", 1)], now=T0)
+    store.set_job_status(job_id, "queued", now=T0)
+    status = store.job_status(job_id)
+    assert (status.total, status.queued, status.counts["waiting"]) == (5, 4, 1)
+    assert store.document_progress(job_id).parts == 2
+    counters_agree(store, job_id)
