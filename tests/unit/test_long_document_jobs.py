@@ -80,6 +80,11 @@ def test_a_summarized_long_document_is_mapped_and_reduced_into_one_row(tmp_path,
     report = capsys.readouterr().out
     parts = len(names) - 2
     assert re.search(rf"\ndocuments +2 total, 1 split \(1 done\) into {parts} part\(s\), {parts} done\n", report)
+    output, errors = tmp_path / "output.jsonl", tmp_path / "errors.jsonl"
+    assert main(["results", job_id, "--format", "openai", "--output", str(output), "--errors", str(errors),
+                 "--db", db]) == 0
+    lines = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [line["custom_id"] for line in lines] == ["short", "long"], "one OpenAI line per input line"
 
 
 def test_a_translated_long_document_is_joined_in_order_without_a_reduce(tmp_path, tiny_models, tokenizer, capsys):
