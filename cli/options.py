@@ -116,6 +116,32 @@ def add_job_options(parser: argparse.ArgumentParser) -> None:
     constrain.add_argument("--regex", metavar="R", default=None, help="every output fully matches this regex")
     constrain.add_argument("--choices", metavar="A,B,C", default=None,
                            help="every output is exactly one of these comma-separated strings")
+    columns = parser.add_argument_group("columns", "which column (or JSON key) holds each item's id and content; "
+                                        "a nested field is dotted (translation.de); without them, inferred when "
+                                        "only one column fits, and other columns are then ignored")
+    columns.add_argument("--id-column", metavar="NAME", default=None, help="the item's id (default: id or custom_id)")
+    columns.add_argument("--text-column", metavar="NAME", default=None,
+                         help="the document (summarize, translate) or a raw prompt (generate) (default: text)")
+    columns.add_argument("--prompt-column", metavar="NAME", default=None,
+                         help="a raw prompt, sent as is (generate) (default: prompt)")
+    columns.add_argument("--messages-column", metavar="NAME", default=None,
+                         help="chat messages, through the chat template (generate) (default: messages)")
+    long = parser.add_argument_group("long documents", "a document whose prompt does not fit the context with "
+                                     "its --max-new-tokens (summarize, translate)")
+    long.add_argument("--long-documents", choices=("split", "fail", "truncate"), default=None,
+                      help="split: into pieces, summarized then reduced, or translated and joined in order; fail: "
+                           "the item fails; truncate: its text is cut to fit (default: split; generate: fail)")
+    long.add_argument("--max-chunk-tokens", metavar="N", type=positive_int, default=None,
+                      help="split a document's text into pieces of at most N tokens even where it fits")
+    long.add_argument("--chunk-overlap-tokens", metavar="N", type=non_negative_int, default=0,
+                      help="tokens of a piece's last sentences repeated at the start of the next (summarize; "
+                           "default: 0)")
+    long.add_argument("--map-template", metavar="FILE", default=None,
+                      help="what the prompt of each piece of a split document asks: a text file with {document} "
+                           "where the piece goes (default: the task's own instruction)")
+    long.add_argument("--reduce-template", metavar="FILE", default=None,
+                      help="what a reduce asks of the summaries of a document's pieces: a text file with "
+                           "{summaries} where they go")
     add_db(parser)
     parser.add_argument("--skip-invalid", action="store_true",
                         help="queue the valid items and record invalid ones as failed (default: refuse the input)")

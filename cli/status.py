@@ -16,6 +16,7 @@ from layerbus.storage.states import FINAL_JOB_STATES
 
 if TYPE_CHECKING:
     from layerbus.storage import JobEvent, JobStatus, JobStore, JobWorker
+    from layerbus.storage.status_records import DocumentProgress
 
 WATCH_INTERVAL_S = 2.0
 
@@ -48,14 +49,16 @@ def main(args: argparse.Namespace) -> int:
             print(json.dumps([status_json(s) for s in jobs], indent=2) if args.json else jobs_table(jobs))
             return EXIT_OK
         status = store.job_status(args.job)
-        _print_job(status, store.job_events(args.job), args.json, store.job_workers(args.job))
+        _print_job(status, store.job_events(args.job), args.json, store.job_workers(args.job),
+                   store.document_progress(args.job))
         return EXIT_OK
 
 
 def _print_directly(args: argparse.Namespace) -> bool:
     """Answer through the store's driver alone (sqlite3, psycopg), without importing SQLAlchemy (most of this
     command's time); False when that path cannot answer, and the full store (with its error messages) takes over."""
-    from layerbus.storage.direct_status import read_job_events, read_job_status, read_job_workers, read_recent_jobs
+    from layerbus.storage.direct_status import (read_document_progress, read_job_events, read_job_status,
+                                                read_job_workers, read_recent_jobs)
     from layerbus.storage.locations import default_db_url
 
     url = args.db or default_db_url()
@@ -70,15 +73,17 @@ def _print_directly(args: argparse.Namespace) -> bool:
         return False
     events = read_job_events(url, args.job)
     workers = read_job_workers(url, args.job)
-    if events is None or workers is None:
+    documents = read_document_progress(url, args.job)
+    if events is None or workers is None or documents is False:
         return False
-    _print_job(status, events, args.json, workers)
+    _print_job(status, events, args.json, workers, documents)
     return True
 
 
-def _print_job(status: JobStatus, events: Sequence[JobEvent], as_json: bool, workers: Sequence[JobWorker] = ()) -> None:
-    print(json.dumps(status_json(status, events, workers), indent=2) if as_json
-          else job_report(status, events, workers))
+def _print_job(status: JobStatus, events: Sequence[JobEvent], as_json: bool, workers: Sequence[JobWorker] = (),
+               documents: DocumentProgress | None = None) -> None:
+    print(json.dumps(status_json(status, events, workers, documents=documents), indent=2) if as_json
+          else job_report(status, events, workers, documents=documents))
 
 
 def _latest(store: JobStore) -> str:
@@ -110,9 +115,10 @@ def _watch(store: JobStore, job_id: str, as_json: bool) -> int:
 
 
 def status_json(status: JobStatus, events: Sequence[JobEvent] | None = None,
-                workers: Sequence[JobWorker] | None = None, now: datetime | None = None) -> dict[str, Any]:
+                workers: Sequence[JobWorker] | None = None, now: datetime | None = None,
+                documents: DocumentProgress | None = None) -> dict[str, Any]:
     """The JSON of one job; `events` and `workers` (one job's view, not the jobs table) add an "events" and
-    a "workers" list."""
+    a "workers" list, and `documents` (a job that split long documents) a "documents" object."""
     out = {
         "id": status.job_id,
         "name": status.name,
@@ -133,6 +139,10 @@ def status_json(status: JobStatus, events: Sequence[JobEvent] | None = None,
         "chain": _chain_line(status.job_id),
         "stages": _stages(status.job_id),
     }
+    if documents is not None:
+        out["documents"] = {"total": status.total - documents.parts, "split": documents.split,
+                            "split_done": documents.documents_done, "parts": documents.parts,
+                            "parts_done": documents.parts_done, "reduce_levels_remaining": documents.levels_remaining}
     if events is not None:
         out["events"] = [{"at": _iso(e.at), "kind": e.kind, "message": e.message, "duration_s": e.duration_s}
                          for e in events]
@@ -159,7 +169,7 @@ def workers_table(workers: Sequence[JobWorker], now: datetime) -> str:
 
 
 def job_report(status: JobStatus, events: Sequence[JobEvent] = (), workers: Sequence[JobWorker] = (),
-               now: datetime | None = None) -> str:
+               now: datetime | None = None, documents: DocumentProgress | None = None) -> str:
     rate = f" ({status.tokens_per_s:.1f} tok/s)" if status.tokens_per_s is not None else ""
     lines = [
         ("job", f"{status.job_id}" + (f" ({status.name})" if status.name else "")),
@@ -170,6 +180,8 @@ def job_report(status: JobStatus, events: Sequence[JobEvent] = (), workers: Sequ
                   f"{status.cancelled} cancelled, {status.queued} queued, {status.in_progress} in progress"),
         ("tokens", f"{status.prompt_tokens} prompt, {status.completion_tokens} generated{rate}"),
     ]
+    if documents is not None:  # the items above count a long document's parts too
+        lines.insert(4, ("documents", document_line(status, documents)))
     if status.eta_s is not None:
         lines.append(("eta", duration_text(status.eta_s)))
     lines += [(column.removesuffix("_at"), f"{_clock(value)} UTC") for column, value in status.timestamps.items()
@@ -185,6 +197,14 @@ def job_report(status: JobStatus, events: Sequence[JobEvent] = (), workers: Sequ
     if workers:
         table += f"\n\nworkers\n{workers_table(workers, now or datetime.now(timezone.utc))}"
     return f"{table}\n\nevents (UTC)\n{events_table(events)}" if events else table
+
+
+def document_line(status: JobStatus, documents: DocumentProgress) -> str:
+    """`documents`' line of a job that split long documents: the documents, the parts under them, the reduce
+    levels to go."""
+    levels = f", {documents.levels_remaining} reduce level(s) to go" if documents.levels_remaining else ""
+    return (f"{status.total - documents.parts} total, {documents.split} split ({documents.documents_done} done) into "
+            f"{documents.parts} part(s), {documents.parts_done} done{levels}")
 
 
 def events_table(events: Sequence[JobEvent]) -> str:

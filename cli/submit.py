@@ -13,6 +13,7 @@ from layerbus.cli.errors import EXIT_OK, UsageError
 from layerbus.cli.options import add_job_options, command_parser, open_store, resolve_model
 
 if TYPE_CHECKING:
+    from layerbus.jobs.document_split import DocumentSplitter, LongDocuments
     from layerbus.jobs.prompts import PromptRenderer
     from layerbus.jobs.records import InputRecord
     from layerbus.jobs.tasks import TaskSpec
@@ -23,7 +24,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     with command_parser(subparsers, "submit", main, help="queue a job (prints its id)",
                         description="Check INPUT, render its prompts and queue a job. Prints the job id "
                                     "on stdout; run it with `layerbus broker` or `layerbus run --job`.") as parser:
-        parser.add_argument("input", metavar="INPUT", help=".jsonl/.json, .csv, .parquet, or a folder of .txt files")
+        parser.add_argument("input", metavar="INPUT", help=".jsonl/.json, .csv, .tsv, .parquet, .arrow, a folder "
+                                                           "HF datasets saved, or a folder of .txt files")
         add_job_options(parser)
 
 
@@ -41,6 +43,7 @@ def submit_job(store: JobStore, args: argparse.Namespace, check_model: Callable[
     The input is read, checked, rendered and stored a chunk at a time (jobs/intake.py), so memory does not
     grow with it; the job stays validating (never claimed) until the whole input passed.
     """
+    from layerbus.jobs.columns import column_options
     from layerbus.jobs.inputs import FirstIds, input_problem, stream_outcomes
     from layerbus.jobs.intake import ItemsRefused, JobIntake
     from layerbus.jobs.records import InputError
@@ -55,6 +58,7 @@ def submit_job(store: JobStore, args: argparse.Namespace, check_model: Callable[
     model_dir = _job_model(args.model, path)
     if check_model is not None:
         check_model(model_dir)
+    from layerbus.jobs.document_split import EXTRA_KEY, DocumentSplitter, token_counter
     from layerbus.jobs.prompts import PromptRenderer
     from layerbus.models.chat_template import read_chat_template
     from layerbus.models.model_files import check_model_dir
@@ -72,12 +76,17 @@ def submit_job(store: JobStore, args: argparse.Namespace, check_model: Callable[
         except ValueError as error:
             raise UsageError(str(error)) from None
     renderer, names = PromptRenderer(spec, tokenizer), names_of(model_dir, args.model)
+    long_documents = _long_documents(args, spec.task, model_dir)
+    extra = _job_extra(args) | ({} if long_documents is None else {EXTRA_KEY: long_documents.to_extra()})
     settings = JobSettings(task=spec.task, model=str(model_dir), max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, seed=args.seed, target_language=spec.target_language,
-                           name=args.name, input_path=str(path.absolute()), extra=_job_extra(args))
-    ids, prepare = FirstIds(), _preparer(renderer, model_dir, names)
+                           name=args.name, input_path=str(path.absolute()), extra=extra)
+    splitter = None if long_documents is None else DocumentSplitter(
+        long_documents, spec.task, renderer, args.max_new_tokens, token_counter(model_dir))
+    ids, prepare = FirstIds(), _preparer(renderer, model_dir, names, splitter)
     intake = JobIntake(store, settings, ids, args.skip_invalid, str(path))
-    intake.add_all(stream_outcomes(path, spec.task, ids), prepare)  # interrupted or broken: nothing stays behind
+    found = stream_outcomes(path, spec.task, ids, column_options(args))
+    intake.add_all(found, prepare)  # interrupted or broken: nothing stays behind
     try:
         job_id = intake.finish()
     except ItemsRefused as refused:
@@ -86,6 +95,9 @@ def submit_job(store: JobStore, args: argparse.Namespace, check_model: Callable[
             "failed."])) from None
     invalid = intake.invalid_count
     refused_text = f", {invalid} invalid recorded as failed" if invalid else ""
+    if splitter is not None and splitter.split_documents:
+        refused_text += (f", {splitter.split_documents} long document(s) split into {splitter.parts} part(s) "
+                         f"({args.long_documents or 'split'})")
     print(f"layerbus: queued {job_id}: {intake.queued} item(s){refused_text}, model {model_dir}, store {store.url}",
           file=sys.stderr)
     return job_id
@@ -125,8 +137,47 @@ def _job_model(given: str | None, path: Path) -> Path:
     return found
 
 
-def _preparer(renderer: PromptRenderer, model_dir: Path,
-              names: Container[str]) -> Callable[[InputRecord], NewItem | str]:
+def _long_documents(args: argparse.Namespace, task: str, model_dir: Path) -> LongDocuments | None:
+    """How the job treats documents that do not fit (None: as they are, failing at run time); refuses the
+    long-document options for generate, whose prompts are sent as they are."""
+    from layerbus.jobs.document_split import LongDocuments, model_context
+    from layerbus.jobs.long_documents import REDUCE_TEMPLATE
+
+    mode = getattr(args, "long_documents", None)
+    if task == "generate":
+        given = [option for option, value in (("--long-documents", mode), ("--max-chunk-tokens", args.max_chunk_tokens),
+                                              ("--map-template", args.map_template),
+                                              ("--reduce-template", args.reduce_template)) if value is not None]
+        if given and mode != "fail":
+            raise UsageError(f"{', '.join(given)}: a generate prompt is sent as it is, never split or cut; for "
+                             "documents longer than the context use --task summarize or --task translate (with "
+                             "--long-documents split or truncate), or pass --long-documents fail")
+        return None
+    if mode == "fail":
+        return None
+    reduce_template = _template(args.reduce_template, "--reduce-template", "{summaries}",
+                                "the summaries of the pieces") or REDUCE_TEMPLATE
+    map_template = _template(args.map_template, "--map-template", "{document}", "each piece's text")
+    context = min(model_context(model_dir), getattr(args, "max_context", None) or 2048)
+    return LongDocuments(mode or "split", context, args.max_chunk_tokens, args.chunk_overlap_tokens, reduce_template,
+                         map_template)
+
+
+def _template(path: str | None, option: str, marker: str, what: str) -> str | None:
+    """A template file's text, checked to hold its marker; None when not given."""
+    if path is None:
+        return None
+    try:
+        template = Path(path).read_text()
+    except OSError as error:
+        raise UsageError(f"{option} {path}: cannot read it: {error.strerror}") from None
+    if marker not in template:
+        raise UsageError(f"{option} {path}: it has no {marker}: write {marker} in it, to mark the place of {what}")
+    return template
+
+
+def _preparer(renderer: PromptRenderer, model_dir: Path, names: Container[str],
+              splitter: DocumentSplitter | None = None) -> Callable[[InputRecord], NewItem | list[NewItem] | str]:
     """The function that makes each record's item to queue, or says why the job refuses it: a line naming
     another model (answering it with this model would give it another model's output), or a prompt the
     task cannot render. Imports once, here: it runs a million times."""
@@ -144,7 +195,8 @@ def _preparer(renderer: PromptRenderer, model_dir: Path,
         except ValueError as error:
             return str(error)
         params = item_params(record.params, prompt.add_special_tokens, record.endpoint)
-        return NewItem(record.custom_id, input_text(record), prompt.text, params, record.line)
+        item = NewItem(record.custom_id, input_text(record), prompt.text, params, record.line)
+        return item if splitter is None else splitter.items(record, item)
 
     return prepare
 

@@ -44,7 +44,8 @@ def finish_job(store: JobStore, job_id: str, writer: ResultWriter, settings: Job
     waiting_on: str | None = None
     while True:
         status = store.job_status(job_id)
-        if status.status in RUNNABLE_JOB_STATES and (status.queued or status.in_progress):
+        unfinished = status.queued + status.in_progress + status.counts.get("waiting", 0)
+        if status.status in RUNNABLE_JOB_STATES and unfinished:
             return status
         if status.status in FINAL_JOB_STATES and (status.status != "cancelled" or status.results_path):
             if status.results_path:  # the final file, from the store, holds this broker's rows (a failed

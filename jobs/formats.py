@@ -1,4 +1,5 @@
-"""Reading each input kind from disk: JSON Lines, CSV, Parquet, and a directory of .txt files.
+"""Reading each input kind from disk: JSON Lines, CSV and TSV, and a directory of .txt files (Parquet and Arrow
+are in jobs/arrow_inputs.py).
 
 Each reader returns the items it found (valid or not) and the problems that concern the whole file. A
 whole-file problem in a JSONL, CSV or Parquet input (undecodable CSV, unknown column) means no item is
@@ -9,14 +10,14 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from layerbus.jobs.columns import NO_COLUMNS, ColumnMap
 from layerbus.jobs.item_checks import ItemOutcome, check_id, make_record
-from layerbus.jobs.jsonl_items import parse_jsonl_line
+from layerbus.jobs.jsonl_items import JsonlColumns, parse_jsonl_line
 from layerbus.jobs.records import InputProblem
-from layerbus.jobs.table_items import check_columns, csv_values, id_column, row_outcome
+from layerbus.jobs.table_items import csv_values, row_outcome, table_columns
 
 # What a reader returns: every item it found (valid or not), and the problems that concern the whole input.
 Found = tuple[list[ItemOutcome], list[InputProblem]]
@@ -33,19 +34,20 @@ def _utf8_error(data: bytes, error: UnicodeDecodeError) -> str:
     return f"not valid UTF-8: byte 0x{data[error.start]:02x} on line {line}; save the file as UTF-8"
 
 
-def read_jsonl(path: Path, task: str) -> Found:
+def read_jsonl(path: Path, task: str, columns: ColumnMap = NO_COLUMNS) -> Found:
     """One item per non-blank line; a bad line is refused on its own and reading goes on."""
-    found = list(jsonl_outcomes(path, task))
+    found = list(jsonl_outcomes(path, task, columns))
     problems = [f for f in found if isinstance(f, InputProblem)]
     return ([] if problems else found), problems  # type: ignore[return-value]
 
 
-def jsonl_outcomes(path: Path, task: str) -> Iterator[ItemOutcome | InputProblem]:
+def jsonl_outcomes(path: Path, task: str, columns: ColumnMap = NO_COLUMNS) -> Iterator[ItemOutcome | InputProblem]:
     """read_jsonl one line at a time, for inputs too large to hold: each item's outcome as its line is read.
 
     A whole-file problem comes as an InputProblem (possibly after items): then no item of the file counts.
+    The keys a simple-form line is read by are chosen at its first simple-form line (JsonlColumns).
     """
-    count = 0
+    count, keys = 0, JsonlColumns(task, columns)
     try:
         with path.open("rb") as lines:
             for number, data in enumerate(lines, start=1):
@@ -68,7 +70,11 @@ def jsonl_outcomes(path: Path, task: str) -> Iterator[ItemOutcome | InputProblem
                                                      "> OUT.jsonl)")
                     return
                 count += 1
-                yield parse_jsonl_line(raw, task, str(path), number)
+                outcome = parse_jsonl_line(raw, task, str(path), number, keys)
+                if keys.problem is not None:
+                    yield InputProblem(str(path), 0, keys.problem)
+                    return
+                yield outcome
     except OSError as e:
         yield InputProblem(str(path), 0, f"cannot read: {e.strerror or e}")
         return
@@ -77,8 +83,18 @@ def jsonl_outcomes(path: Path, task: str) -> Iterator[ItemOutcome | InputProblem
                                          '"text": "..."}')
 
 
-def read_csv(path: Path, task: str) -> Found:
+def read_csv(path: Path, task: str, columns: ColumnMap = NO_COLUMNS) -> Found:
     """A header line, then one item per row; the row's line number is the line its first cell starts on."""
+    return _read_delimited(path, task, columns, ",")
+
+
+def read_tsv(path: Path, task: str, columns: ColumnMap = NO_COLUMNS) -> Found:
+    """As read_csv, with cells separated by tabs."""
+    return _read_delimited(path, task, columns, "\t")
+
+
+def _read_delimited(path: Path, task: str, columns: ColumnMap, delimiter: str) -> Found:
+    kind = "CSV" if delimiter == "," else "TSV"
     try:
         data = path.read_bytes()
     except OSError as e:
@@ -89,7 +105,7 @@ def read_csv(path: Path, task: str) -> Found:
         return _whole_file(path, _utf8_error(data, e))
     # newline="" keeps line endings inside quoted cells, as the csv module requires.
     lines = io.StringIO(text, newline="").readlines()
-    reader = csv.reader(iter(lines), strict=True)
+    reader = csv.reader(iter(lines), strict=True, delimiter=delimiter)
     rows, end = [], 0
     try:
         for cells in reader:
@@ -97,59 +113,41 @@ def read_csv(path: Path, task: str) -> Found:
             if cells:
                 rows.append((start, end, cells))
     except csv.Error as e:
-        return _whole_file(path, f"cannot parse as CSV: {e} (an unbalanced quote?)", reader.line_num)
+        return _whole_file(path, f"cannot parse as {kind}: {e} (an unbalanced quote?)", reader.line_num)
     if not rows:
-        return _whole_file(path, "file is empty: a CSV input needs a header line such as id,text and one row per item")
+        return _whole_file(path, f"file is empty: a {kind} input needs a header line such as id,text and one row "
+                                 "per item")
     (_, _, header), rows = rows[0], rows[1:]
     names = [name.strip() for name in header]
-    header_problems = [InputProblem(str(path), 1, reason) for reason in check_columns(names)]
-    if header_problems:
-        return [], header_problems
+    chosen, reasons = table_columns(names, task, columns, header_line=True)
+    if chosen is None:
+        return [], [InputProblem(str(path), 1, reason) for reason in reasons]
     if not rows:
         return _whole_file(path, "no items: the file has a header line but no rows")
-    return [_csv_row(path, task, names, lines, *row) for row in rows], []
+    return [_csv_row(path, task, names, chosen, lines, *row) for row in rows], []
 
 
-def _csv_row(path: Path, task: str, names: list[str], lines: list[str], start: int, end: int, cells: list[str]):
+def _csv_row(path: Path, task: str, names: list[str], columns: ColumnMap, lines: list[str], start: int, end: int,
+             cells: list[str]):
     raw = "".join(lines[start - 1 : end]).rstrip("\r\n")
     outcome = ItemOutcome(str(path), start, raw, f"line {start}", f"line-{start}")
     if len(cells) != len(names):
         message = (f"row has {len(cells)} field(s) but the header has {len(names)}; "
                    "quote any text that holds a comma")
         return outcome.refuse([message])
-    return row_outcome(csv_values(names, cells), id_column(names), task, str(path), outcome)
+    return row_outcome(csv_values(names, cells), columns, task, str(path), outcome)
 
 
-def read_parquet(path: Path, task: str) -> Found:
-    """The same columns as CSV; a missing (null) value means "not given". Rows are numbered from 1."""
-    # Imported here: pyarrow takes 0.2 s to import, a third of a small JSONL submit.
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.read_table(path)
-    except (OSError, pa.ArrowException) as e:
-        return _whole_file(path, f"cannot read as Parquet: {e}")
-    header_problems = [InputProblem(str(path), 0, reason) for reason in check_columns(table.column_names)]
-    if header_problems:
-        return [], header_problems
-    if table.num_rows == 0:
-        return _whole_file(path, "no items: the table has no rows")
-    outcomes = []
-    for number, row in enumerate(table.to_pylist(), start=1):
-        raw = json.dumps(row, ensure_ascii=False, default=str)
-        outcome = ItemOutcome(str(path), number, raw, f"row {number}", f"row-{number}")
-        values = {name: value for name, value in row.items() if value is not None}
-        outcomes.append(row_outcome(values, id_column(table.column_names), task, str(path), outcome))
-    return outcomes, []
-
-
-def read_text_dir(path: Path, task: str) -> Found:
+def read_text_dir(path: Path, task: str, columns: ColumnMap = NO_COLUMNS) -> Found:
     """One item per .txt file directly inside: id = file name without extension, text = content.
 
     Hidden files (".DS_Store", editor swap files) are ignored; any other non-.txt entry is reported, since
     it is most likely a document the user expected to be read.
     """
+    if columns.named():
+        options = ", ".join(f"--{role}-column" for role in columns.named())
+        return _whole_file(path, f"a folder of .txt files has no columns (each file is one document, its name the "
+                                 f"id): drop {options}")
     try:
         entries = sorted((e for e in path.iterdir() if not e.name.startswith(".")), key=lambda e: e.name)
     except OSError as e:

@@ -10,8 +10,11 @@ Accepted inputs, chosen by extension (or by being a directory):
       any other key is refused rather than silently not done.
     * the simple form ``{"id": "doc-1", "text": "..."}`` (``custom_id`` may stand for ``id``), with
       ``prompt`` or ``messages`` instead of text for generate, and the same parameters as top-level keys.
-- ``.csv`` (header line required) and ``.parquet``: columns id (or custom_id), text and/or prompt, and
-  optional max_tokens, temperature, top_p, top_k, seed. An empty cell or null means "not given".
+- ``.csv`` / ``.tsv`` (header line required), ``.parquet``, ``.arrow`` and a folder HF ``datasets`` saved with
+  ``save_to_disk``: columns id (or custom_id), text and/or prompt, and optional max_tokens, temperature,
+  top_p, top_k, seed. An empty cell or null means "not given".
+- Every format but a folder of .txt files takes its id and content from other columns or keys when the
+  options name them (--id-column, --text-column, ...) or when they can be inferred (jobs/columns.py).
 - a directory of ``.txt`` files: one item per file, id = file name without extension.
 
 Decisions:
@@ -36,7 +39,9 @@ from collections.abc import Container, Iterator
 from pathlib import Path
 from typing import Callable
 
-from layerbus.jobs.formats import Found, jsonl_outcomes, read_csv, read_jsonl, read_parquet, read_text_dir
+from layerbus.jobs.arrow_inputs import arrow_outcomes, is_arrow_folder, parquet_outcomes, read_arrow, read_parquet
+from layerbus.jobs.columns import NO_COLUMNS, ColumnMap
+from layerbus.jobs.formats import Found, jsonl_outcomes, read_csv, read_jsonl, read_text_dir, read_tsv
 from layerbus.jobs.item_checks import ItemOutcome, show
 from layerbus.jobs.jsonl_items import body_model
 from layerbus.jobs.records import InputError, InputProblem, ReadResult
@@ -44,32 +49,39 @@ from layerbus.storage.records import InvalidItem
 from layerbus.jobs.tasks import TASKS
 
 ACCEPTED_INPUTS = (
-    "accepted: a .jsonl or .json file (JSON Lines), a .csv file, a .parquet file, or a directory of .txt files"
+    "accepted: a .jsonl or .json file (JSON Lines), a .csv or .tsv file, a .parquet file, an .arrow file, a folder "
+    "HF datasets saved with save_to_disk, or a directory of .txt files"
 )
-# Readers by file extension; a directory with none of these extensions is read as a folder of .txt files.
-_READERS: dict[str, Callable[[Path, str], Found]] = {
+Reader = Callable[[Path, str, ColumnMap], Found]
+# Readers by file extension; a directory with none of these extensions is read as a folder of .txt files,
+# unless it holds Arrow files (a `save_to_disk` folder).
+_READERS: dict[str, Reader] = {
     ".jsonl": read_jsonl,
     ".json": read_jsonl,
     ".csv": read_csv,
+    ".tsv": read_tsv,
     ".parquet": read_parquet,  # a file, or a directory of part files as Spark and pyarrow write them
+    ".arrow": read_arrow,
 }
+# The readers that stream an item at a time, for inputs too large to hold.
+_STREAMS = {read_jsonl: jsonl_outcomes, read_parquet: parquet_outcomes, read_arrow: arrow_outcomes}
 
 
-def read_inputs(path: Path, task: str) -> ReadResult:
+def read_inputs(path: Path, task: str, columns: ColumnMap = NO_COLUMNS) -> ReadResult:
     """Read every item of the input at path for task; problems are collected, never raised."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}: choose --task {', '.join(TASKS)}")
     path = Path(path)
     reader, problem = _choose_reader(path)
-    outcomes, problems = reader(path, task) if reader else ([], [problem])
+    outcomes, problems = reader(path, task, columns) if reader else ([], [problem])
     _refuse_duplicates(outcomes)
     return _collect(outcomes, problems)
 
 
-def load_inputs(path: Path, task: str, skip_invalid: bool) -> ReadResult:
+def load_inputs(path: Path, task: str, skip_invalid: bool, columns: ColumnMap = NO_COLUMNS) -> ReadResult:
     """read_inputs, then apply the job's policy: raise InputError when nothing is valid, or when anything is
     invalid and skip_invalid is False."""
-    result = read_inputs(path, task)
+    result = read_inputs(path, task, columns)
     if not result.records:
         problems = result.problems or [InputProblem(str(path), 0, "no items found")]
         raise InputError(problems, valid_count=0)
@@ -78,17 +90,19 @@ def load_inputs(path: Path, task: str, skip_invalid: bool) -> ReadResult:
     return result
 
 
-def _choose_reader(path: Path) -> tuple[Callable[[Path, str], Found] | None, InputProblem | None]:
+def _choose_reader(path: Path) -> tuple[Reader | None, InputProblem | None]:
     if not path.exists():
         return None, InputProblem(str(path), 0, f"does not exist; {ACCEPTED_INPUTS}")
     suffix = path.suffix.lower()
     reader = _READERS.get(suffix)
-    if reader is not None and path.is_dir() and suffix != ".parquet":
+    if reader is not None and path.is_dir() and suffix not in (".parquet", ".arrow"):
         message = (f"is a directory, but a {suffix} input must be a file; a directory of .txt files "
                    "is read as one item per file when its name has no such extension")
         return None, InputProblem(str(path), 0, message)
     if reader is not None:
         return reader, None
+    if is_arrow_folder(path):
+        return read_arrow, None
     if path.is_dir():
         return read_text_dir, None
     return None, InputProblem(str(path), 0, f"unknown input kind {suffix or '(no extension)'!r}; {ACCEPTED_INPUTS}")
@@ -103,28 +117,36 @@ def _refuse_duplicates(outcomes: list[ItemOutcome]) -> None:
 class FirstIds:
     """Each id's first item, for refusing later items that repeat it: an id belongs to its first item.
 
-    Keeps the id and where its item is (a line number where that says it), not the item, so a
-    million-line input costs a dict of a million short strings.
+    Keeps the id and where its item is (its line or row number where that says it, as an int: one input
+    numbers all its items one way), not the item, so a million-line input costs a dict of a million short
+    strings.
     """
 
     def __init__(self) -> None:
         self.first: dict[str, int | str] = {}
+        self._numbered_as = "line"  # what an int in `first` counts: lines, or a table's rows
 
     def check(self, outcome: ItemOutcome) -> None:
         if outcome.custom_id is None:
             return
         earlier = self.first.get(outcome.custom_id)
         if earlier is None:
-            self.first[outcome.custom_id] = outcome.line if outcome.where == f"line {outcome.line}" else outcome.where
+            word = outcome.where.split(" ", 1)[0]
+            numbered = word in ("line", "row") and outcome.where == f"{word} {outcome.line}"
+            if numbered:
+                self._numbered_as = word
+            self.first[outcome.custom_id] = outcome.line if numbered else outcome.where
             return
-        earlier_text = f"line {earlier}" if isinstance(earlier, int) else earlier
+        earlier_text = f"{self._numbered_as} {earlier}" if isinstance(earlier, int) else earlier
         outcome.refuse([f"duplicate id {show(outcome.custom_id)}: {earlier_text} has it already"])
         outcome.custom_id = None  # the failed-item record must not reuse the id the first item holds
 
 
-def stream_outcomes(path: Path, task: str, ids: FirstIds) -> Iterator[ItemOutcome | InputProblem]:
+def stream_outcomes(path: Path, task: str, ids: FirstIds, columns: ColumnMap = NO_COLUMNS) -> Iterator[
+        ItemOutcome | InputProblem]:
     """Every item of the input at path, checked (a repeated id refused: `ids` keeps them), as it is read,
-    and the problems of the whole file: a JSON Lines input is read one line at a time, other kinds whole."""
+    and the problems of the whole file: JSON Lines one line at a time, Parquet and Arrow a record batch at
+    a time, other kinds whole."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}: choose --task {', '.join(TASKS)}")
     path = Path(path)
@@ -132,7 +154,8 @@ def stream_outcomes(path: Path, task: str, ids: FirstIds) -> Iterator[ItemOutcom
     if reader is None:
         yield problem  # type: ignore[misc]
         return
-    found = jsonl_outcomes(path, task) if reader is read_jsonl else _outcomes_then_problems(reader(path, task))
+    stream = _STREAMS.get(reader)
+    found = stream(path, task, columns) if stream else _outcomes_then_problems(reader(path, task, columns))
     for outcome in found:
         if isinstance(outcome, ItemOutcome):
             ids.check(outcome)

@@ -73,8 +73,10 @@ class JobIntake:
         self.queued = 0
         self._whole_file_problem = False
 
-    def add(self, found: ItemOutcome | InputProblem, prepare: Callable[[InputRecord], NewItem | str]) -> None:
-        """Take one outcome of the reader; `prepare` turns a valid record into its item, or says why not."""
+    def add(self, found: ItemOutcome | InputProblem,
+            prepare: Callable[[InputRecord], NewItem | list[NewItem] | str]) -> None:
+        """Take one outcome of the reader; `prepare` turns a valid record into its item (or a long document's
+        items, jobs/document_split.py), or says why not."""
         if isinstance(found, InputProblem):
             self.read_problems.append(found)
             self._whole_file_problem = True
@@ -94,12 +96,12 @@ class JobIntake:
             return
         self.queued += 1
         if self._storing():
-            self._pending.append(prepared)
+            self._pending += prepared if isinstance(prepared, list) else [prepared]
             if len(self._pending) >= self._chunk_items:
                 self._flush()
 
     def add_all(self, found: Iterable[ItemOutcome | InputProblem],
-                prepare: Callable[[InputRecord], NewItem | str]) -> None:
+                prepare: Callable[[InputRecord], NewItem | list[NewItem] | str]) -> None:
         """add() every outcome; when anything goes wrong on the way (Ctrl-C, the store), abandon() the job first."""
         try:
             for outcome in found:

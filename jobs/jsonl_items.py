@@ -1,6 +1,7 @@
 """One JSON Lines item: an OpenAI batch line or the simple {"id", "text"} form, checked into an ItemOutcome.
 
-A line with any of "method", "url" or "body" is an OpenAI batch line; any other object is the simple form.
+A line with "method", "url" or an object "body" is an OpenAI batch line; any other object is the simple form,
+read by its standard keys or by the keys the column options name (jobs/columns.py).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+from layerbus.jobs.columns import ColumnMap, choose_columns, nested_names, value_at
 from layerbus.jobs.constraints import BODY_CONSTRAINT_KEYS, CONSTRAINT_KEY, check_body_constraint
 from layerbus.jobs.records import InputRecord
 from layerbus.wire.sampling import MAX_TOP_LOGPROBS
@@ -62,8 +64,43 @@ def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
 _DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicate_keys)
 
 
-def parse_jsonl_line(raw: str, task: str, source: str, line: int) -> ItemOutcome:
-    """Check one non-blank line of a JSONL input."""
+class JsonlColumns:
+    """The keys simple-form lines are read by: the standard ones (id, text, ...), or the ones the column
+    options name or that are inferred from the first simple-form line's keys, nested ones dotted."""
+
+    def __init__(self, task: str, given: ColumnMap | None = None) -> None:
+        self._task = task
+        self._given = given or ColumnMap()
+        self._decided = False
+        # The keys to read by; None: the standard keys.
+        self.columns: ColumnMap | None = None
+        # Why no line of the file can be read (a mapping that does not fit the first line), or None.
+        self.problem: str | None = None
+
+    def item(self, item: dict, line: int) -> dict:
+        """The item in the simple form's standard keys."""
+        if not self._decided:
+            self._decide(item, line)
+        if self.columns is None:
+            return item
+        kept = {key: value for key, value in item.items() if key in SIMPLE_KEYS and key not in _CONTENT_KEYS}
+        mapped = {role: value_at(item, column) for role, column in self.columns.named().items()}
+        return {**kept, **{role: value for role, value in mapped.items() if value is not None}}
+
+    def _decide(self, item: dict, line: int) -> None:
+        self._decided = True
+        if not self._given.named() and set(_CONTENT_KEYS) & set(item):
+            return  # a line of the simple form; a slip in it is that line's problem, as ever
+        found_in = f"keys found in line {line}"
+        self.columns, self.problem = choose_columns(nested_names(item), self._task, self._given, found_in)
+
+
+_CONTENT_KEYS = ("id", "custom_id", "text", "prompt", "messages")
+
+
+def parse_jsonl_line(raw: str, task: str, source: str, line: int, keys: JsonlColumns | None = None) -> ItemOutcome:
+    """Check one non-blank line of a JSONL input; keys: how simple-form lines are read (the standard keys
+    when None)."""
     outcome = ItemOutcome(source, line, raw, f"line {line}", f"line-{line}")
     try:
         # json.loads words a byte-order mark inside the file its own way; JSONDecoder.decode does not.
@@ -75,7 +112,10 @@ def parse_jsonl_line(raw: str, task: str, source: str, line: int) -> ItemOutcome
         return outcome.refuse([f"malformed JSON: {e.msg} at column {e.colno}"])
     if not isinstance(item, dict):
         return outcome.refuse([f"expected a JSON object, got {type_name(item)}"])
-    is_openai = any(key in item for key in ("method", "url", "body"))
+    # A "body" that is text is a dataset's document column, not an OpenAI request's body.
+    is_openai = "method" in item or "url" in item or isinstance(item.get("body"), dict)
+    if not is_openai and keys is not None:
+        item = keys.item(item, line)
     custom_id, record, reasons = (_openai_item if is_openai else _simple_item)(item, task, source, line)
     outcome.custom_id, outcome.record = custom_id, record
     return outcome.refuse(reasons)

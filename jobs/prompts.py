@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from layerbus.jobs.records import InputRecord
-from layerbus.jobs.tasks import RenderedPrompt, TaskSpec, has_chat_template, instruction, render_prompt
+from layerbus.jobs.tasks import RenderedPrompt, TaskSpec, has_chat_template, instruction, render_message, render_prompt
 
 # Stands for the user message while the frame is rendered; no document contains it (NUL bytes).
 MARKER = "\x00layerbus-user-message\x00"
@@ -35,6 +35,14 @@ class PromptRenderer:
             return render_prompt(record, self._spec, self._tokenizer)
         before, after = self.frame
         return RenderedPrompt(before + instruction(record, self._spec) + after, add_special_tokens=False)
+
+
+    def render_message(self, message: str) -> RenderedPrompt:
+        """A user message of the job's own (a long document's reduce), as render_message renders it."""
+        if self.frame is None:
+            return render_message(message, self._spec.task, self._tokenizer)
+        before, after = self.frame
+        return RenderedPrompt(before + message + after, add_special_tokens=False)
 
 
 def _frame(spec: TaskSpec, tokenizer: Any) -> tuple[str, str] | None:

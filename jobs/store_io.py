@@ -18,9 +18,12 @@ from layerbus.jobs.claim_share import fair_claim
 from layerbus.jobs.constraints import constraint_of
 from layerbus.jobs.item_params import ADD_SPECIAL_TOKENS_KEY, PROMPT_IDS_KEY
 from layerbus.jobs.leases import LeaseConfig, this_worker
+from layerbus.jobs.document_split import EXTRA_KEY
 from layerbus.jobs.logprobs import logprobs_json
+from layerbus.jobs.long_documents import REDUCE_TEMPLATE, reduce_prompt_text
 from layerbus.jobs.samples import parse_request_id, sample_request_id, sample_seed, samples_json, samples_of
 from layerbus.jobs.score_items import is_scoring, score_output, score_request
+from layerbus.jobs.tasks import RenderedPrompt, render_message
 from layerbus.storage import ClaimedItem, ItemResult, JobSettings, JobStore
 from layerbus.storage.result_row import result_row
 from layerbus.storage.results import ResultWriter
@@ -160,6 +163,10 @@ class StoreSource:
         # verbose=False: a prompt over the tokenizer's max length is the scheduler's to refuse, with a clearer message.
         if PROMPT_IDS_KEY in params:  # tokenized by whoever queued it (evals, as lm-eval tokenizes)
             prompt_ids = params[PROMPT_IDS_KEY]
+        elif item.combine == "reduce":  # a long document's reduce: its prompt is made from its parts' outputs
+            rendered = reduce_prompt(self.store, item, job, self.tokenizer)
+            prompt_ids = self.tokenizer.encode(rendered.text, add_special_tokens=rendered.add_special_tokens,
+                                               verbose=False)
         else:
             prompt_ids = self.tokenizer.encode(item.prompt, add_special_tokens=self._add_special_tokens(item),
                                                verbose=False)
@@ -176,6 +183,15 @@ class StoreSource:
         # A job queued by another tool: a prompt that already starts with BOS was rendered by a chat template.
         bos = getattr(self.tokenizer, "bos_token", None)
         return not (bos and item.prompt.startswith(bos))
+
+
+def reduce_prompt(store: JobStore, item: ClaimedItem, settings: JobSettings, tokenizer: Any) -> RenderedPrompt:
+    """A reduce's prompt: the summaries of its parts, in order, in the job's reduce template, rendered as the
+    job's other prompts are. The same parts' outputs give the same prompt on every run."""
+    long_documents = settings.extra.get(EXTRA_KEY) or {}
+    template = long_documents.get("reduce_template") or REDUCE_TEMPLATE
+    message = reduce_prompt_text(store.part_outputs(item.job_id, item.custom_id), template)
+    return render_message(message, settings.task, tokenizer)
 
 
 class StoreSink:
@@ -246,7 +262,10 @@ class StoreSink:
         if not self.pending:
             return
         batch, self.pending = self.pending, []
-        self.writer.write_part([row for _, rows in batch for row in rows])
+        # A long document's parts are no results of their own: the document's item is (storage/item_reads.py).
+        rows = [row for result, rows in batch if not self._is_part(result.item_id) for row in rows]
+        if rows:
+            self.writer.write_part(rows)
         written = set(self.store.complete_items([result for result, _ in batch], holder=self.holder))
         skipped = [result.item_id for result, _ in batch if result.item_id not in written]
         if skipped:
@@ -256,6 +275,10 @@ class StoreSink:
                         len(skipped), skipped[:10])
         for result, _ in batch:
             self.claimed.pop(result.item_id, None)
+
+    def _is_part(self, item_id: int) -> bool:
+        item = self.claimed.get(item_id)
+        return item is not None and item.parent_id is not None
 
     def _job_extra(self) -> dict[str, Any]:
         if self._extra is None:

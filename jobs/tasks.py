@@ -80,6 +80,15 @@ def render_prompt(record: InputRecord, spec: TaskSpec, tokenizer: Any) -> Render
     return RenderedPrompt(f"{user_message}\n\n{answer_label}", add_special_tokens=True)
 
 
+def render_message(message: str, task: str, tokenizer: Any) -> RenderedPrompt:
+    """A user message the job wrote itself (a long document's reduce), rendered as summarize and translate
+    prompts are: through the chat template, or as a plain instruction ending in its answer label."""
+    if has_chat_template(tokenizer):
+        return _chat(tokenizer, [{"role": "user", "content": message}])
+    answer_label = "Summary:" if task == "summarize" else "Translation:"
+    return RenderedPrompt(f"{message}\n\n{answer_label}", add_special_tokens=True)
+
+
 def _chat(tokenizer: Any, messages: list[dict]) -> RenderedPrompt:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return RenderedPrompt(text, add_special_tokens=False)

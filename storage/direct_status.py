@@ -20,7 +20,7 @@ from layerbus.storage import light_sql
 from layerbus.storage.direct_db import DirectDb, direct_db, read_directly, sqlite_file  # noqa: F401 (re-exported)
 from layerbus.storage.events import DEFAULT_EVENT_LIMIT
 from layerbus.storage.light_sql import utc_from_db  # noqa: F401 (re-exported)
-from layerbus.storage.status_records import JobEvent, JobStatus, JobWorker
+from layerbus.storage.status_records import DocumentProgress, JobEvent, JobStatus, JobWorker
 
 if TYPE_CHECKING:
     from layerbus.storage.snapshot_records import StageSnapshot
@@ -30,6 +30,12 @@ def read_job_status(url: str, job_id: str, now: datetime | None = None) -> JobSt
     """JobStore.job_status's answer; None for an unknown job (the full store words the error) and when this
     path cannot answer."""
     return read_directly(url, lambda run: light_sql.job_status(run, job_id, now))
+
+
+def read_document_progress(url: str, job_id: str) -> DocumentProgress | None | bool:
+    """JobStore.document_progress's answer; False when this path cannot answer."""
+    answer = read_directly(url, lambda run: (light_sql.document_progress(run, job_id),))
+    return False if answer is None else answer[0]
 
 
 def read_recent_jobs(url: str, limit: int, now: datetime | None = None) -> list[JobStatus] | None:

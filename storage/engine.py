@@ -3,6 +3,7 @@ PostgreSQL's connect timeout, and every way a URL can be wrong turned into a Sto
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from sqlalchemy import Column, Connection, Engine, Table, create_engine, event, inspect, text
@@ -14,6 +15,7 @@ from layerbus.storage.errors import StoreError, mask_url
 from layerbus.storage.locations import default_db_url, default_results_dir, layerbus_home  # noqa: F401 (re-exported)
 from layerbus.storage.item_counts import fill_missing_counts
 from layerbus.storage.schema import Base
+from layerbus.storage.states import ITEM_STATES
 
 # Execution option marking a transaction that only reads: on SQLite it begins DEFERRED, not IMMEDIATE.
 READ_ONLY_OPTION = "layerbus_read_only"
@@ -72,6 +74,8 @@ def create_tables(engine: Engine, url: str) -> None:
             for table, column in missing_columns(conn):
                 column_type = column.type.compile(dialect=conn.dialect)
                 conn.execute(text(f"ALTER TABLE {table.name} ADD COLUMN {column.name} {column_type}"))
+            admit_item_states(conn)
+            conn.execute(text("CREATE INDEX IF NOT EXISTS items_job_parent ON items (job_id, parent_id)"))
             fill_missing_counts(conn)
     except DBAPIError as exc:
         raise _connect_error(engine, url, exc) from exc
@@ -101,9 +105,46 @@ def missing_columns(conn: Connection) -> list[tuple[Table, Column]]:
 
 
 def _schema_is_current(conn: Connection) -> bool:
-    if not set(Base.metadata.tables) <= set(inspect(conn).get_table_names()):
+    inspector = inspect(conn)
+    if not set(Base.metadata.tables) <= set(inspector.get_table_names()):
         return False
+    if "items_job_parent" not in {index["name"] for index in inspector.get_indexes("items")}:
+        return False  # made before long documents had parts: admit_item_states has its states to add
     return not missing_columns(conn)
+
+
+def _item_states_check() -> str:
+    return "status IN (" + ", ".join(f"'{state}'" for state in ITEM_STATES) + ")"
+
+
+def admit_item_states(conn: Connection) -> None:
+    """Widen the items table's check of its states to every state of ITEM_STATES, where a store made
+    earlier checks fewer (the waiting state of a long document's parts).
+
+    PostgreSQL replaces the constraint. SQLite cannot alter a constraint, and rebuilding the table would
+    rewrite every row: the table's stored SQL is rewritten instead, which SQLite documents as the way to
+    change a CHECK constraint (its "ALTER TABLE" page), as existing rows are valid under the wider check.
+    """
+    wanted = _item_states_check()
+    if conn.dialect.name == "postgresql":
+        current = conn.execute(text("SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE conname = "
+                                    "'items_status_valid'")).scalar()
+        if current is not None and "'waiting'" not in current:
+            conn.execute(text(f"ALTER TABLE items DROP CONSTRAINT items_status_valid, ADD CONSTRAINT "
+                              f"items_status_valid CHECK ({wanted})"))
+        return
+    table_sql = conn.exec_driver_sql("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'items'").scalar()
+    found = re.search(r"status IN \([^)]*\)", table_sql or "")
+    if found is None or "'waiting'" in found.group(0):
+        return
+    version = conn.exec_driver_sql("PRAGMA schema_version").scalar()
+    conn.exec_driver_sql("PRAGMA writable_schema = ON")
+    try:
+        conn.exec_driver_sql("UPDATE sqlite_master SET sql = ? WHERE type = 'table' AND name = 'items'",
+                             (table_sql.replace(found.group(0), wanted),))
+        conn.exec_driver_sql(f"PRAGMA schema_version = {int(version) + 1}")
+    finally:
+        conn.exec_driver_sql("PRAGMA writable_schema = OFF")
 
 
 def _parse(url: str) -> URL:

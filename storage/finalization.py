@@ -22,7 +22,7 @@ from layerbus.storage.item_counts import read_counts
 from layerbus.storage.leases import lease_end
 from layerbus.storage.records import Finalization
 from layerbus.storage.schema import jobs as jobs_table
-from layerbus.storage.states import check_job_transition, timestamp_column
+from layerbus.storage.states import UNFINISHED_ITEM_STATES, check_job_transition, timestamp_column
 from layerbus.storage.store_db import StoreDb
 
 JOB = jobs_table.c
@@ -51,7 +51,7 @@ class Finalizations:
             row = _locked_job(conn, job_id, self._db.locking)
             if row.status == "in_progress":
                 counts = read_counts(conn, [job_id]).get(job_id, [])
-                if any(count.count > 0 for count in counts if count.status in ("queued", "in_progress")):
+                if any(count.count > 0 for count in counts if count.status in UNFINISHED_ITEM_STATES):
                     return Finalization(False, row.status, row.finalized_by, row.finalize_lease_expires_at)
                 conn.execute(update(jobs_table).where(JOB.id == job_id).values(
                     status="finalizing", finalizing_at=now, finalized_by=worker, finalize_lease_expires_at=expires))

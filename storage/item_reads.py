@@ -58,6 +58,14 @@ class ItemReads:
                 return
             last_seq = page[-1].seq
 
+    def part_outputs(self, job_id: str, parent_id: str) -> list[str]:
+        """The outputs of the parts of a long document's item, in their order (storage/document_parts.py):
+        what its reduce prompt is made from."""
+        query = (select(ITEM.output).where(ITEM.job_id == job_id, ITEM.parent_id == parent_id)
+                 .order_by(ITEM.position))
+        with self._db.read() as conn:
+            return [output or "" for output in conn.execute(query).scalars()]
+
     def sample_items(self, job_id: str, count: int) -> ItemSample:
         """At most `count` items of a job as it was queued, spread evenly over it in seq order (all of
         them when it has no more), and how many it has: what the planner reads of a job too large to
@@ -77,10 +85,11 @@ class ItemReads:
         with `cancelled` (the job was cancelled), its still-queued items too, as the cancelled items they are
         (storage/item_counts.py)."""
         columns = [ITEM[name] for name in RESULT_COLUMNS if name != "sample_index"] + [ITEM.samples]
-        states = FINISHED_ITEM_STATES + (("queued",) if cancelled else ())
+        states = FINISHED_ITEM_STATES + (("queued", "waiting") if cancelled else ())
         last_seq: int | None = None
         while True:
-            query = select(*columns).where(ITEM.job_id == job_id, ITEM.status.in_(states))
+            # One row per document: a long document's parts (parent_id set) are not results of their own.
+            query = select(*columns).where(ITEM.job_id == job_id, ITEM.status.in_(states), ITEM.parent_id.is_(None))
             if last_seq is not None:
                 query = query.where(ITEM.seq > last_seq)
             with self._db.read() as conn:
@@ -88,7 +97,7 @@ class ItemReads:
             for row in page:
                 fields = dict(row)
                 samples = fields.pop("samples")
-                if row["status"] == "queued":
+                if row["status"] in ("queued", "waiting"):
                     yield {**_as_cancelled(fields), "sample_index": 0}
                 else:
                     yield from expand_samples(fields, samples)

@@ -16,6 +16,7 @@ from sqlalchemy import Connection, bindparam, select, update
 
 from layerbus.storage import job_workers as workers
 from layerbus.storage.clock import utc_now
+from layerbus.storage.document_parts import advance_parents, finished_parts
 from layerbus.storage.item_counts import CountChanges
 from layerbus.storage.leases import held_by, job_leases, lease_end, reclaimable
 from layerbus.storage.lifecycle_store import settle_cancelling
@@ -55,7 +56,8 @@ class ItemLeases:
             if job_status not in RUNNABLE_JOB_STATES:
                 return []
             query = (
-                select(ITEM.id, ITEM.custom_id, ITEM.seq, ITEM.input, ITEM.prompt, ITEM.params_json, ITEM.attempts)
+                select(ITEM.id, ITEM.custom_id, ITEM.seq, ITEM.input, ITEM.prompt, ITEM.params_json, ITEM.attempts,
+                       ITEM.parent_id, ITEM.combine)
                 .where(ITEM.job_id == job_id, ITEM.status == "queued")
                 .order_by(ITEM.seq)
                 .limit(limit)
@@ -83,8 +85,9 @@ class ItemLeases:
     def complete_items(self, results: Sequence[ItemResult], now: datetime | None, holder: str | None) -> list[int]:
         """Record results of in_progress items (failed when error is set); returns the ids written.
 
-        Items no longer in_progress (already finished, cancelled, requeued) are skipped, so a late
-        duplicate result never overwrites a final one; with `holder`, so are items it no longer holds
+        An item whose parts (a long document's) are then all finished moves on in the same transaction
+        (storage/document_parts.py). Items no longer in_progress (already finished, cancelled, requeued) are
+        skipped, so a late duplicate result never overwrites a final one; with `holder`, so are items it no longer holds
         (its lease ran out and another worker claimed them). Within `results`, the first result for an id wins.
         """
         now = utc_now(now)
@@ -120,6 +123,8 @@ class ItemLeases:
                     changes.add(job_id, result.status, 1, 1, result.prompt_tokens, result.completion_tokens)
                     items, tokens = done_by_job.get(job_id, (0, 0))
                     done_by_job[job_id] = (items + 1, tokens + (result.completion_tokens or 0))
+            # A long document's parts: the item they make moves on in this transaction (storage/document_parts.py).
+            advance_parents(self._db, conn, finished_parts(conn, sorted(written)), changes, now)
             jobs = {job_id for job_id, _ in changes.deltas}
             changes.apply(conn)
             if holder is not None:  # the worker's own tally, for `layerbus status JOB`'s workers

@@ -22,7 +22,8 @@ from layerbus.storage.errors import StoreError
 from layerbus.storage.events import events_oldest_first
 from layerbus.storage.states import CANCELLABLE_JOB_STATES, TIMESTAMP_COLUMNS
 from layerbus.storage.status import StateAggregate, build_job_status
-from layerbus.storage.status_records import WORKER_FIELDS, JobEvent, JobStatus, JobWorker, worker_from_row
+from layerbus.storage.status_records import (WORKER_FIELDS, DocumentProgress, JobEvent, JobStatus, JobWorker,
+                                             worker_from_row)
 
 if TYPE_CHECKING:
     from layerbus.storage.eval_records import EvalMetric, EvalRun
@@ -44,6 +45,11 @@ _WORKERS = f"SELECT {', '.join(WORKER_FIELDS)} FROM job_workers WHERE job_id = ?
 _SNAPSHOTS = "SELECT {columns} FROM stage_snapshots WHERE job_id = ?"
 # The cancel: the job's state, its counters (locked in state order on PostgreSQL), then the job row.
 _JOB_STATUS = "SELECT status FROM jobs WHERE id = ?"
+# A job's long documents (storage/document_parts.py): its parts, then its split documents' own items, by level.
+_PARTS = ("SELECT level, status, count(*) FROM items WHERE job_id = ? AND parent_id IS NOT NULL "
+          "GROUP BY level, status")
+_SPLIT_DOCUMENTS = ("SELECT level, status, combine, count(*) FROM items WHERE job_id = ? AND parent_id IS NULL "
+                    "AND combine IS NOT NULL GROUP BY level, status, combine")
 _JOB_COUNTERS = "SELECT status, items FROM item_counts WHERE job_id = ? ORDER BY status"
 _MARK_CANCELLED = "UPDATE jobs SET status = ?, cancelling_at = ?{cancelled} WHERE id = ? AND status = ?"
 # The eval_runs columns in EvalRun's field order, and the eval_metrics columns metric_from_row takes.
@@ -70,6 +76,23 @@ def job_status(run: Run, job_id: str, now: datetime | None) -> JobStatus | None:
     None when there is no such job."""
     statuses = _statuses(run, _JOB, (job_id,), now)
     return statuses[0] if statuses else None
+
+
+def document_progress(run: Run, job_id: str) -> DocumentProgress | None:
+    """How far the job's long documents are; None when it split none. Reads the parts' rows (through the
+    items' (job_id, parent_id) index): nothing for a job without long documents."""
+    parts = list(run(_PARTS, (job_id,)))
+    if not parts:
+        return None
+    documents = list(run(_SPLIT_DOCUMENTS, (job_id,)))
+    unfinished = ("queued", "in_progress", "waiting")
+    levels = {level for level, status, _ in parts if level and status in unfinished}
+    levels |= {level for level, status, combine, _ in documents if status in unfinished and combine == "reduce"}
+    return DocumentProgress(
+        split=sum(count for *_, count in documents), parts=sum(count for *_, count in parts),
+        parts_done=sum(count for _, status, count in parts if status not in unfinished),
+        documents_done=sum(count for _, status, _, count in documents if status not in unfinished),
+        levels_remaining=len(levels))
 
 
 def recent_jobs(run: Run, limit: int, now: datetime | None) -> list[JobStatus]:

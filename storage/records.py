@@ -60,12 +60,25 @@ class NewItem:
     custom_id: str
     # The user's text as given (document, prompt or JSON messages), echoed in the results.
     input: str
-    # The rendered model prompt text the stages tokenize.
-    prompt: str
+    # The rendered model prompt text the stages tokenize; None for a reduce, whose prompt is made from its
+    # parts' outputs when it is claimed.
+    prompt: str | None
     # Per-item overrides of the job settings: max_tokens, temperature, top_p, top_k, seed, stop.
     params: dict[str, Any]
     # Position in the input (0- or 1-based, the caller's choice); unique within the job; results keep this order.
     seq: int
+    # A part of a long document (jobs/long_documents.py): the custom_id of the item its output feeds, its
+    # place among that item's parts, its level (0: a piece of the text; k: a reduce of level k), and for an
+    # item made from parts how ("reduce" or "join"). None for an item that is a whole document.
+    parent_id: str | None = None
+    position: int | None = None
+    level: int | None = None
+    combine: str | None = None
+
+    @property
+    def status(self) -> str:
+        """The state it is stored in: an item made from its parts waits for them."""
+        return "waiting" if self.combine is not None else "queued"
 
 
 @dataclass(frozen=True)
@@ -104,6 +117,10 @@ class ClaimedItem:
     params: dict[str, Any]
     # How many times the item has been claimed, this claim included (1 on the first run).
     attempts: int
+    # A long document's part: the custom_id of the item its output feeds (None: a whole document), and
+    # for an item made from its parts, how ("reduce": its prompt is made from their outputs when claimed).
+    parent_id: str | None = None
+    combine: str | None = None
 
 
 @dataclass(frozen=True)

@@ -108,6 +108,8 @@ class Item(Base):
         # Claims read "queued items of this job in seq order" from its prefix; job_status's per-state
         # counts and token sums read only this index, never the wide rows (40 MB for 10,000 documents).
         Index("items_job_status_seq", "job_id", "status", "seq", "attempts", "prompt_tokens", "completion_tokens"),
+        # A long document's parts: "the items whose outputs make this one's result" (storage/document_parts.py).
+        Index("items_job_parent", "job_id", "parent_id"),
         _one_of("status", ITEM_STATES, "items_status_valid"),
     )
 
@@ -137,6 +139,16 @@ class Item(Base):
     # latency_s, error and logprobs; the columns above then hold sample 0, completion_tokens the sum (added, nullable)
     samples: Mapped[str | None]
     finished_at: Mapped[datetime | None]  # entered completed, failed or cancelled
+    # A long document's parts (jobs/long_documents.py; added, nullable; NULL for an item that is a whole
+    # document). The custom_id of the item this one's output feeds: a reduce, or the document itself.
+    parent_id: Mapped[str | None]
+    # Its place among the parent's parts, from 0: the order their outputs are combined in.
+    position: Mapped[int | None] = mapped_column(Integer)
+    # 0 for a piece of the document's text, k for a reduce of level k (summaries of summaries at 2, ...).
+    level: Mapped[int | None] = mapped_column(Integer)
+    # On an item whose result is made from its parts: "reduce" (queued to run once they are done) or
+    # "join" (their outputs joined in order, with no model call).
+    combine: Mapped[str | None] = mapped_column(String(16))
 
 
 class ItemCountRow(Base):

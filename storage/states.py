@@ -18,9 +18,13 @@ JOB_STATES = (
     "cancelling",
     "cancelled",
 )
-ITEM_STATES = ("queued", "in_progress", "completed", "failed", "cancelled")
+# waiting: a part of a long document whose result is made from other items' outputs (a reduce, a join);
+# it becomes queued, completed or failed in the transaction that finishes the last of them.
+ITEM_STATES = ("queued", "in_progress", "completed", "failed", "cancelled", "waiting")
 FINISH_REASONS = ("stop", "length", "error", "cancelled")
 
+# Items not finished yet: runnable, running, or waiting for the items their result is made from.
+UNFINISHED_ITEM_STATES = ("queued", "in_progress", "waiting")
 # Items in these states have their final result in the store.
 FINISHED_ITEM_STATES = ("completed", "failed", "cancelled")
 # Jobs in these states are over: a run has nothing left to do, and `status --watch` stops.

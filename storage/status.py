@@ -35,11 +35,12 @@ class StateAggregate:
 
 def reported_aggregates(aggregates: Sequence[StateAggregate], cancelled: bool) -> list[StateAggregate]:
     """The counters as status reports them: once a job was cancelled (its cancelling_at is set, never
-    cleared), its queued items are cancelled ones (storage/item_counts.py: a cancel leaves their rows)."""
+    cleared), its queued and waiting items are cancelled ones (storage/item_counts.py: a cancel leaves their
+    rows)."""
     if not cancelled:
         return list(aggregates)
-    queued = [a for a in aggregates if a.status == "queued"]
-    others = [a for a in aggregates if a.status not in ("queued", "cancelled")]
+    queued = [a for a in aggregates if a.status in ("queued", "waiting")]
+    others = [a for a in aggregates if a.status not in ("queued", "waiting", "cancelled")]
     folded = [a for a in aggregates if a.status == "cancelled"] + queued
     if not folded:
         return others
@@ -58,7 +59,7 @@ def build_job_status(job: Mapping[str, Any], aggregates: Sequence[StateAggregate
     # Items finished by a worker, the measure of the run's pace; cancelled ones never ran to completion.
     finished_runs = sum(a.ran for a in aggregates if a.status in ("completed", "failed"))
     elapsed = _run_seconds(job, now)
-    remaining = counts["queued"] + counts["in_progress"]
+    remaining = counts["queued"] + counts["in_progress"] + counts["waiting"]
     return JobStatus(
         job_id=job["id"],
         name=job["name"],

@@ -119,3 +119,20 @@ def worker_from_row(row: Mapping[str, Any]) -> JobWorker:
     return JobWorker(worker=str(row["worker"]), host=str(row["host"]), chain=row["chain"], state=str(row["state"]),
                      items_done=int(row["items_done"]), completion_tokens=int(row["completion_tokens"]),
                      lease_s=float(row["lease_s"]), started_at=row["started_at"], renewed_at=row["renewed_at"])
+
+
+@dataclass(frozen=True)
+class DocumentProgress:
+    """A job's long documents: how many were split, the parts they became and how far they are."""
+
+    # Documents split into parts (the others are one item each).
+    split: int
+    # Their parts: pieces of text, and the reduces below each document's own item.
+    parts: int
+    # Of those, parts finished (completed, failed or cancelled).
+    parts_done: int
+    # Split documents whose own item is finished.
+    documents_done: int
+    # Reduce levels with work not finished yet, the documents' own items included (0 for a translation,
+    # whose pieces are joined without a model call).
+    levels_remaining: int

@@ -24,7 +24,7 @@ description is. The parts share one StoreDb (storage/store_db.py):
   report_store.JobReports         add_job_event, job_events, record_stage_snapshots, stage_snapshots
   job_reads.JobReads              job_status, list_jobs, latest_job_id, find_job_by_name, next_runnable_job,
                                   job_settings
-  item_reads.ItemReads            item_results, job_items, sample_items
+  item_reads.ItemReads            item_results, job_items, part_outputs, sample_items
   eval_store.EvalStore            record_eval_run, finish_eval_run, eval_run, eval_runs, previous_eval_run,
                                   eval_metrics, eval_history
 
@@ -45,6 +45,7 @@ from sqlalchemy import Connection, Engine
 from layerbus.storage.engine import create_tables, open_engine
 from layerbus.storage.errors import StoreError
 from layerbus.storage.eval_records import DEFAULT_EVAL_LIMIT, EvalMetric, EvalRun
+from layerbus.storage import light_sql
 from layerbus.storage.eval_store import EvalStore
 from layerbus.storage.events import DEFAULT_EVENT_LIMIT
 from layerbus.storage.finalization import Finalizations
@@ -59,6 +60,7 @@ from layerbus.storage.records import (ClaimedItem, Finalization, InvalidItem, It
                                       JobStatus, JobWorker, Lease, NewItem)
 from layerbus.storage.report_store import JobReports
 from layerbus.storage.snapshot_records import StageSnapshot
+from layerbus.storage.status_records import DocumentProgress
 from layerbus.storage.store_db import StoreDb
 from layerbus.storage.submit_store import Submissions
 
@@ -259,6 +261,15 @@ class JobStore:
     def job_items(self, job_id: str) -> Iterator[NewItem]:
         """Every item of a job as it was queued, in seq order, read in pages."""
         return self._items.job_items(job_id)
+
+    def document_progress(self, job_id: str) -> DocumentProgress | None:
+        """How far the job's long documents are (storage/light_sql.py); None when it split none."""
+        with self._read() as conn:
+            return light_sql.document_progress(self._db.statements(conn), job_id)
+
+    def part_outputs(self, job_id: str, parent_id: str) -> list[str]:
+        """The outputs of a long document's item's parts, in order: what its reduce prompt is made from."""
+        return self._items.part_outputs(job_id, parent_id)
 
     def sample_items(self, job_id: str, count: int) -> ItemSample:
         """At most `count` items of a job as it was queued, spread evenly over it, and how many it has."""

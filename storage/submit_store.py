@@ -51,7 +51,9 @@ class Submissions:
                 conn.execute(insert(jobs_table), job_row)
                 if rows:
                     conn.execute(insert(items_table), rows)
-                insert_counts(conn, job_id, [StateAggregate("queued", len(items), 0, 0, 0),
+                waiting = sum(1 for item in items if item.status == "waiting")
+                insert_counts(conn, job_id, [StateAggregate("queued", len(items) - waiting, 0, 0, 0),
+                                             StateAggregate("waiting", waiting, 0, 0, 0),
                                              StateAggregate("failed", len(invalid_items), 0, 0, 0)])
         except IntegrityError as exc:
             raise StoreError(duplicate_message(rows, exc)) from exc
@@ -86,7 +88,9 @@ class Submissions:
                 if rows:
                     conn.execute(insert(items_table), rows)
                 changes = CountChanges()
-                changes.add(job_id, "queued", len(items), 0)
+                waiting = sum(1 for item in items if item.status == "waiting")
+                changes.add(job_id, "queued", len(items) - waiting, 0)
+                changes.add(job_id, "waiting", waiting, 0)
                 changes.add(job_id, "failed", len(invalid_items), 0)
                 changes.apply(conn)
                 added = len(items) + len(rows)

@@ -15,7 +15,7 @@ from tests.helpers.fixtures_cli import home, tiny  # noqa: F401 - fixtures
 
 def test_run_end_to_end(home, tmp_path, tiny):
     items = documents(10) + [
-        {"id": "too-long", "text": "word " * 150},  # over --max-context: fails alone
+        {"id": "too-long", "text": "word " * 150},  # over --max-context, with --long-documents fail: fails alone
         {"custom_id": "openai-1", "method": "POST", "url": "/v1/chat/completions",
          "body": {"messages": [{"role": "user", "content": "Count from one to ten."}], "max_tokens": 3}},
     ]
@@ -23,7 +23,8 @@ def test_run_end_to_end(home, tmp_path, tiny):
     db = f"sqlite:///{tmp_path / 'jobs.db'}"
 
     result = layerbus(home, "run", corpus, "--task", "summarize", "--model", tiny, "--stages", "2", "--db", db,
-                      "--max-new-tokens", "12", "--max-context", "128", "--slots", "4", timeout=RUN_TIMEOUT_S)
+                      "--max-new-tokens", "12", "--max-context", "128", "--slots", "4", "--long-documents", "fail",
+                      timeout=RUN_TIMEOUT_S)
 
     assert result.returncode == 0, result.stderr
     job_id = JOB_ID.search(result.stdout).group()

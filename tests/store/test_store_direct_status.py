@@ -65,7 +65,7 @@ def test_a_store_from_before_the_item_counters_is_left_to_the_full_store(tmp_pat
     with JobStore.open(url):  # counts the items once and keeps the counters from then on
         pass
     assert read_job_status(url, ids[0]).counts == {"queued": 4, "in_progress": 2, "completed": 2, "failed": 2,
-                                                   "cancelled": 0}
+                                                   "cancelled": 0, "waiting": 0}
 
 
 @pytest.mark.cluster

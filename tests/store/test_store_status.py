@@ -88,7 +88,7 @@ def test_throughput_and_eta(job: dict, aggregates: list, now_s: int, tokens_per_
     status = build_job_status(job, aggregates, T0 + timedelta(seconds=now_s))
     assert (status.tokens_per_s, status.eta_s) == (tokens_per_s, eta_s)
     assert sum(status.counts.values()) == sum(a.count for a in aggregates)
-    assert set(status.counts) == {"queued", "in_progress", "completed", "failed", "cancelled"}
+    assert set(status.counts) == {"queued", "in_progress", "completed", "failed", "cancelled", "waiting"}
 
 
 def test_settings_round_trip_keeps_unknown_keys() -> None:

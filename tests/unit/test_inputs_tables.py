@@ -138,7 +138,7 @@ def test_every_bad_parquet_row_is_reported_with_its_row_number(tmp_path):
 @pytest.mark.parametrize(
     "columns, expected",
     [
-        ({"id": ["a"], "body": ["x"]}, "no content column"),
+        ({"id": ["a"], "title": ["x"], "summary": ["y"]}, "no content column"),
         ({"id": ["a"], "text": ["x"], "colour": ["red"]}, "unknown column(s) 'colour'"),
         ({"id": pa.array([], pa.string()), "text": pa.array([], pa.string())}, "no items: the table has no rows"),
     ],
