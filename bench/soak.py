@@ -197,9 +197,15 @@ class Cluster:
         return broker.pid
 
     def up_for(self, i: int) -> float:
+        """Seconds broker i has been up: 0 until it works the job (it is then among the job's workers; before
+        that, on a loaded machine, it may still be placing its model, and a kill of it is nobody's loss)."""
         broker = self.brokers[i]
         up = broker is not None and broker.poll() is None and self.broker_restart_at[i] is None
-        return time.monotonic() - self.broker_started[i] if up else 0.0
+        return time.monotonic() - self.broker_started[i] if up and self.works_the_job(broker.pid) else 0.0
+
+    def works_the_job(self, pid: int) -> bool:
+        with JobStore.open(self.db) as store:
+            return any(f":{pid}:" in worker.worker for worker in store.job_workers(self.job_id))
 
     def stages_ready(self, min_up_s: float) -> list[str]:
         """Stages alive, not stopped, registered and answered, up for a while, whose broker is up for a while: a
