@@ -88,10 +88,6 @@ def main(args: argparse.Namespace) -> int:
                           args.num_fewshot, args.seed)
     if args.queue and args.job:
         raise UsageError(f"--queue queues a new run; job {args.job} is queued already: drop --queue")
-    if not args.queue:
-        from layerbus.launch.stage_launcher import warm_up
-
-        warm_up()  # the stages' imports go on while the tasks are read, tokenized and queued
     with open_store(args.db) as store:
         job_id, model_dir = _queued(store, args, options) if not args.job else _existing(store, args)
         if args.queue:
@@ -132,6 +128,10 @@ def _queued(store, args, options) -> tuple[str, Path]:
         count = len(error.problems)
         raise UsageError(f"{count} problem{'s' if count != 1 else ''} in the tasks; nothing was queued:\n{error}") \
             from None
+    if not args.queue:
+        from layerbus.launch.stage_launcher import warm_up
+
+        warm_up()  # the stages' imports go on while the model is read and the tasks tokenized and queued
     model_dir = resolve_model(args.model)
     info = model_for_stages(model_dir, args.stages)
     # lm-eval's max_length: what the broker's context allows (--max-context, capped by the model's limit).

@@ -93,7 +93,11 @@ def test_sigstop_beyond_the_liveness_window_is_recovered_and_late_results_are_di
     results, stats = run(model_dir, long_requests, on_result=stop_last)
     try:
         assert len(stopped) == 3, "recovery did not happen while the run lasted"
-        assert len(stats.recoveries) == 1 and stats.recoveries[0]["stage"] == stopped[1]
+        # One re-plan for the loss; the stage, continued, may register again and be grown back in while the run
+        # lasts (a "joined" re-plan), depending on how long the rest of the run takes.
+        lost = [event for event in stats.recoveries if event["reason"] != "joined"]
+        assert len(lost) == 1 and lost[0]["stage"] == stopped[1], stats.recoveries
+        assert all(event["stage"] == stopped[1] for event in stats.recoveries[1:]), stats.recoveries
         # Run after SIGCONT, the last stage's queued steps of the old epoch reach the broker and are dropped.
         assert stats.discarded >= 1
         assert outputs(results) == unfaulted_long

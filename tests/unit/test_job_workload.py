@@ -37,12 +37,15 @@ def test_the_blocks_items_share_at_their_start_are_named_for_the_prefix_cache(st
     assert workload.prefix_blocks == ((0, 1), (0, 1), (0, 1), ())
 
 
-def test_a_scoring_job_has_no_workload(store, tokenizer) -> None:
+def test_a_scoring_item_counts_as_the_positions_it_feeds_and_one_new_token(store, tokenizer) -> None:
     scoring = {"score": [[[1, 2, 3], [[4], [5, 6]]]]}  # a context and two continuations
     generation = NewItem("g", "y", "one two", item_params({}, add_special_tokens=False), seq=2)
     job = store.create_job(JobSettings(task="generate", model="tiny"),
                            [NewItem("s", "x", "three", scoring, seq=1), generation])
-    assert job_workload(store, job, tokenizer) is None
+    workload = job_workload(store, job, tokenizer)
+    assert workload.items == 2
+    assert (workload.prompt_lengths[0], workload.max_new_tokens[0]) == (6, 1)  # 3 + 1 + 2 positions fed
+    assert workload.prompt_lengths[1] == len(tokenizer.encode("one two", add_special_tokens=False))
 
 
 def test_outputs_are_expected_to_end_where_the_same_model_and_task_ended_before(store, tokenizer) -> None:
