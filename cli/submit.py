@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Container
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -13,10 +12,8 @@ from layerbus.cli.errors import EXIT_OK, UsageError
 from layerbus.cli.options import add_job_options, command_parser, open_store, resolve_model
 
 if TYPE_CHECKING:
-    from layerbus.jobs.prompts import PromptRenderer
-    from layerbus.jobs.records import InputRecord
     from layerbus.jobs.tasks import TaskSpec
-    from layerbus.storage import JobStore, NewItem
+    from layerbus.storage import JobStore
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -42,7 +39,7 @@ def submit_job(store: JobStore, args: argparse.Namespace, check_model: Callable[
     grow with it; the job stays validating (never claimed) until the whole input passed.
     """
     from layerbus.jobs.inputs import FirstIds, input_problem, stream_outcomes
-    from layerbus.jobs.intake import ItemsRefused, JobIntake
+    from layerbus.jobs.intake import ItemsRefused, JobIntake, item_preparer
     from layerbus.jobs.records import InputError
 
     if args.task is None:
@@ -75,7 +72,7 @@ def submit_job(store: JobStore, args: argparse.Namespace, check_model: Callable[
     settings = JobSettings(task=spec.task, model=str(model_dir), max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, seed=args.seed, target_language=spec.target_language,
                            name=args.name, input_path=str(path.absolute()), extra=_job_extra(args))
-    ids, prepare = FirstIds(), _preparer(renderer, model_dir, names)
+    ids, prepare = FirstIds(), item_preparer(renderer, model_dir, names)
     intake = JobIntake(store, settings, ids, args.skip_invalid, str(path))
     intake.add_all(stream_outcomes(path, spec.task, ids), prepare)  # interrupted or broken: nothing stays behind
     try:
@@ -123,30 +120,6 @@ def _job_model(given: str | None, path: Path) -> Path:
                          "model in the lines' body.model (its path, directory name or prepared name)")
     print(f"layerbus: using the model the lines name, {name!r} ({found})", file=sys.stderr)
     return found
-
-
-def _preparer(renderer: PromptRenderer, model_dir: Path,
-              names: Container[str]) -> Callable[[InputRecord], NewItem | str]:
-    """The function that makes each record's item to queue, or says why the job refuses it: a line naming
-    another model (answering it with this model would give it another model's output), or a prompt the
-    task cannot render. Imports once, here: it runs a million times."""
-    from layerbus.jobs.intake import input_text
-    from layerbus.jobs.item_params import item_params
-    from layerbus.storage import NewItem
-
-    def prepare(record: InputRecord) -> NewItem | str:
-        if record.model is not None and record.model not in names:
-            return (f"body.model {record.model!r} is not this job's model ({model_dir.name}, {model_dir}); a job runs "
-                    f"one model: give this line the job's model name, or submit the lines for {record.model!r} as "
-                    "their own job with --model")
-        try:
-            prompt = renderer.render(record)
-        except ValueError as error:
-            return str(error)
-        params = item_params(record.params, prompt.add_special_tokens, record.endpoint)
-        return NewItem(record.custom_id, input_text(record), prompt.text, params, record.line)
-
-    return prepare
 
 
 def _task_spec(args: argparse.Namespace) -> TaskSpec:
