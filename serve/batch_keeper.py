@@ -43,7 +43,10 @@ class BatchKeeper:
 
 
 def look(server: Server) -> None:
-    """One pass over the open batches."""
+    """One pass over the open batches, and a token sample of each running job."""
+    for job in server.store.list_jobs(limit=50):
+        if job.status in ("in_progress", "finalizing", "cancelling"):
+            server.token_samples.record(job.job_id, server.clock(), job.completion_tokens)
     for batch in server.api.open_batches():
         if batch.status == BATCH_VALIDATING:
             if batch.id not in server.validating:

@@ -13,6 +13,7 @@ from fastapi import Request
 
 from layerbus.serve.auth import COOKIE, Caller, authenticate, bearer_key
 from layerbus.serve.config import ServeConfig
+from layerbus.serve.token_samples import TokenSamples
 from layerbus.storage.api_store import ApiStore
 from layerbus.storage.store import JobStore
 
@@ -30,6 +31,8 @@ class Server:
         # Ids of the batches this process is validating: a validating batch not among them was left by a server
         # that stopped.
         self.validating: set[str] = set()
+        # Generated tokens over time of the running jobs, for the dashboard's charts.
+        self.token_samples = TokenSamples()
         config.files_dir.mkdir(parents=True, exist_ok=True)
 
     def now(self) -> datetime:
