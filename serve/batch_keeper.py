@@ -49,7 +49,7 @@ def look(server: Server) -> None:
             server.token_samples.record(job.job_id, server.clock(), job.completion_tokens)
     for batch in server.api.open_batches():
         if batch.status == BATCH_VALIDATING:
-            if batch.id not in server.validating:
+            if batch.id not in server.validating and batch.created_at < server.started_at:
                 server.api.update_batch(batch.id, only_if_status=(BATCH_VALIDATING,), status="failed",
                                         errors_json=_one_error("the server stopped while validating this batch; "
                                                                "create it again"), finished_at=server.now())

@@ -107,8 +107,9 @@ def validate(server: Server, batch: ApiBatch, input_file: ApiFile) -> None:
     """On the intake thread: the batch's input into a job, or the batch failed with errors.data."""
     from pathlib import Path
 
-    try:
+    try:  # the batch leaves `validating` before this process stops saying it validates it (the keeper reads both)
         job_id = submit_batch_job(server.store, Path(input_file.path), batch.endpoint, batch.id, server.config.models)
+        server.api.update_batch(batch.id, status=BATCH_SUBMITTED, job_id=job_id)
     except BatchRefused as refused:
         _failed(server, batch, refused.errors)
         return
@@ -118,7 +119,6 @@ def validate(server: Server, batch: ApiBatch, input_file: ApiFile) -> None:
         return
     finally:
         server.validating.discard(batch.id)
-    server.api.update_batch(batch.id, status=BATCH_SUBMITTED, job_id=job_id)
     now_batch = server.api.batch(batch.id)
     if now_batch is not None and (now_batch.cancelling_at is not None or now_batch.expired_at is not None):
         cancel_job_quietly(server, job_id)

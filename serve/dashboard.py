@@ -4,6 +4,7 @@ with an API key (kept in an HttpOnly cookie). Behind the same keys as the API; e
 
 from __future__ import annotations
 
+from html import escape
 from urllib.parse import parse_qs
 
 from fastapi import APIRouter, Request
@@ -37,7 +38,7 @@ def _page(request: Request, build) -> Response:  # type: ignore[no-untyped-def]
     try:
         title, body, live = build(server)
     except (StoreError, ValueError) as error:
-        return HTMLResponse(layout("not found", f'<p class="error">{error}</p>'), status_code=404)
+        return HTMLResponse(layout("not found", f'<p class="error">{escape(str(error))}</p>'), status_code=404)
     return HTMLResponse(layout(title, body, live))
 
 
@@ -93,7 +94,10 @@ def job_page(request: Request, job_id: str) -> Response:
 def job_live(request: Request, job_id: str) -> Response:
     server = _server(request)
     server.caller(request)
-    return HTMLResponse(_job_live(server, job_id))
+    try:
+        return HTMLResponse(_job_live(server, job_id))
+    except StoreError as error:
+        return HTMLResponse(f'<p class="error">{escape(str(error))}</p>', status_code=404)
 
 
 @router.get("/evals")

@@ -31,6 +31,8 @@ class Server:
         # Ids of the batches this process is validating: a validating batch not among them was left by a server
         # that stopped.
         self.validating: set[str] = set()
+        # Batches created before this moment and still validating were left by a server that stopped.
+        self.started_at = self.now()
         # Generated tokens over time of the running jobs, for the dashboard's charts.
         self.token_samples = TokenSamples()
         config.files_dir.mkdir(parents=True, exist_ok=True)
