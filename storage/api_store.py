@@ -41,8 +41,8 @@ class ApiStore:
                 conn.execute(insert(api_keys), {"name": name, "key_hash": key_hash, "admin": int(admin),
                                                 "created_at": utc_now(now), "revoked_at": None})
         except IntegrityError as exc:
-            raise StoreError(f"an API key named {name!r} exists already in {self.url}: choose another name, or "
-                             f"`layerbus keys api revoke {name}` first") from exc
+            raise StoreError(f"an API key named {name!r} exists already in {self.url} (a revoked key keeps its "
+                             "name): choose another name; `layerbus keys api list` shows them") from exc
 
     def key_by_hash(self, key_hash: str) -> ApiKey | None:
         with self._db.read() as conn:
