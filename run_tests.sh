@@ -38,15 +38,17 @@ if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb 
 fi
 
 # A real Prometheus scraping a broker (tests/cluster/test_metrics_cluster.py), tmux for `layerbus top`'s live view
-# (tests/cluster/test_top_cli.py) and a single-node Slurm (slurm-wlm and munge: deploy/slurm/layerbus.sbatch in
-# tests/cluster/test_slurm.py), installed the same way where missing; their tests skip, saying why, if that fails.
+# (tests/cluster/test_top_cli.py), a single-node Slurm (slurm-wlm and munge: deploy/slurm/layerbus.sbatch in
+# tests/cluster/test_slurm.py) and headless Chromium for the dashboard (tests/cluster/test_serve_dashboard.py),
+# installed the same way where missing; their tests skip, saying why, if that fails.
 missing=()
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
 command -v tmux >/dev/null 2>&1 || missing+=(tmux)
 PATH="$PATH:/usr/sbin:/sbin" command -v slurmctld >/dev/null 2>&1 || missing+=(slurm-wlm)
 PATH="$PATH:/usr/sbin:/sbin" command -v munged >/dev/null 2>&1 || missing+=(munge)
 if [ "${#missing[@]}" -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "run_tests: installing ${missing[*]} for the monitoring and Slurm tests" >&2
+    echo "run_tests: installing ${missing[*]} for the monitoring, Slurm and dashboard tests" >&2
     { apt-get update -qq && DEBIAN_FRONTEND=noninteractive timeout 900 apt-get install -y -qq \
         --no-install-recommends "${missing[@]}" >/dev/null; } ||
         echo "run_tests: could not install ${missing[*]}; their tests will be skipped" >&2

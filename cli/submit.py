@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Container
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -13,11 +12,9 @@ from layerbus.cli.errors import EXIT_OK, UsageError
 from layerbus.cli.options import add_job_options, command_parser, open_store, resolve_model
 
 if TYPE_CHECKING:
-    from layerbus.jobs.document_split import DocumentSplitter, LongDocuments
-    from layerbus.jobs.prompts import PromptRenderer
-    from layerbus.jobs.records import InputRecord
+    from layerbus.jobs.document_split import LongDocuments
     from layerbus.jobs.tasks import TaskSpec
-    from layerbus.storage import JobStore, NewItem
+    from layerbus.storage import JobStore
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -45,7 +42,7 @@ def submit_job(store: JobStore, args: argparse.Namespace, check_model: Callable[
     """
     from layerbus.jobs.columns import column_options
     from layerbus.jobs.inputs import FirstIds, input_problem, stream_outcomes
-    from layerbus.jobs.intake import ItemsRefused, JobIntake
+    from layerbus.jobs.intake import ItemsRefused, JobIntake, item_preparer
     from layerbus.jobs.records import InputError
 
     if args.task is None:
@@ -83,7 +80,7 @@ def submit_job(store: JobStore, args: argparse.Namespace, check_model: Callable[
                            name=args.name, input_path=str(path.absolute()), extra=extra)
     splitter = None if long_documents is None else DocumentSplitter(
         long_documents, spec.task, renderer, args.max_new_tokens, token_counter(model_dir))
-    ids, prepare = FirstIds(), _preparer(renderer, model_dir, names, splitter)
+    ids, prepare = FirstIds(), item_preparer(renderer, model_dir, names, splitter)
     intake = JobIntake(store, settings, ids, args.skip_invalid, str(path))
     found = stream_outcomes(path, spec.task, ids, column_options(args))
     intake.add_all(found, prepare)  # interrupted or broken: nothing stays behind
@@ -174,31 +171,6 @@ def _template(path: str | None, option: str, marker: str, what: str) -> str | No
     if marker not in template:
         raise UsageError(f"{option} {path}: it has no {marker}: write {marker} in it, to mark the place of {what}")
     return template
-
-
-def _preparer(renderer: PromptRenderer, model_dir: Path, names: Container[str],
-              splitter: DocumentSplitter | None = None) -> Callable[[InputRecord], NewItem | list[NewItem] | str]:
-    """The function that makes each record's item to queue, or says why the job refuses it: a line naming
-    another model (answering it with this model would give it another model's output), or a prompt the
-    task cannot render. Imports once, here: it runs a million times."""
-    from layerbus.jobs.intake import input_text
-    from layerbus.jobs.item_params import item_params
-    from layerbus.storage import NewItem
-
-    def prepare(record: InputRecord) -> NewItem | str:
-        if record.model is not None and record.model not in names:
-            return (f"body.model {record.model!r} is not this job's model ({model_dir.name}, {model_dir}); a job runs "
-                    f"one model: give this line the job's model name, or submit the lines for {record.model!r} as "
-                    "their own job with --model")
-        try:
-            prompt = renderer.render(record)
-        except ValueError as error:
-            return str(error)
-        params = item_params(record.params, prompt.add_special_tokens, record.endpoint)
-        item = NewItem(record.custom_id, input_text(record), prompt.text, params, record.line)
-        return item if splitter is None else splitter.items(record, item)
-
-    return prepare
 
 
 def _task_spec(args: argparse.Namespace) -> TaskSpec:

@@ -9,14 +9,20 @@ its file:line. The first problem that refuses the input stops the storing; readi
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from layerbus.jobs.inputs import FirstIds, unused_id
 from layerbus.jobs.item_checks import ItemOutcome
 from layerbus.jobs.records import InputError, InputProblem, InputRecord
 from layerbus.storage.records import InvalidItem, JobSettings, NewItem
 from layerbus.storage.store import JobStore
+
+if TYPE_CHECKING:
+    from layerbus.jobs.document_split import DocumentSplitter
+    from layerbus.jobs.prompts import PromptRenderer
 
 # Items per store transaction: large enough that the per-transaction cost vanishes, small enough that a
 # chunk's rows stay a few MB and other writers (brokers) wait at most a moment for the write lock.
@@ -155,3 +161,26 @@ class JobIntake:
     def _discarded(self, error: Exception) -> Exception:
         self.abandon()
         return error
+
+
+def item_preparer(renderer: PromptRenderer, model_dir: Path, names: Container[str],
+                  splitter: DocumentSplitter | None = None) -> Callable[[InputRecord], NewItem | list[NewItem] | str]:
+    """The function that makes each record's item to queue (a long document's parts too, with `splitter`), or
+    says why the job refuses it: a line naming another model (answering it with this model would give it
+    another model's output), or a prompt the task cannot render. Imports once, here: it runs a million times."""
+    from layerbus.jobs.item_params import item_params
+
+    def prepare(record: InputRecord) -> NewItem | str:
+        if record.model is not None and record.model not in names:
+            return (f"body.model {record.model!r} is not this job's model ({model_dir.name}, {model_dir}); a job runs "
+                    f"one model: give this line the job's model name, or submit the lines for {record.model!r} as "
+                    "their own job with --model")
+        try:
+            prompt = renderer.render(record)
+        except ValueError as error:
+            return str(error)
+        params = item_params(record.params, prompt.add_special_tokens, record.endpoint)
+        item = NewItem(record.custom_id, input_text(record), prompt.text, params, record.line)
+        return item if splitter is None else splitter.items(record, item)
+
+    return prepare

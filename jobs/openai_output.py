@@ -26,6 +26,9 @@ COMPLETIONS_ENDPOINT = "/v1/completions"
 REFUSED_CODE = "invalid_request"  # refused at submit: never ran (its message is the validation's)
 FAILED_CODE = "generation_failed"  # ran and failed (prompt too long for the model, a stage error, ...)
 CANCELLED_CODE = "batch_cancelled"  # the job was cancelled before the item ran
+# The error line of a cancelled item: (code, message). A batch whose completion window ran out says so instead
+# (serve/batch_keeper.py).
+CANCELLED_ERROR = (CANCELLED_CODE, "the job was cancelled before this request ran")
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,8 @@ class FileCounts:
 
 
 def output_line(job: OutputJob, row: dict[str, Any], params: dict[str, Any],
-                samples: list[dict[str, Any]] | None = None) -> tuple[bool, dict[str, Any]]:
+                samples: list[dict[str, Any]] | None = None,
+                cancelled_error: tuple[str, str] = CANCELLED_ERROR) -> tuple[bool, dict[str, Any]]:
     """(is_output, line) for one finished item: `row` is its result row (JobStore.item_results), `params`
     its stored params (JobStore.job_items); `samples`, an item's rows when it has n > 1 samples (row is then
     the first), become its choices, in sample order. is_output is False for a line of the error file: an item
@@ -65,7 +69,7 @@ def output_line(job: OutputJob, row: dict[str, Any], params: dict[str, Any],
         return True, line
     row = next(sample for sample in samples if sample["status"] != "completed")
     if row["status"] == "cancelled":
-        line["error"] = {"code": CANCELLED_CODE, "message": "the job was cancelled before this request ran"}
+        line["error"] = {"code": cancelled_error[0], "message": cancelled_error[1]}
     else:
         refused = row.get("prompt") is None
         line["error"] = {"code": REFUSED_CODE if refused else FAILED_CODE,
@@ -74,12 +78,12 @@ def output_line(job: OutputJob, row: dict[str, Any], params: dict[str, Any],
 
 
 def write_openai_files(job: OutputJob, items: Iterable[tuple[dict[str, Any], dict[str, Any]]], output: TextIO,
-                       errors: TextIO | None) -> FileCounts:
+                       errors: TextIO | None, cancelled_error: tuple[str, str] | None = None) -> FileCounts:
     """Write one line per item, in the order given, to `output` or `errors` (error lines are counted but
     not written when `errors` is None). One line is held at a time: any number of items fits in memory."""
     written = {True: 0, False: 0}
     for samples, params in _by_item(items):
-        is_output, line = output_line(job, samples[0], params, samples)
+        is_output, line = output_line(job, samples[0], params, samples, cancelled_error or CANCELLED_ERROR)
         target = output if is_output else errors
         if target is not None:
             target.write(json.dumps(line, ensure_ascii=False) + "\n")

@@ -1,5 +1,6 @@
 """The job store's tables, `jobs`, `items`, `item_counts`, `job_events`, `stage_snapshots`, `job_workers`,
-`eval_runs` and `eval_metrics`, as SQLAlchemy declarative models.
+`eval_runs`, `eval_metrics`, and the API server's `api_keys`, `api_files` and `api_batches`, as SQLAlchemy
+declarative models.
 
 Users query these tables with plain SQL (see storage/SCHEMA.md), so they stay flat: text states,
 JSON as text, one timestamp column per job state. Timestamps are UTC: `timestamptz` on PostgreSQL,
@@ -282,6 +283,66 @@ class EvalMetricRow(Base):
     n: Mapped[int] = mapped_column(Integer)  # documents scored for this task
 
 
+class ApiKeyRow(Base):
+    """One key of `layerbus serve`'s API: its name and a hash of its secret (the secret itself is never stored)."""
+
+    __tablename__ = "api_keys"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)  # the name given at `layerbus keys api new`
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex of the key
+    admin: Mapped[int] = mapped_column(Integer)  # 1: sees every key's files and batches
+    created_at: Mapped[datetime]
+    revoked_at: Mapped[datetime | None]  # set by `layerbus keys api revoke`; the key is refused from then on
+
+
+class ApiFileRow(Base):
+    """One file of the OpenAI Files API: an uploaded batch input, or a finished batch's output or error file.
+
+    The bytes live in a file of the server's files folder (`path`), never in the database.
+    """
+
+    __tablename__ = "api_files"
+    # Listing "this key's files, newest first" reads this index.
+    __table_args__ = (Index("api_files_owner_created_at", "owner", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)  # "file-" + 24 hex digits
+    owner: Mapped[str] = mapped_column(String(64))  # the API key's name that created it; "" without keys
+    filename: Mapped[str]  # the name the upload gave (no folders), or the output file's name
+    purpose: Mapped[str] = mapped_column(String(32))  # batch, batch_output
+    bytes: Mapped[int] = mapped_column(BigInteger)  # size in bytes
+    lines: Mapped[int] = mapped_column(BigInteger)  # JSON Lines in it
+    path: Mapped[str]  # where its bytes are, on the server's machine
+    created_at: Mapped[datetime]
+
+
+class ApiBatchRow(Base):
+    """One batch of the OpenAI Batch API. Once its input passed validation it is a layerbus job (`job_id`), and
+    its state and counts are read from that job; the rows here hold what the job does not."""
+
+    __tablename__ = "api_batches"
+    __table_args__ = (Index("api_batches_owner_created_at", "owner", "created_at"),
+                      Index("api_batches_status", "status"))
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)  # "batch_" + 24 hex digits
+    owner: Mapped[str] = mapped_column(String(64))  # the API key's name that created it; "" without keys
+    input_file_id: Mapped[str] = mapped_column(String(40))
+    endpoint: Mapped[str]  # /v1/chat/completions or /v1/completions
+    completion_window: Mapped[str] = mapped_column(String(16))  # as given, e.g. "24h"
+    metadata_json: Mapped[str]  # the user's metadata object as JSON text ("{}" when none)
+    # validating, submitted (the job's state is the batch's), failed (its input was refused), or once its files
+    # are written: completed, failed, cancelled, expired
+    status: Mapped[str] = mapped_column(String(16))
+    job_id: Mapped[str | None] = mapped_column(String(32))  # the job its items run as, once validated
+    errors_json: Mapped[str | None]  # OpenAI's errors.data list as JSON text, when validation failed
+    output_file_id: Mapped[str | None] = mapped_column(String(40))
+    error_file_id: Mapped[str | None] = mapped_column(String(40))
+    created_at: Mapped[datetime]
+    expires_at: Mapped[datetime]  # created_at + the completion window: items not done by then expire
+    cancelling_at: Mapped[datetime | None]  # a cancel was asked for
+    expired_at: Mapped[datetime | None]  # the window ran out before the job finished
+    finished_at: Mapped[datetime | None]  # its final status was reached (files written, or validation failed)
+
+
 jobs = Job.__table__
 items = Item.__table__
 item_counts = ItemCountRow.__table__
@@ -290,3 +351,6 @@ stage_snapshots = StageSnapshotRow.__table__
 job_workers = JobWorkerRow.__table__
 eval_runs = EvalRunRow.__table__
 eval_metrics = EvalMetricRow.__table__
+api_keys = ApiKeyRow.__table__
+api_files = ApiFileRow.__table__
+api_batches = ApiBatchRow.__table__

@@ -93,6 +93,11 @@ class JobStore:
             raise
         return cls(engine, url)
 
+    @property
+    def db(self) -> StoreDb:
+        """The database the store's parts share, for the API server's own part (storage/api_store.py)."""
+        return self._db
+
     def close(self) -> None:
         self._db.engine.dispose()
 

@@ -26,6 +26,9 @@ directories through `models`):
   evals    wire, models, storage, broker, jobs
                                           eval tasks, encodings, metrics and comparisons; evals run as
                                           jobs, so they sit above them
+  serve    wire, models, storage, jobs, evals
+                                          `layerbus serve`: OpenAI's Files and Batch API and the dashboard over
+                                          the store; batches are jobs, so it sits above jobs and evals
   cli      all of them                    the `layerbus` command wires everything together
 
 Optional extras (`OPTIONAL_THIRD_PARTY`): `lm_eval` (the `lm-eval` extra) is imported only by
@@ -65,7 +68,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "jobs": ("wire", "models", "planner", "storage", "broker"),
     "launch": ("wire", "models", "planner", "stages", "storage", "broker", "jobs"),
     "evals": ("wire", "models", "planner", "storage", "broker", "jobs", "launch"),
-    "cli": ("wire", "models", "planner", "stages", "storage", "broker", "jobs", "launch", "evals"),
+    "serve": ("wire", "models", "planner", "storage", "jobs", "evals"),
+    "cli": ("wire", "models", "planner", "stages", "storage", "broker", "jobs", "launch", "evals", "serve"),
 }
 # Third-party imports a package must not make anywhere (module-level or not).
 BANNED_THIRD_PARTY = {"wire": ("transformers",)}
