@@ -187,11 +187,15 @@ class Replanner:
         it is dropped with an event, and the chain goes on as it was."""
         stage = getattr(error, "stage", None)
         names = ", ".join(s.name for s in joined)
-        if isinstance(stage, StageInfo) and stage.state.alive and not isinstance(error, StageLost):
+        lost = isinstance(error, StageLost)
+        said = False  # a stage that died or fell silent while measured is a lost stage, said as every one is
+        if isinstance(stage, StageInfo) and stage.state.alive and not lost:
             stage.state, stage.error = StageState.FAILED, str(error)  # answered, but cannot serve
-        elif isinstance(stage, StageInfo) and stage.state.alive:  # not dropped already (check_spares)
+        elif isinstance(stage, StageInfo) and stage.state.alive:  # not dropped and said already (check_spares)
             self.drop(stage)
-        report("joined", f"{names} registered mid-job but could not be measured ({error}): left out, the job goes on",
+            said = True
+        report("stage_lost" if said else "joined",
+               f"{names} registered mid-job but could not be measured ({error}): left out, the job goes on",
                **({"stage": stage.name} if isinstance(stage, StageInfo) else {}))
 
     def load(self, placement: Placement, blamed: StageInfo | None) -> Placement:
