@@ -117,7 +117,8 @@ def test_kill_9_of_the_broker_then_resume_gives_the_unfaulted_outputs(tmp_path, 
     with JobStore.open(db) as store:
         # The killed run and the resumed one each record where the layers went and the links their stages
         # timed; the second one said that the first broker's process is gone, resumed, and at its end recorded
-        # what its prefix cache did and its plan's prediction against what it measured (the killed run never
-        # reached its end).
+        # what its prefix cache did, its drafting figures (speculation is on by default) and its plan's prediction
+        # against what it measured (the killed run never reached its end).
         assert [event.kind for event in store.job_events(job_id)] == ["placed", "links", "worker_lost", "resumed",
-                                                                     "placed", "links", "prefix_cache", "predicted"]
+                                                                     "placed", "links", "prefix_cache", "speculation",
+                                                                     "predicted"]
