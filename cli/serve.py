@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import sys
 from pathlib import Path
 
@@ -44,15 +43,6 @@ def parse_bind(bind: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def is_loopback_host(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def main(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -61,6 +51,7 @@ def main(args: argparse.Namespace) -> int:
     from layerbus.serve.server import Server
     from layerbus.storage import JobStore, default_db_url
     from layerbus.storage.locations import layerbus_home
+    from layerbus.wire.curve import is_loopback_host
 
     host, port = parse_bind(args.bind)
     keys = "optional" if args.insecure else "once_made" if is_loopback_host(host) else "required"

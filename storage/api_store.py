@@ -84,15 +84,9 @@ class ApiStore:
               purpose: str | None = None) -> list[ApiFile]:
         """Up to `limit` files of `owner` (None: everyone's), newest first, those after the file `after`."""
         query = select(*[FILE[name] for name in _FILE_FIELDS])
-        if owner is not None:
-            query = query.where(FILE.owner == owner)
         if purpose is not None:
             query = query.where(FILE.purpose == purpose)
-        with self._db.read() as conn:
-            if after is not None:
-                query = query.where(_before(conn, api_files, FILE, after))
-            rows = conn.execute(query.order_by(FILE.created_at.desc(), FILE.id.desc()).limit(limit)).all()
-        return [ApiFile(*row) for row in rows]
+        return [ApiFile(*row) for row in self._page(query, api_files, FILE, owner, limit, after)]
 
     def delete_file(self, file_id: str) -> None:
         with self._db.write() as conn:
@@ -113,13 +107,17 @@ class ApiStore:
     def batches(self, owner: str | None, limit: int, after: str | None = None) -> list[ApiBatch]:
         """Up to `limit` batches of `owner` (None: everyone's), newest first, those after the batch `after`."""
         query = select(*[BATCH[name] for name in _BATCH_FIELDS])
+        return [ApiBatch(*row) for row in self._page(query, api_batches, BATCH, owner, limit, after)]
+
+    def _page(self, query, table, columns, owner: str | None, limit: int, after: str | None) -> list:
+        """`query`'s rows of `owner` (None: everyone's), newest first, up to `limit`, those after the row `after`:
+        one page of OpenAI's list endpoints."""
         if owner is not None:
-            query = query.where(BATCH.owner == owner)
+            query = query.where(columns.owner == owner)
         with self._db.read() as conn:
             if after is not None:
-                query = query.where(_before(conn, api_batches, BATCH, after))
-            rows = conn.execute(query.order_by(BATCH.created_at.desc(), BATCH.id.desc()).limit(limit)).all()
-        return [ApiBatch(*row) for row in rows]
+                query = query.where(_before(conn, table, columns, after))
+            return conn.execute(query.order_by(columns.created_at.desc(), columns.id.desc()).limit(limit)).all()
 
     def open_batches(self) -> list[ApiBatch]:
         """Batches not in a final status, oldest first: what the server's keeper watches."""

@@ -324,7 +324,11 @@ def is_loopback(endpoint: str) -> bool:
         return True
     if scheme != "tcp" or ":" not in rest:
         return False
-    host = rest.rsplit(":", 1)[0].strip("[]")
+    return is_loopback_host(rest.rsplit(":", 1)[0].strip("[]"))
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for a host name or address no other machine can reach: localhost, 127.0.0.0/8, ::1."""
     if host == "localhost":
         return True
     try:
